@@ -1,0 +1,39 @@
+"""fedfs — on-device personalized face verification trained by federated learning.
+
+The package is import-light: ``import fedfs_sdk`` loads neither torch nor onnxruntime;
+the names below are resolved on first use, so an app that only verifies with the ONNX
+backend never imports torch.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY: dict[str, str] = {
+    # errors (no heavy deps)
+    "FedFSError": "fedfs_sdk.errors", "InputError": "fedfs_sdk.errors",
+    "ImageDecodeError": "fedfs_sdk.errors", "NoFaceError": "fedfs_sdk.errors",
+    "InsufficientWarmupError": "fedfs_sdk.errors", "EnrollmentError": "fedfs_sdk.errors",
+    "CodeError": "fedfs_sdk.errors", "CheckpointError": "fedfs_sdk.errors",
+    # numpy-only
+    "preprocess": "fedfs_sdk.preprocess", "load_image": "fedfs_sdk.preprocess",
+    "make_codeword": "fedfs_sdk.codes", "get_code": "fedfs_sdk.codes",
+    "Enrollment": "fedfs_sdk.enrollment", "enroll": "fedfs_sdk.enrollment",
+    "verify": "fedfs_sdk.enrollment", "save_enrollment": "fedfs_sdk.enrollment",
+    "load_enrollment": "fedfs_sdk.enrollment", "warmup_threshold": "fedfs_sdk.enrollment",
+    # torch
+    "ModelConfig": "fedfs_sdk.model", "FaceNet": "fedfs_sdk.model", "VerifierNet": "fedfs_sdk.model",
+    "TrainConfig": "fedfs_sdk.trainer", "LocalTrainer": "fedfs_sdk.trainer",
+    "TorchBackend": "fedfs_sdk.inference",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fedfs_sdk' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,86 @@
+"""MobileFaceNet (Chen et al., 2018) at 112×112 with ORT-trainable norm/activation.
+
+Depthwise-separable inverted bottlenecks, a global depthwise convolution (GDC) head and a
+linear embedding of 128 or 512 dimensions. BatchNorm is replaced by :class:`GroupNormP`
+and PReLU by :class:`PReLUP` (see ``layers.py`` and ``docs/methods.md`` for why).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .layers import GroupNormP, PReLUP, norm_groups
+
+# (expansion t, output channels c, repeats n, first stride s), the paper's Table 1.
+_SETTINGS: tuple[tuple[int, int, int, int], ...] = (
+    (2, 64, 5, 2),
+    (4, 128, 1, 2),
+    (2, 128, 6, 1),
+    (4, 128, 1, 2),
+    (2, 128, 2, 1),
+)
+
+
+class ConvNormAct(nn.Sequential):
+    def __init__(self, cin: int, cout: int, k: int, s: int, groups: int = 1, act: bool = True,
+                 gn_groups: int = 8) -> None:
+        layers: list[nn.Module] = [
+            nn.Conv2d(cin, cout, k, s, k // 2 if k > 1 else 0, groups=groups, bias=False),
+            GroupNormP(norm_groups(cout, gn_groups), cout),
+        ]
+        if act:
+            layers.append(PReLUP(cout))
+        super().__init__(*layers)
+
+
+class Bottleneck(nn.Module):
+    """Inverted residual: 1×1 expand → 3×3 depthwise (stride s) → 1×1 linear projection."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expansion: int, gn_groups: int) -> None:
+        super().__init__()
+        hidden = cin * expansion
+        self.residual = stride == 1 and cin == cout
+        self.block = nn.Sequential(
+            ConvNormAct(cin, hidden, 1, 1, gn_groups=gn_groups),
+            ConvNormAct(hidden, hidden, 3, stride, groups=hidden, gn_groups=gn_groups),
+            ConvNormAct(hidden, cout, 1, 1, act=False, gn_groups=gn_groups),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return x + y if self.residual else y
+
+
+class MobileFaceNet(nn.Module):
+    """MobileFaceNet backbone: ``x [B,3,112,112]`` → embedding ``[B, embedding_dim]``."""
+
+    name = "mobilefacenet"
+
+    def __init__(self, embedding_dim: int = 128, input_size: int = 112, gn_groups: int = 8) -> None:
+        super().__init__()
+        if input_size % 16 != 0:
+            raise ValueError(f"MobileFaceNet input_size must be a multiple of 16, got {input_size}")
+        self.input_size = input_size
+        self.embedding_dim = embedding_dim
+        layers: list[nn.Module] = [
+            ConvNormAct(3, 64, 3, 2, gn_groups=gn_groups),
+            ConvNormAct(64, 64, 3, 1, groups=64, gn_groups=gn_groups),
+        ]
+        cin = 64
+        for t, c, n, s in _SETTINGS:
+            for i in range(n):
+                layers.append(Bottleneck(cin, c, s if i == 0 else 1, t, gn_groups))
+                cin = c
+        layers.append(ConvNormAct(cin, 512, 1, 1, gn_groups=gn_groups))
+        self.features = nn.Sequential(*layers)
+        k = input_size // 16
+        # GDC: a k×k depthwise conv with no activation replaces global average pooling.
+        self.gdc = ConvNormAct(512, 512, k, 1, groups=512, act=False, gn_groups=gn_groups)
+        self.gdc[0].padding = (0, 0)
+        self.embed = nn.Conv2d(512, embedding_dim, 1, bias=False)
+        self.embed_norm = GroupNormP(1, embedding_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.gdc(self.features(x))
+        x = self.embed(x).flatten(1)
+        return self.embed_norm(x)

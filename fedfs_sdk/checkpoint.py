@@ -1,0 +1,83 @@
+"""Model checkpoints as safetensors files with the architecture in the header.
+
+No pickle anywhere: the weights are safetensors, the config is JSON in the metadata, so a
+checkpoint from an untrusted source cannot run code when loaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .errors import CheckpointError
+from .model import FaceNet, ModelConfig
+
+FORMAT = "fedfs-checkpoint/1"
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file + ``os.replace`` (never a half file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, config: ModelConfig,
+                    meta: dict[str, Any] | None = None) -> None:
+    """Save ``model``'s state dict with ``config`` (and JSON-able ``meta``) atomically."""
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
+    header = {"format": FORMAT, "model_config": config.to_json(), "meta": json.dumps(meta or {})}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=header)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
+    """Return ``(state_dict, config, meta)``; :class:`CheckpointError` if unusable."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"checkpoint not found: {p}")
+    try:
+        from safetensors import safe_open
+        with safe_open(str(p), framework="pt") as f:
+            header = f.metadata() or {}
+        state = load_file(str(p))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"not a readable safetensors checkpoint: {p} ({e})") from e
+    if header.get("format") != FORMAT:
+        raise CheckpointError(f"{p} is not a fedfs checkpoint (format={header.get('format')!r})")
+    config = ModelConfig.from_json(header["model_config"])
+    return state, config, json.loads(header.get("meta", "{}"))
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> tuple[FaceNet, dict[str, Any]]:
+    """Build the :class:`FaceNet` described in the checkpoint and load its weights."""
+    state, config, meta = read_checkpoint(path)
+    model = FaceNet(config)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {path} does not match its own architecture: {e}") from e
+    return model.eval(), meta

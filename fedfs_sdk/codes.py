@@ -1,0 +1,135 @@
+"""FedUV secret codewords from BCH codes (FedUV §4, Alg. 2 "Codeword Selection").
+
+The server assigns each user a unique base vector ``b_u`` (``l_b = 32`` bits); the device
+draws ``r_u`` (the remaining ``k − 32`` message bits) at random and computes
+``v_u = C(b_u ‖ r_u)`` mapped to ``{−1, +1}^c``. Distinct ``b_u`` give distinct messages,
+and a linear code maps distinct messages to codewords at Hamming distance ≥ ``d_min``.
+
+The codes of FedUV Table 1 — (127, 64) d_min 21, (255, 71) d_min 59, (511, 67) d_min 175 —
+come from :mod:`galois`. Building them takes seconds, so the systematic generator matrix is
+cached in memory and on disk (``$FEDFS_CACHE_DIR`` or ``~/.cache/fedfs``); encoding is then
+one GF(2) matrix product in numpy, which is also all a phone needs.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CodeError, InputError
+
+BASE_BITS = 32
+"""``l_b``: length of the server-assigned base vector (FedUV §6, "we set l_b = 32")."""
+
+KNOWN_CODES: dict[int, int] = {127: 64, 255: 71, 511: 67}
+"""Code length ``c`` → message length ``k`` (FedUV Table 1: smallest BCH k ≥ 64)."""
+
+DESIGN_DISTANCE: dict[int, int] = {127: 21, 255: 59, 511: 175}
+"""Minimum distance ``d_min`` of each code in FedUV Table 1."""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("FEDFS_CACHE_DIR", Path.home() / ".cache" / "fedfs"))
+
+
+@dataclass(frozen=True)
+class BCHCode:
+    """A binary BCH code with its systematic generator matrix ``G`` (k × n, uint8)."""
+
+    n: int
+    k: int
+    d_min: int
+    generator: np.ndarray
+
+    def encode(self, message: np.ndarray) -> np.ndarray:
+        """Encode ``message`` bits (``[k]`` or ``[B, k]``, 0/1) to codeword bits (0/1)."""
+        m = np.asarray(message)
+        if m.shape[-1] != self.k:
+            raise InputError(f"message must have {self.k} bits for BCH({self.n},{self.k}), got shape {m.shape}")
+        if not np.isin(m, (0, 1)).all():
+            raise InputError("message bits must be 0 or 1")
+        return (m.astype(np.int64) @ self.generator.astype(np.int64)) % 2
+
+
+def _build_with_galois(n: int, k: int) -> tuple[np.ndarray, int]:
+    import galois  # slow import and construction: only on a cache miss
+
+    code = galois.BCH(n, k)
+    return np.asarray(code.G, dtype=np.uint8), int(code.d)
+
+
+@functools.lru_cache(maxsize=None)
+def get_code(n: int) -> BCHCode:
+    """The BCH code of length ``n`` ∈ {127, 255, 511} from FedUV Table 1."""
+    if n not in KNOWN_CODES:
+        raise CodeError(f"no BCH code of length {n}; FedUV Table 1 provides lengths {sorted(KNOWN_CODES)}")
+    k = KNOWN_CODES[n]
+    path = _cache_dir() / f"bch_{n}_{k}.npz"
+    if path.is_file():
+        try:
+            data = np.load(path)
+            g, d = data["G"].astype(np.uint8), int(data["d"])
+            if g.shape == (k, n):
+                return BCHCode(n, k, d, g)
+        except (OSError, ValueError, KeyError):
+            pass  # a corrupt cache is rebuilt below
+    g, d = _build_with_galois(n, k)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
+        np.savez(tmp, G=g, d=d)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # read-only home: the in-memory cache still applies
+    return BCHCode(n, k, d, g)
+
+
+def bits_from_int(value: int, nbits: int = BASE_BITS) -> np.ndarray:
+    """Big-endian bits of a non-negative integer (the server sends ``b_u`` as an int)."""
+    if not 0 <= value < (1 << nbits):
+        raise InputError(f"base vector {value} does not fit in {nbits} bits")
+    return np.array([(value >> (nbits - 1 - i)) & 1 for i in range(nbits)], dtype=np.uint8)
+
+
+def random_bits(nbits: int, rng: np.random.Generator | None = None) -> np.ndarray:
+    """``r_u``: device-random bits. Uses the OS CSPRNG unless a seeded ``rng`` is given
+    (simulation only — a real device must keep ``r_u`` unpredictable)."""
+    if rng is None:
+        raw = secrets.token_bytes((nbits + 7) // 8)
+        return np.unpackbits(np.frombuffer(raw, dtype=np.uint8))[:nbits].astype(np.uint8)
+    return rng.integers(0, 2, size=nbits, dtype=np.uint8)
+
+
+def to_pm1(bits: np.ndarray) -> np.ndarray:
+    """Map codeword bits {0,1} to FedUV's ``v ∈ {−1, +1}^c`` (0 → +1, 1 → −1)."""
+    return (1 - 2 * np.asarray(bits, dtype=np.int8)).astype(np.int8)
+
+
+def make_codeword(base: int | np.ndarray, code_length: int = 127,
+                  r_bits: np.ndarray | None = None, rng: np.random.Generator | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``v_u = C(b_u ‖ r_u)`` as ±1 (FedUV Alg. 2). Returns ``(v_u, r_u)``.
+
+    ``base`` is ``b_u`` as an int or 32 bits; ``r_bits`` the device's random bits (drawn
+    here when None). Both results are device secrets.
+    """
+    code = get_code(code_length)
+    b = bits_from_int(int(base)) if np.isscalar(base) else np.asarray(base, dtype=np.uint8)
+    if b.shape != (BASE_BITS,):
+        raise InputError(f"base vector must have {BASE_BITS} bits, got shape {b.shape}")
+    nr = code.k - BASE_BITS
+    r = random_bits(nr, rng) if r_bits is None else np.asarray(r_bits, dtype=np.uint8)
+    if r.shape != (nr,):
+        raise InputError(f"r_u must have {nr} bits for BCH({code.n},{code.k}), got shape {r.shape}")
+    return to_pm1(code.encode(np.concatenate([b, r]))), r
+
+
+def random_codewords(count: int, code_length: int, rng: np.random.Generator) -> np.ndarray:
+    """``count`` codewords of uniformly random messages (±1, ``[count, c]``)."""
+    code = get_code(code_length)
+    msgs = rng.integers(0, 2, size=(count, code.k), dtype=np.uint8)
+    return to_pm1(code.encode(msgs))

@@ -1,0 +1,145 @@
+"""Models built on a backbone: the FedFS projection, the FedUV head, and their wiring.
+
+``FaceNet`` is what a device trains and what the server averages (``w_c``): a backbone
+``ϕ`` whose output is ``r'`` (FedFS Eq. 8 notation), an optional FedFS projection (the
+"extra linear layer", ``r' → r``) and an optional FedUV head ``σ(W g_θ(x))``.
+``VerifierNet`` is what verifies on a phone: an embedding network and, for FedUV, the head.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from .backbones import DEFAULTS, get_backbone
+from .backbones.layers import l2_normalize
+from .errors import InputError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a :class:`FaceNet`; stored inside every checkpoint.
+
+    Attributes:
+        backbone: ``mobilefacenet`` | ``feduv_cnn`` | ``tiny``.
+        embedding_dim: backbone output (``r'``/``q'``/``g_θ(x)``) size; backbone default if None.
+        input_size: square input side in pixels; backbone default if None.
+        proj_dim: FedFS extra linear layer output (``r``/``q``) size; no projection if None.
+        code_length: FedUV code length ``c`` (head ``W`` is ``c × embedding_dim``); no head if None.
+        width: backbone width multiplier where the backbone has one (tiny, feduv_cnn).
+    """
+
+    backbone: str = "tiny"
+    embedding_dim: int | None = None
+    input_size: int | None = None
+    proj_dim: int | None = None
+    code_length: int | None = None
+    width: int | None = None
+
+    def resolved(self) -> "ModelConfig":
+        d = DEFAULTS.get(self.backbone)
+        if d is None:
+            raise InputError(f"unknown backbone {self.backbone!r}; known: {sorted(DEFAULTS)}")
+        emb = self.embedding_dim or d["embedding_dim"]
+        if self.backbone == "feduv_cnn" and self.width and not self.embedding_dim:
+            emb = 16 * self.width
+        return replace(self, embedding_dim=emb, input_size=self.input_size or d["input_size"])
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelConfig":
+        data = json.loads(text)
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InputError(f"unknown ModelConfig fields {sorted(unknown)}")
+        return cls(**data)
+
+
+def scale_to_sqrt_c(z: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """FedUV's σ: scale each row of ``z`` to norm ``√c`` (``c`` = last dim)."""
+    c = z.shape[-1]
+    return l2_normalize(z, dim=-1, eps=eps) * math.sqrt(c)
+
+
+class FedUVHead(nn.Module):
+    """FedUV head: ``σ(W g)`` with ``W ∈ R^{c×d}`` (FedUV Fig. 1, Table 2 FC + Scaling)."""
+
+    def __init__(self, embedding_dim: int, code_length: int) -> None:
+        super().__init__()
+        self.code_length = code_length
+        self.weight = nn.Parameter(torch.empty(code_length, embedding_dim))
+        nn.init.normal_(self.weight, std=1.0 / math.sqrt(embedding_dim))
+
+    def forward(self, g: torch.Tensor) -> torch.Tensor:
+        return scale_to_sqrt_c(g @ self.weight.t())
+
+
+class FaceOutputs(NamedTuple):
+    """Per-image outputs. ``embedding`` = ``r'`` (or ``q'``), ``projection`` = ``r`` (or ``q``),
+    ``uv`` = ``σ(W g_θ(x))``. Absent parts are ``None``."""
+
+    embedding: torch.Tensor
+    projection: torch.Tensor | None
+    uv: torch.Tensor | None
+
+
+class FaceNet(nn.Module):
+    """Backbone + optional FedFS projection + optional FedUV head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        cfg = config.resolved()
+        self.config = cfg
+        kw: dict[str, Any] = {"embedding_dim": cfg.embedding_dim, "input_size": cfg.input_size}
+        if cfg.width is not None:
+            kw["width"] = cfg.width
+        self.backbone = get_backbone(cfg.backbone, **kw)
+        self.proj = nn.Linear(cfg.embedding_dim, cfg.proj_dim, bias=False) if cfg.proj_dim else None
+        self.uv_head = FedUVHead(cfg.embedding_dim, cfg.code_length) if cfg.code_length else None
+
+    @property
+    def input_size(self) -> int:
+        return int(self.config.input_size)
+
+    def forward(self, x: torch.Tensor) -> FaceOutputs:
+        e = self.backbone(x)
+        return FaceOutputs(
+            embedding=e,
+            projection=self.proj(e) if self.proj is not None else None,
+            uv=self.uv_head(e) if self.uv_head is not None else None,
+        )
+
+
+class VerifierNet(nn.Module):
+    """What verifies on the device: an embedding backbone and, for FedUV, the head.
+
+    ``forward`` returns ``(embedding,)`` or ``(embedding, uv)``; this is the graph that
+    ``export`` writes to ONNX / Core ML.
+    """
+
+    def __init__(self, backbone: nn.Module, uv_head: FedUVHead | None = None) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.uv_head = uv_head
+
+    @property
+    def input_size(self) -> int:
+        return int(self.backbone.input_size)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        e = self.backbone(x)
+        if self.uv_head is None:
+            return (e,)
+        return (e, self.uv_head(e))
+
+
+def personal_config(global_config: ModelConfig) -> ModelConfig:
+    """The personalized model ``ϕ(θ_c)``: same backbone and projection, no FedUV head
+    (``W`` is global and shared, FedFS+FedUV uses the global ``W`` on ``q'``)."""
+    return replace(global_config, code_length=None)
