@@ -16,25 +16,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointError
+from .fileio import atomic_write_bytes  # noqa: F401  (re-exported)
 from .model import FaceNet, ModelConfig
 
 FORMAT = "fedfs-checkpoint/1"
-
-
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file + ``os.replace`` (never a half file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, config: ModelConfig,
@@ -81,3 +66,42 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[FaceNet, dict[str, An
     except RuntimeError as e:
         raise CheckpointError(f"checkpoint {path} does not match its own architecture: {e}") from e
     return model.eval(), meta
+
+
+def model_id_of(state: dict[str, torch.Tensor]) -> str:
+    """Content hash of a set of weights: enrollments and thresholds are bound to it."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().to("cpu").contiguous()
+        h.update(k.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def save_verifier(path: str | os.PathLike[str], backbone: torch.nn.Module, config: ModelConfig,
+                  uv_head: torch.nn.Module | None = None, meta: dict[str, Any] | None = None) -> str:
+    """Save what verifies on the device — the (personalized) backbone and, for FedUV, the
+    global head ``W`` — as a FaceNet checkpoint without projection. Returns its model id."""
+    from dataclasses import replace
+
+    vcfg = replace(config.resolved(), proj_dim=None, code_length=config.code_length if uv_head is not None else None)
+    model = FaceNet(vcfg)
+    model.backbone.load_state_dict(backbone.state_dict())
+    if uv_head is not None:
+        model.uv_head.load_state_dict(uv_head.state_dict())
+    mid = model_id_of(model.state_dict())
+    save_checkpoint(path, model, vcfg, {**(meta or {}), "role": "verifier", "model_id": mid})
+    return mid
+
+
+def load_verifier(path: str | os.PathLike[str]):
+    """``(VerifierNet, model_id)`` from any fedfs checkpoint (projection layers are unused)."""
+    from .model import VerifierNet
+
+    model, meta = load_checkpoint(path)
+    mid = meta.get("model_id") or model_id_of({k: v for k, v in model.state_dict().items()
+                                               if not k.startswith("proj.")})
+    return VerifierNet(model.backbone, model.uv_head).eval(), mid
