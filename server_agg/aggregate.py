@@ -23,6 +23,9 @@ from fedfs_sdk.errors import InputError
 
 Weights = dict[str, torch.Tensor]
 
+_STACK_CHUNK = 1 << 25
+"""Largest float64 temporary (elements, 256 MiB) :func:`fedavg_stacked` makes per step."""
+
 __all__ = ["StreamingFedAvg", "fedavg", "fedavg_stacked", "check_num_samples"]
 
 
@@ -108,8 +111,8 @@ class StreamingFedAvg:
         else:
             self.check(weights)
         for k, s in self._sums.items():
-            # alpha=n keeps one temporary of one tensor's size, not of the model's.
-            s.add_(weights[k].detach().to(device=s.device, dtype=torch.float64), alpha=n)
+            # In-place add with type promotion: computed in float64, no float64 copy of w_c.
+            s.add_(weights[k].detach().to(device=s.device), alpha=n)
         self.count += 1
         self.total_samples += n
 
@@ -174,7 +177,13 @@ def fedavg_stacked(stacked: Mapping[str, torch.Tensor], num_samples: torch.Tenso
         if w is None:
             nd = n.to(device=t.device, dtype=torch.float64)
             w = w_cache[t.device] = nd / nd.sum()
-        avg = torch.tensordot(w, t.detach().to(torch.float64), dims=1)
+        # float64 in slices of clients: the temporary copy stays ≤ _STACK_CHUNK elements
+        # however large K × model is (10k clients on one GPU).
+        per_client = max(1, t[0].numel())
+        step = max(1, _STACK_CHUNK // per_client)
+        avg = torch.zeros(t.shape[1:], dtype=torch.float64, device=t.device)
+        for i in range(0, k_clients, step):
+            avg += torch.tensordot(w[i:i + step], t[i:i + step].detach().to(torch.float64), dims=1)
         dtype = reference[k].dtype if reference is not None else t.dtype
         out[k] = _cast_back(avg, dtype)
     return out

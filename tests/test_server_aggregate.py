@@ -101,6 +101,18 @@ def test_stacked_equals_streaming():
         torch.testing.assert_close(out[key], ref[key], rtol=0, atol=1e-6)
 
 
+def test_stacked_in_client_slices_matches_one_reduction(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    stacked = {"w": torch.randn(7, 5, generator=g)}
+    n = torch.tensor([3, 1, 4, 1, 5, 9, 2])
+    whole = fedavg_stacked(stacked, n)
+    monkeypatch.setattr("server_agg.aggregate._STACK_CHUNK", 10)      # 2 clients per slice
+    sliced = fedavg_stacked(stacked, n)
+    torch.testing.assert_close(sliced["w"], whole["w"], rtol=0, atol=1e-7)
+    expected = (n.double()[:, None] * stacked["w"].double()).sum(0) / n.sum()
+    torch.testing.assert_close(sliced["w"], expected.float(), rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("n, msg", [
     (torch.tensor([1, 0]), "> 0"),
     (torch.tensor([1.5, 2.0]), "integers"),

@@ -1,0 +1,64 @@
+"""``fedfs device``: run one device against an aggregation server.
+
+    fedfs device --server http://127.0.0.1:8080 --images ./me --state ./device --rounds 5 --enroll
+
+The first run registers and creates the device state (token, ``b_u``, ``r_u``,
+codeword, θ_c, enrollment); later runs reuse it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8080")
+    p.add_argument("--images", required=True, type=Path, help="folder of the device owner's images")
+    p.add_argument("--state", required=True, type=Path, help="device-state directory (created on first run, 0700)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds to take part in (0: until the server is done; default 1)")
+    p.add_argument("--xi", type=Path, metavar="CKPT", help="frozen ξ for FedFS methods (default: download the server's)")
+    p.add_argument("--device", default="cpu", help="torch device for local training (cpu, cuda)")
+    p.add_argument("--wait-timeout", type=float, default=3600.0, help="give up after this many seconds without a task")
+    p.add_argument("--registration-token", default=os.environ.get("FEDFS_REGISTRATION_TOKEN"),
+                   help="token the server requires for registration (default $FEDFS_REGISTRATION_TOKEN)")
+    p.add_argument("--detect-face", action="store_true", help="crop the largest face (OpenCV Haar cascade)")
+    p.add_argument("--enroll", action="store_true", help="after the last round, enroll the owner (writes "
+                   "STATE/verifier.safetensors and the encrypted STATE/enrollment.fedfs)")
+    p.add_argument("--q", type=float, default=0.9, help="enrollment target TPR (default 0.9)")
+    p.add_argument("--key-file", type=Path, help="32-byte enrollment key (default: STATE/enrollment.key, created 0600)")
+    p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what leaves the device)")
+    p.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout per request (s)")
+
+
+def _printer(name: str, fields: dict[str, Any]) -> None:
+    parts = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+    print(f"[device] {name} {parts}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..client import DeviceAgent, DeviceConfig, ServerClient
+    from ..device_state import DeviceState
+    from ..preprocess import list_images
+
+    images = [str(p) for p in list_images(args.images)]
+    key = None
+    if args.key_file is not None:
+        from .common import read_key
+        key = read_key(str(args.key_file), create=True)
+    config = DeviceConfig(rounds=args.rounds, device=args.device, xi_path=args.xi, wait_timeout_s=args.wait_timeout,
+                          detect_face=args.detect_face, enroll=args.enroll, q=args.q, enrollment_key=key,
+                          registration_token=args.registration_token)
+    def on_retry(why: str, delay: float) -> None:
+        print(f"[device] retrying in {delay:.1f} s: {why}", file=sys.stderr, flush=True)
+
+    with DeviceState(args.state) as state, ServerClient(args.server, timeout=args.timeout, audit_dir=args.audit_dir,
+                                                        on_retry=on_retry) as client:
+        report = DeviceAgent(client, state, images, config, on_event=_printer).run()
+    print(f"took part in {len(report.rounds)} round(s)"
+          + (f", lost {len(report.lost_rounds)}" if report.lost_rounds else "")
+          + (", server finished" if report.finished_by_server else "")
+          + (f", enrolled (τ={report.enrollment.threshold:.4f})" if report.enrollment is not None else ""))
+    return 0

@@ -1,0 +1,325 @@
+"""The HTTP face of the aggregation server (FastAPI). Routes are thin: authenticate, read a
+bounded body, call the :class:`~server_agg.rounds.Coordinator`, map its errors to 4xx.
+
+The OpenAPI document is FastAPI's (``/openapi.json``, ``/docs``); ``docs/protocol.md``
+describes the protocol in prose.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import hashlib
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import Body, FastAPI, Path, Request, Security
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fedfs_sdk.wire import MEDIA_TYPE
+
+from .errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Unauthorized, UnsupportedMediaType
+from .rounds import Coordinator
+
+log = logging.getLogger("fedfs.server.http")
+
+API_VERSION = "1"
+HEADER_SLACK_BYTES = 1 << 20
+"""An update may exceed the model's tensor bytes by at most this (its safetensors header)."""
+
+
+# ---- response schemas (for the OpenAPI document) ----------------------------------------
+
+class ErrorBody(BaseModel):
+    error: str
+    reason: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    model_version: int | None
+    round_id: int | None
+
+
+class Registration(BaseModel):
+    device_id: str
+    token: str
+    base_vector: int
+    base_bits: int
+
+
+class Task(BaseModel, extra="allow"):
+    """``action`` is ``train`` (with the round's task fields), ``wait`` or ``done``."""
+
+    action: Literal["train", "wait", "done"]
+    retry_after: float | None = None
+    round_id: int | None = None
+    model_version: int | None = None
+
+
+class Receipt(BaseModel):
+    round_id: int
+    device_id: str
+    num_samples: int
+    sha256: str
+    update_norm: float
+    clipped: bool
+    received_at: float
+    duplicate: bool
+
+
+class RoundStatus(BaseModel):
+    round_id: int
+    state: Literal["open", "closed", "failed"]
+    model_version: int
+    sampled: int
+    accepted: int
+    total_samples: int
+    quorum: int
+    opened_at: float
+    deadline: float
+    closed_at: float | None
+    result_version: int | None
+    reason: str | None
+
+
+class ServerStatus(BaseModel):
+    model_version: int | None
+    rounds_completed: int
+    rounds_target: int
+    devices: int
+    round: RoundStatus | None
+
+
+class ModelInfo(BaseModel):
+    version: int
+    sha256: str
+    config: dict[str, Any]
+    nbytes: int
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The refusals an endpoint documents (all share the ``{error, reason}`` body)."""
+    return {s: {"model": ErrorBody} for s in statuses}
+_BINARY_BODY = {"requestBody": {"required": True, "content": {MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}}
+
+
+# ---- helpers -----------------------------------------------------------------------------
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``limit`` —
+    from ``Content-Length`` before reading, or while streaming (chunked bodies)."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != MEDIA_TYPE:
+        raise UnsupportedMediaType(f"body must be {MEDIA_TYPE} (safetensors), got {ctype or 'none'!r}")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise BadRequest(f"invalid Content-Length {declared!r}", code="bad_content_length")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+        if len(buf) > limit:
+            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
+    return bytes(buf)
+
+
+class _AccessLog:
+    """ASGI middleware: one structured line per request (method, path, status, time)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0, status = time.perf_counter(), {"code": 500}
+
+        async def _send(msg: dict) -> None:
+            if msg["type"] == "http.response.start":
+                status["code"] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, receive, _send)
+        finally:
+            client = scope.get("client") or ("?", 0)
+            log.info("request", extra={"fields": {"method": scope["method"], "path": scope["path"],
+                                                  "status": status["code"], "client": client[0],
+                                                  "ms": round(1000 * (time.perf_counter() - t0), 2)}})
+
+
+# ---- the app -----------------------------------------------------------------------------
+
+def create_app(coord: Coordinator, *, admin_token: str, registration_token: str | None = None,
+               max_body_bytes: int = 256 << 20, tick_interval_s: float = 0.5) -> FastAPI:
+    """Build the FastAPI app around ``coord``. A background task calls ``coord.tick()``
+    every ``tick_interval_s`` (deadlines, automatic rounds)."""
+    admin_digest = hashlib.sha256(admin_token.encode()).digest()
+    reg_digest = hashlib.sha256(registration_token.encode()).digest() if registration_token else None
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.create_task(_ticker())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    async def _ticker() -> None:
+        last = None
+        while True:
+            await asyncio.sleep(tick_interval_s)
+            try:
+                await run_in_threadpool(coord.tick)
+                last = None
+            except ApiError as e:          # e.g. the policy needs more devices: say it once
+                if str(e) != last:
+                    log.warning("automatic round not opened", extra={"fields": {"reason": str(e)}})
+                    last = str(e)
+            except Exception:              # pragma: no cover - keep ticking, but say why
+                log.exception("tick failed")
+
+    app = FastAPI(title="fedfs aggregation server", version=API_VERSION, lifespan=lifespan,
+                  description="FedAvg rounds for FedFS / FedUV devices. Tensors travel as safetensors; "
+                              "see docs/protocol.md.")
+    app.add_middleware(_AccessLog)
+    bearer = HTTPBearer(auto_error=False, description="device token, or the admin token for /v1/admin")
+
+    def _is_admin(token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(hashlib.sha256(token.encode()).digest(), admin_digest)
+
+    def device(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> str:
+        return coord.authenticate(creds.credentials if creds else None)
+
+    def admin(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> str:
+        if creds is None:
+            raise Unauthorized("missing admin token", code="missing_token")
+        if not _is_admin(creds.credentials):
+            raise Unauthorized("invalid admin token", code="invalid_token")
+        return "admin"
+
+    def device_or_admin(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> str:
+        if creds is not None and _is_admin(creds.credentials):
+            return "admin"
+        return device(creds)
+
+    # errors → JSON {error, reason}; never a 5xx for bad input
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
+        if e.status == 413:
+            headers["Connection"] = "close"   # the unread rest of the body is not drained
+        return JSONResponse(e.to_json(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        reason = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors())
+        return JSONResponse({"error": "invalid_request", "reason": reason or "invalid request"}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return JSONResponse({"error": code, "reason": str(e.detail)}, status_code=e.status_code)
+
+    # ---- public ----
+    @app.get("/health", response_model=Health, tags=["service"])
+    def health() -> dict[str, Any]:
+        s = coord.status()
+        return {"status": "ok", "model_version": s["model_version"],
+                "round_id": s["round"]["round_id"] if s["round"] else None}
+
+    @app.post("/v1/devices", status_code=201, response_model=Registration, responses=_errors(401), tags=["devices"])
+    def register(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> dict[str, Any]:
+        """Register a device: id, bearer token (shown once) and its unique FedUV base vector ``b_u``."""
+        if reg_digest is not None:
+            token = creds.credentials if creds else ""
+            if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), reg_digest):
+                raise Unauthorized("registration needs the server's registration token", code="registration_token")
+        return coord.register()
+
+    # ---- devices ----
+    @app.get("/v1/task", response_model=Task, response_model_exclude_none=True, responses=_errors(401), tags=["devices"])
+    def task(device_id: str = Security(device)) -> dict[str, Any]:
+        """What this device should do now: ``train`` (with the round's task), ``wait`` or ``done``."""
+        return coord.task_for(device_id)
+
+    @app.get("/v1/models/latest", response_model=ModelInfo, responses=_errors(401, 404), tags=["models"])
+    def latest_model(_: str = Security(device_or_admin)) -> dict[str, Any]:
+        return coord.model_info()
+
+    @app.get("/v1/models/{version}", responses={200: {"content": {MEDIA_TYPE: {}}}, **_errors(401, 404, 422)}, tags=["models"],
+             response_class=FileResponse)
+    def model_file(version: int = Path(ge=1), _: str = Security(device_or_admin)) -> FileResponse:
+        """A published global version: a fedfs checkpoint in safetensors (``X-FedFS-SHA256`` header)."""
+        path, sha = coord.model_file(version)
+        return FileResponse(path, media_type=MEDIA_TYPE, headers={"X-FedFS-SHA256": sha, "ETag": f'"{sha}"'})
+
+    @app.get("/v1/xi", responses={200: {"content": {MEDIA_TYPE: {}}}, **_errors(401, 404)}, tags=["models"],
+             response_class=FileResponse)
+    def xi(_: str = Security(device_or_admin)) -> FileResponse:
+        """The frozen pre-trained model ξ for FedFS methods (read-only), if the server has one."""
+        sha = coord.xi_sha256()
+        if sha is None or not coord.layout.xi.is_file():
+            raise NotFound("this server serves no ξ; give the device --xi", code="no_xi")
+        return FileResponse(coord.layout.xi, media_type=MEDIA_TYPE, headers={"X-FedFS-SHA256": sha, "ETag": f'"{sha}"'})
+
+    @app.put("/v1/rounds/{round_id}/update", response_model=Receipt,
+             responses=_errors(400, 401, 403, 404, 409, 410, 413, 415, 422), tags=["rounds"],
+             openapi_extra=_BINARY_BODY)
+    async def upload(request: Request, round_id: int = Path(ge=1), device_id: str = Security(device)) -> dict[str, Any]:
+        """Upload ``w_c`` + ``|D_c|`` (a ``fedfs-update/1`` safetensors body). Idempotent:
+        the same body again returns the same receipt with ``duplicate: true``."""
+        model = coord.model
+        limit = max_body_bytes if model is None else min(max_body_bytes, model.nbytes + HEADER_SLACK_BYTES)
+        body = await read_body(request, limit)
+        return await run_in_threadpool(coord.submit_update, device_id, round_id, body)
+
+    @app.get("/v1/rounds/current", response_model=ServerStatus, responses=_errors(401), tags=["rounds"])
+    def current_round(_: str = Security(device_or_admin)) -> dict[str, Any]:
+        return coord.status()
+
+    @app.get("/v1/rounds/{round_id}", response_model=RoundStatus, responses=_errors(401, 404, 422), tags=["rounds"])
+    def round_status(round_id: int = Path(ge=1), _: str = Security(device_or_admin)) -> dict[str, Any]:
+        return coord.round_status(round_id)
+
+    # ---- admin ----
+    @app.get("/v1/admin/config", tags=["admin"], responses=_errors(401))
+    def get_config(_: str = Security(admin)) -> dict[str, Any]:
+        return coord.policy.to_json()
+
+    @app.put("/v1/admin/config", tags=["admin"], responses=_errors(401, 422))
+    def put_config(changes: dict[str, Any] = Body(...), _: str = Security(admin)) -> dict[str, Any]:
+        """Change round-policy settings (partial object); applies from the next round."""
+        return coord.set_policy(changes)
+
+    @app.post("/v1/admin/model", response_model=ModelInfo, responses=_errors(401, 409, 413, 415, 422), tags=["admin"],
+              openapi_extra=_BINARY_BODY)
+    async def install_model(request: Request, _: str = Security(admin)) -> dict[str, Any]:
+        """Publish a fedfs checkpoint (safetensors) as the next global version (no round open)."""
+        body = await read_body(request, max_body_bytes)
+        return await run_in_threadpool(coord.install_model, body)
+
+    @app.post("/v1/admin/rounds", status_code=201, response_model=RoundStatus, responses=_errors(401, 409), tags=["admin"])
+    def open_round(_: str = Security(admin)) -> dict[str, Any]:
+        return coord.open_round()
+
+    @app.post("/v1/admin/rounds/{round_id}/close", response_model=RoundStatus,
+              responses=_errors(401, 404, 409, 422), tags=["admin"])
+    def close_round(round_id: int = Path(ge=1), _: str = Security(admin)) -> dict[str, Any]:
+        """Close an open round now: aggregate if it has ``min_updates``, else mark it failed."""
+        return coord.close_round(round_id)
+
+    return app
+
+
+__all__ = ["create_app", "read_body"]

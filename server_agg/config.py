@@ -1,0 +1,121 @@
+"""Round policy: which method the devices train, how many devices a round samples, when
+it closes, how uploads are bounded. Persisted in the server's database as JSON; the admin
+changes it with ``PUT /v1/admin/config`` and the change applies from the next round (an
+open round keeps the snapshot it was opened with).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Mapping
+
+from fedfs_sdk.errors import InputError
+from fedfs_sdk.objective import METHODS, uses_feduv
+
+
+@dataclass(frozen=True)
+class RoundPolicy:
+    """How rounds are run.
+
+    Attributes:
+        method: what devices train: ``feduv`` | ``fedfs`` | ``fedfs+feduv``.
+        train: training settings published in the task (``fedfs_sdk.wire.TRAIN_KEYS``).
+        neg_codewords: FedUV ℓ_neg (Eq. 4): how many random codewords a device draws
+            locally when ``train.objective.lambda_neg > 0`` (no other user's codeword exists
+            on a device).
+        participation: fraction of registered devices sampled per round (FedFS §4.1 uses
+            0.01–0.7), in (0, 1].
+        min_participants: a round opens only when at least this many devices are
+            registered, and samples at least this many.
+        quorum: fraction of the sampled devices whose accepted updates close the round
+            early, in (0, 1].
+        min_updates: at the deadline a round with at least this many updates is
+            aggregated; with fewer it fails and the global model stays as it was.
+        round_timeout_s: seconds from opening to the deadline.
+        rounds: run this many successful rounds automatically (0: the admin opens rounds).
+        max_update_norm: optional bound on ``‖w_c − w‖₂``; larger updates are clipped to it.
+        max_num_samples: largest ``|D_c|`` a device may claim (bounds one device's weight).
+        seed: seeds the participant sampling (round ``t`` uses ``seed`` and ``t``).
+    """
+
+    method: str = "feduv"
+    train: Mapping[str, Any] = field(default_factory=dict)
+    neg_codewords: int = 0
+    participation: float = 1.0
+    min_participants: int = 1
+    quorum: float = 1.0
+    min_updates: int = 1
+    round_timeout_s: float = 600.0
+    rounds: int = 0
+    max_update_norm: float | None = None
+    max_num_samples: int = 1_000_000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InputError(f"unknown method {self.method!r}; choose one of {METHODS}")
+        _check_int("neg_codewords", self.neg_codewords, 0)
+        _check_fraction("participation", self.participation)
+        _check_int("min_participants", self.min_participants, 1)
+        _check_fraction("quorum", self.quorum)
+        _check_int("min_updates", self.min_updates, 1)
+        _check_number("round_timeout_s", self.round_timeout_s, positive=True)
+        _check_int("rounds", self.rounds, 0)
+        if self.max_update_norm is not None:
+            _check_number("max_update_norm", self.max_update_norm, positive=True)
+        _check_int("max_num_samples", self.max_num_samples, 1)
+        _check_int("seed", self.seed, 0)
+        if not isinstance(self.train, Mapping):
+            raise InputError("train must be an object")
+        from fedfs_sdk.wire import train_config_from_json
+        cfg = train_config_from_json(self.method, self.train)  # raises InputError when invalid
+        if cfg.objective.lambda_neg > 0 and uses_feduv(self.method) and self.neg_codewords < 1:
+            raise InputError("train.objective.lambda_neg > 0 needs neg_codewords ≥ 1 (FedUV ℓ_neg)")
+        object.__setattr__(self, "train", json.loads(json.dumps(dict(self.train))))
+
+    def sample_size(self, registered: int) -> int:
+        """How many of ``registered`` devices a round samples: ``max(min, ⌈fraction·N⌉)``, ≤ N."""
+        return min(registered, max(self.min_participants, math.ceil(self.participation * registered)))
+
+    def quorum_count(self, sampled: int) -> int:
+        return max(1, math.ceil(self.quorum * sampled))
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "RoundPolicy":
+        return cls().updated(data)
+
+    def updated(self, changes: Mapping[str, Any]) -> "RoundPolicy":
+        """A copy with ``changes`` applied (unknown keys → :class:`InputError`)."""
+        if not isinstance(changes, Mapping):
+            raise InputError("policy changes must be a JSON object")
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise InputError(f"unknown policy settings {unknown}; known: {sorted(known)}")
+        try:
+            return replace(self, **dict(changes))
+        except TypeError as e:
+            raise InputError(f"invalid policy: {e}") from None
+
+
+def _check_int(name: str, v: Any, minimum: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise InputError(f"{name} must be an integer ≥ {minimum}, got {v!r}")
+
+
+def _check_number(name: str, v: Any, positive: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+        raise InputError(f"{name} must be a finite{' positive' if positive else ''} number, got {v!r}")
+
+
+def _check_fraction(name: str, v: Any) -> None:
+    _check_number(name, v)
+    if not 0 < v <= 1:
+        raise InputError(f"{name} must be in (0, 1], got {v!r}")
+
+
+__all__ = ["RoundPolicy"]

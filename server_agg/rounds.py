@@ -1,0 +1,557 @@
+"""The round state machine of the aggregation server (no HTTP here).
+
+    no round ──open (admin, or automatic with policy.rounds)──▶ open
+    open ──quorum of sampled devices uploaded──▶ closed  (FedAvg → new global version)
+    open ──deadline / admin close, ≥ min_updates──▶ closed
+    open ──deadline / admin close, < min_updates──▶ failed (global model unchanged)
+
+A device registers once and gets an id, a bearer token and a unique FedUV base vector
+``b_u`` (FedUV Alg. 2; 32 random bits, UNIQUE in the database and never reissued). In
+an open round each sampled device downloads the round's global version, trains, and
+uploads ``w_c`` with ``|D_c|``; the running FedAvg sum (``server_agg.aggregate``) is
+updated as each upload is accepted, so closing costs one division.
+
+All mutations happen under one lock; decoding and validating an upload (the expensive,
+untrusted part) happens outside it. Acceptance = the database commit of the update row,
+after its file is durable (see ``store.py``), so a crash never counts an update twice or
+loses an acknowledged one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import random
+import secrets
+import shutil
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+
+from fedfs_sdk.errors import CheckpointError, InputError
+from fedfs_sdk.objective import uses_fedfs, uses_feduv
+from fedfs_sdk.wire import (MODEL_FORMAT, check_finite, check_layout, clip_update, decode_update,
+                            decode_weights, encode_update, encode_weights, model_nbytes, sha256_hex)
+
+from .aggregate import StreamingFedAvg
+from .auth import device_id_of, hash_token, new_device_id, new_device_token, tokens_equal
+from .config import RoundPolicy
+from .errors import BadRequest, Conflict, Forbidden, Gone, NotFound, Unauthorized, Unprocessable
+from .store import Database, Layout, atomic_write, commit_file, write_temp
+
+log = logging.getLogger("fedfs.server")
+
+BASE_BITS = 32
+
+
+@dataclass(frozen=True)
+class GlobalModel:
+    """A published global version held in memory (the reference of the open round)."""
+
+    version: int
+    sha256: str
+    weights: dict[str, torch.Tensor]
+    model_config: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return model_nbytes(self.weights)
+
+
+@dataclass
+class OpenRound:
+    id: int
+    model_version: int
+    task: dict[str, Any]
+    policy: RoundPolicy
+    participants: frozenset[str]
+    quorum: int
+    opened_at: float
+    deadline: float
+    acc: StreamingFedAvg
+    accepted: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _event(msg: str, **fields: Any) -> None:
+    log.info(msg, extra={"fields": fields})
+
+
+class Coordinator:
+    """Devices, rounds and model versions, persisted under ``layout``.
+
+    Args:
+        layout: the state directory.
+        policy_overrides: settings applied over the stored policy at start (CLI flags).
+        keep_updates: keep update files of closed rounds (audit) instead of deleting them.
+        poll_interval_s: the ``retry_after`` hint sent to waiting devices.
+        clock: time source (seconds since the epoch).
+    """
+
+    def __init__(self, layout: Layout, *, policy_overrides: Mapping[str, Any] | None = None,
+                 keep_updates: bool = False, poll_interval_s: float = 2.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        layout.create()
+        self.layout = layout
+        self.keep_updates = keep_updates
+        self.poll_interval_s = poll_interval_s
+        self.clock = clock
+        self._lock = threading.RLock()
+        self.db = Database(layout.db)
+        stored = self.db.get_meta("policy")
+        policy = RoundPolicy.from_json(json.loads(stored)) if stored else RoundPolicy()
+        if policy_overrides:
+            policy = policy.updated(policy_overrides)
+        self.policy = policy
+        self.db.set_meta("policy", json.dumps(policy.to_json()))
+        self.model: GlobalModel | None = None
+        self.round: OpenRound | None = None
+        self._recover()
+
+    # ---- devices -----------------------------------------------------------------------
+
+    def register(self) -> dict[str, Any]:
+        """A new device: id, bearer token (only its hash is stored) and a unique ``b_u``."""
+        with self._lock:
+            for _ in range(64):
+                device_id, base = new_device_id(), secrets.randbits(BASE_BITS)
+                token = new_device_token(device_id)
+                try:
+                    with self.db.transaction() as c:
+                        c.execute("INSERT INTO devices(id, token_hash, base, created_at) VALUES (?, ?, ?, ?)",
+                                  (device_id, hash_token(token), base, self.clock()))
+                except sqlite3.IntegrityError:
+                    continue  # id or b_u already taken: draw again (b_u is never reissued)
+                _event("device registered", device_id=device_id)
+                return {"device_id": device_id, "token": token, "base_vector": base, "base_bits": BASE_BITS}
+        raise Conflict("could not allocate a unique base vector", code="base_space_exhausted")
+
+    def authenticate(self, token: str | None) -> str:
+        """The device id a bearer token belongs to; :class:`Unauthorized` otherwise."""
+        if not token:
+            raise Unauthorized("missing bearer token", code="missing_token")
+        device_id = device_id_of(token)
+        if device_id is None:
+            raise Unauthorized("malformed device token", code="invalid_token")
+        with self._lock:
+            stored = self.db.scalar("SELECT token_hash FROM devices WHERE id = ?", device_id)
+        if stored is None:
+            raise Unauthorized(f"unknown device {device_id}", code="unknown_device")
+        if not tokens_equal(token, stored):
+            raise Unauthorized(f"invalid token for device {device_id}", code="invalid_token")
+        return device_id
+
+    def device_count(self) -> int:
+        with self._lock:
+            return int(self.db.scalar("SELECT COUNT(*) FROM devices"))
+
+    # ---- models ------------------------------------------------------------------------
+
+    def install_model(self, data: bytes) -> dict[str, Any]:
+        """Publish an admin-supplied fedfs checkpoint as the next global version."""
+        from fedfs_sdk.model import FaceNet, ModelConfig
+
+        try:
+            weights, meta = decode_weights(data)
+            if meta.get("format") != MODEL_FORMAT:
+                raise InputError(f"not a fedfs checkpoint (format={meta.get('format')!r})")
+            config = ModelConfig.from_json(meta.get("model_config", "null")).resolved()
+            expected = FaceNet(config).state_dict()
+            check_layout(weights, expected, "model")
+            check_finite(weights, "model")
+        except (InputError, TypeError, ValueError, json.JSONDecodeError) as e:
+            raise Unprocessable(f"model rejected: {e}", code="invalid_model") from None
+        with self._lock:
+            if self.round is not None:
+                raise Conflict(f"round {self.round.id} is open; close it before installing a model",
+                               code="round_open")
+            version = (self.model.version if self.model else 0) + 1
+            self._publish(version, weights, json.loads(config.to_json()), round_id=None, count=0, samples=0)
+        _event("model installed", version=version)
+        return self.model_info()
+
+    def _publish(self, version: int, weights: dict[str, torch.Tensor], model_config: dict[str, Any],
+                 round_id: int | None, count: int, samples: int, reason: str | None = None) -> str:
+        meta = {"version": version, "round_id": round_id, "num_updates": count, "total_samples": samples}
+        data = encode_weights(weights, {"format": MODEL_FORMAT, "model_config": json.dumps(model_config, sort_keys=True),
+                                        "meta": json.dumps(meta)})
+        path = self.layout.model_file(version)
+        atomic_write(path, data)                       # the file first …
+        sha = sha256_hex(data)
+        with self.db.transaction() as c:               # … then the row that makes it visible
+            c.execute("INSERT INTO models(version, file, sha256, round_id, num_updates, total_samples, created_at)"
+                      " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                      (version, path.name, sha, round_id, count, samples, self.clock()))
+            if round_id is not None:
+                c.execute("UPDATE rounds SET state = 'closed', closed_at = ?, result_version = ?, reason = ?"
+                          " WHERE id = ?", (self.clock(), version, reason, round_id))
+        self.model = GlobalModel(version, sha, {k: v.clone() for k, v in weights.items()}, model_config)
+        return sha
+
+    def model_info(self) -> dict[str, Any]:
+        with self._lock:
+            m = self.model
+            if m is None:
+                raise NotFound("no global model yet", code="no_model")
+            return {"version": m.version, "sha256": m.sha256, "config": m.model_config,
+                    "nbytes": m.nbytes}
+
+    def model_file(self, version: int) -> tuple[Path, str]:
+        with self._lock:
+            row = self.db.one("SELECT file, sha256 FROM models WHERE version = ?", version)
+        if row is None:
+            raise NotFound(f"model version {version} does not exist", code="unknown_model_version")
+        return self.layout.models / row["file"], row["sha256"]
+
+    def xi_sha256(self) -> str | None:
+        with self._lock:
+            return self.db.get_meta("xi_sha256")
+
+    def install_xi(self, data: bytes) -> str:
+        """Store the frozen ξ checkpoint that FedFS devices may download (read-only)."""
+        try:
+            _, meta = decode_weights(data)
+        except InputError as e:
+            raise CheckpointError(f"ξ is not a readable safetensors checkpoint: {e}") from None
+        if meta.get("format") != MODEL_FORMAT:
+            raise CheckpointError(f"ξ is not a fedfs checkpoint (format={meta.get('format')!r})")
+        sha = sha256_hex(data)
+        with self._lock:
+            atomic_write(self.layout.xi, data)
+            self.db.set_meta("xi_sha256", sha)
+        _event("xi installed", sha256=sha)
+        return sha
+
+    # ---- policy ------------------------------------------------------------------------
+
+    def set_policy(self, changes: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            with self._lock:
+                policy = self.policy.updated(changes)
+                self.db.set_meta("policy", json.dumps(policy.to_json()))
+                self.policy = policy
+        except InputError as e:
+            raise Unprocessable(str(e), code="invalid_policy") from None
+        _event("policy changed", keys=sorted(changes))
+        return policy.to_json()
+
+    # ---- rounds ------------------------------------------------------------------------
+
+    def open_round(self) -> dict[str, Any]:
+        """Sample participants and open the next round on the current global version."""
+        with self._lock:
+            if self.round is not None:
+                raise Conflict(f"round {self.round.id} is already open", code="round_open")
+            if self.model is None:
+                raise Conflict("no global model: install one first (POST /v1/admin/model or --init-*)",
+                               code="no_model")
+            policy, model = self.policy, self.model
+            cfg = model.model_config
+            if uses_feduv(policy.method) and not cfg.get("code_length"):
+                raise Conflict(f"method {policy.method!r} needs a model with a FedUV head (code_length)",
+                               code="model_method_mismatch")
+            if uses_fedfs(policy.method) and not cfg.get("proj_dim"):
+                raise Conflict(f"method {policy.method!r} needs a model with the FedFS projection (proj_dim)",
+                               code="model_method_mismatch")
+            devices = [r[0] for r in self.db.all("SELECT id FROM devices ORDER BY id")]
+            if len(devices) < policy.min_participants:
+                raise Conflict(f"{len(devices)} device(s) registered; the policy needs {policy.min_participants}",
+                               code="too_few_devices")
+            round_id = int(self.db.scalar("SELECT COALESCE(MAX(id), 0) FROM rounds")) + 1
+            k = policy.sample_size(len(devices))
+            # A string seed is hashed deterministically, so round t's sample is reproducible.
+            selected = sorted(random.Random(f"fedfs-round:{policy.seed}:{round_id}").sample(devices, k))
+            opened = self.clock()
+            deadline = opened + policy.round_timeout_s
+            task = {"round_id": round_id, "model_version": model.version, "model_sha256": model.sha256,
+                    "method": policy.method, "model_config": cfg, "train": dict(policy.train),
+                    "neg_codewords": policy.neg_codewords, "deadline": deadline,
+                    "xi_sha256": self.db.get_meta("xi_sha256")}
+            quorum = policy.quorum_count(k)
+            with self.db.transaction() as c:
+                c.execute("INSERT INTO rounds(id, state, model_version, task, policy, quorum, opened_at, deadline)"
+                          " VALUES (?, 'open', ?, ?, ?, ?, ?, ?)",
+                          (round_id, model.version, json.dumps(task), json.dumps(policy.to_json()), quorum,
+                           opened, deadline))
+                c.executemany("INSERT INTO participants(round_id, device_id) VALUES (?, ?)",
+                              [(round_id, d) for d in selected])
+            self.round = OpenRound(round_id, model.version, task, policy, frozenset(selected), quorum,
+                                   opened, deadline, StreamingFedAvg(model.weights))
+            _event("round opened", round_id=round_id, model_version=model.version, sampled=k,
+                   registered=len(devices), quorum=quorum, deadline=deadline)
+            return self._round_status(round_id)
+
+    def close_round(self, round_id: int, reason: str = "closed by admin") -> dict[str, Any]:
+        with self._lock:
+            r = self.round
+            if r is None or r.id != round_id:
+                state = self.db.scalar("SELECT state FROM rounds WHERE id = ?", round_id)
+                if state is None:
+                    raise NotFound(f"round {round_id} does not exist", code="unknown_round")
+                raise Conflict(f"round {round_id} is already {state}", code="round_not_open")
+            self._close_locked(reason)
+            return self._round_status(round_id)
+
+    def _close_locked(self, reason: str) -> None:
+        r = self.round
+        assert r is not None and self.model is not None
+        if r.acc.count >= r.policy.min_updates:
+            t0 = time.perf_counter()
+            new = r.acc.result()
+            version = self.model.version + 1
+            self._publish(version, new, self.model.model_config, r.id, r.acc.count, r.acc.total_samples, reason)
+            _event("round closed", round_id=r.id, reason=reason, updates=r.acc.count,
+                   total_samples=r.acc.total_samples, new_version=version,
+                   aggregate_ms=round(1000 * (time.perf_counter() - t0), 2))
+        else:
+            why = f"{reason}: {r.acc.count} update(s), {r.policy.min_updates} needed"
+            with self.db.transaction() as c:
+                c.execute("UPDATE rounds SET state = 'failed', closed_at = ?, reason = ? WHERE id = ?",
+                          (self.clock(), why, r.id))
+            _event("round failed", round_id=r.id, reason=why)
+        self.round = None
+        if not self.keep_updates:
+            shutil.rmtree(self.layout.round_dir(r.id), ignore_errors=True)
+
+    def tick(self) -> None:
+        """Close a round past its deadline; open the next one when running automatically."""
+        with self._lock:
+            if self.round is not None and self.clock() >= self.round.deadline:
+                self._close_locked("deadline")
+            p = self.policy
+            if self.round is None and p.rounds > 0 and self.model is not None and self._completed() < p.rounds:
+                if self.device_count() >= p.min_participants:
+                    self.open_round()
+
+    def _completed(self) -> int:
+        return int(self.db.scalar("SELECT COUNT(*) FROM rounds WHERE state = 'closed'"))
+
+    # ---- devices' view -----------------------------------------------------------------
+
+    def task_for(self, device_id: str) -> dict[str, Any]:
+        """``train`` (with the task) for a sampled device that has not uploaded yet,
+        ``done`` once an automatic run has finished, else ``wait``."""
+        with self._lock:
+            r = self.round
+            if r is not None and self.clock() >= r.deadline:
+                self._close_locked("deadline")
+                r = None
+            if r is not None and device_id in r.participants and device_id not in r.accepted:
+                return {"action": "train", **r.task}
+            if r is None and self.policy.rounds > 0 and self._completed() >= self.policy.rounds:
+                return {"action": "done", "model_version": self.model.version if self.model else None}
+            return {"action": "wait", "retry_after": self.poll_interval_s,
+                    "round_id": r.id if r is not None else None}
+
+    def submit_update(self, device_id: str, round_id: int, body: bytes) -> dict[str, Any]:
+        """Validate and accept one upload. Returns the receipt (``duplicate`` on a retry)."""
+        body_sha = sha256_hex(body)
+        with self._lock:
+            prev = self._previous(device_id, round_id, body_sha)
+            if prev is not None:
+                return prev
+            r = self._upload_target(device_id, round_id)
+            reference, policy, base_version = self.model.weights, r.policy, r.model_version  # type: ignore[union-attr]
+        weights, n, norm, clipped, stored = self._validate(body, round_id, base_version, reference, policy)
+        tmp = write_temp(self.layout.round_dir(round_id), stored)
+        try:
+            with self._lock:
+                prev = self._previous(device_id, round_id, body_sha)   # a concurrent retry won
+                if prev is not None:
+                    return prev
+                r = self._upload_target(device_id, round_id)   # it may have closed meanwhile
+                final = self.layout.update_file(round_id, device_id)
+                commit_file(tmp, final)
+                received = self.clock()
+                try:
+                    with self.db.transaction() as c:
+                        c.execute("INSERT INTO updates(round_id, device_id, num_samples, body_sha256, file, file_sha256,"
+                                  " norm, clipped, received_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                  (round_id, device_id, n, body_sha, final.name, sha256_hex(stored), norm,
+                                   int(clipped), received))
+                except BaseException:
+                    final.unlink(missing_ok=True)
+                    raise
+                r.acc.add(weights, n)
+                receipt = self._receipt(round_id, device_id, n, body_sha, norm, clipped, received)
+                r.accepted[device_id] = receipt
+                _event("update accepted", round_id=round_id, device_id=device_id, num_samples=n,
+                       norm=round(norm, 6), clipped=clipped, accepted=len(r.accepted), quorum=r.quorum)
+                if len(r.accepted) >= r.quorum:
+                    self._close_locked("quorum")
+                return dict(receipt, duplicate=False)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _upload_target(self, device_id: str, round_id: int) -> OpenRound:
+        r = self.round
+        if r is None or r.id != round_id:
+            state = self.db.scalar("SELECT state FROM rounds WHERE id = ?", round_id)
+            if state is None:
+                raise NotFound(f"round {round_id} does not exist", code="unknown_round")
+            raise Gone(f"round {round_id} is {state}; it accepts no more uploads", code="round_closed")
+        if self.clock() >= r.deadline:
+            self._close_locked("deadline")
+            raise Gone(f"round {round_id} passed its deadline", code="deadline_passed")
+        if device_id not in r.participants:
+            raise Forbidden(f"device {device_id} was not sampled for round {round_id}", code="not_selected")
+        return r
+
+    def _previous(self, device_id: str, round_id: int, body_sha: str) -> dict[str, Any] | None:
+        """The receipt of an already accepted identical upload (a retry: same answer,
+        counted once) — also after the round closed, so a device whose answer was lost
+        learns its update counted. A *different* second body in an open round → 409."""
+        r = self.round
+        if r is not None and r.id == round_id:
+            prev = r.accepted.get(device_id)
+            if prev is None:
+                return None
+            if prev["sha256"] != body_sha:
+                raise Conflict(f"device {device_id} already has an accepted update in round {round_id}; "
+                               "a different second update is refused", code="already_uploaded")
+            return dict(prev, duplicate=True)
+        u = self.db.one("SELECT * FROM updates WHERE round_id = ? AND device_id = ?", round_id, device_id)
+        if u is None or u["body_sha256"] != body_sha:
+            return None                            # → _upload_target says why it is refused
+        return dict(self._receipt(round_id, device_id, u["num_samples"], u["body_sha256"], u["norm"],
+                                  bool(u["clipped"]), u["received_at"]), duplicate=True)
+
+    @staticmethod
+    def _receipt(round_id: int, device_id: str, n: int, sha: str, norm: float, clipped: bool,
+                 received: float) -> dict[str, Any]:
+        return {"round_id": round_id, "device_id": device_id, "num_samples": n, "sha256": sha,
+                "update_norm": norm, "clipped": clipped, "received_at": received}
+
+    @staticmethod
+    def _validate(body: bytes, round_id: int, base_version: int, reference: Mapping[str, torch.Tensor],
+                  policy: RoundPolicy) -> tuple[dict[str, torch.Tensor], int, float, bool, bytes]:
+        try:
+            weights, meta = decode_update(body)
+        except InputError as e:
+            raise BadRequest(f"malformed update: {e}", code="malformed_update") from None
+        if meta.round_id != round_id:
+            raise BadRequest(f"update is for round {meta.round_id} but was sent to round {round_id}",
+                             code="round_mismatch")
+        if meta.model_version != base_version:
+            raise Conflict(f"stale update: trained from model version {meta.model_version}, round {round_id} "
+                           f"aggregates version {base_version}", code="stale_model_version")
+        if meta.num_samples > policy.max_num_samples:
+            raise Unprocessable(f"num_samples={meta.num_samples} exceeds the limit {policy.max_num_samples}",
+                                code="too_many_samples")
+        try:
+            check_layout(weights, reference)
+            check_finite(weights)
+        except InputError as e:
+            raise Unprocessable(str(e), code="invalid_update") from None
+        clipped_w, norm, clipped = clip_update(weights, reference, policy.max_update_norm)
+        stored = body if not clipped else encode_update(clipped_w, round_id=round_id, model_version=base_version,
+                                                        num_samples=meta.num_samples)
+        return clipped_w, meta.num_samples, norm, clipped, stored
+
+    # ---- status ------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {"model_version": self.model.version if self.model else None,
+                    "rounds_completed": self._completed(), "rounds_target": self.policy.rounds,
+                    "devices": self.device_count(),
+                    "round": self._round_status(self.round.id) if self.round else None}
+
+    def round_status(self, round_id: int) -> dict[str, Any]:
+        with self._lock:
+            return self._round_status(round_id)
+
+    def _round_status(self, round_id: int) -> dict[str, Any]:
+        row = self.db.one("SELECT * FROM rounds WHERE id = ?", round_id)
+        if row is None:
+            raise NotFound(f"round {round_id} does not exist", code="unknown_round")
+        agg = self.db.one("SELECT COUNT(*) AS n, COALESCE(SUM(num_samples), 0) AS s FROM updates WHERE round_id = ?",
+                          round_id)
+        sampled = self.db.scalar("SELECT COUNT(*) FROM participants WHERE round_id = ?", round_id)
+        return {"round_id": round_id, "state": row["state"], "model_version": row["model_version"],
+                "sampled": sampled, "accepted": agg["n"], "total_samples": agg["s"], "quorum": row["quorum"],
+                "opened_at": row["opened_at"], "deadline": row["deadline"], "closed_at": row["closed_at"],
+                "result_version": row["result_version"], "reason": row["reason"]}
+
+    # ---- recovery ----------------------------------------------------------------------
+
+    def _recover(self) -> None:
+        """Rebuild memory from disk: the latest version, and the open round's running sum
+        from its persisted updates; drop files that no committed row refers to."""
+        with self._lock:
+            row = self.db.one("SELECT * FROM models ORDER BY version DESC LIMIT 1")
+            latest = 0
+            if row is not None:
+                latest = row["version"]
+                data = self._read_checked(self.layout.models / row["file"], row["sha256"], f"model v{latest}")
+                weights, meta = decode_weights(data)
+                self.model = GlobalModel(latest, row["sha256"], weights, json.loads(meta["model_config"]))
+            for p in self.layout.models.iterdir():       # versions written but never committed
+                if p.name.startswith(".") or not p.name.startswith("v") or _version_of(p) > latest:
+                    p.unlink(missing_ok=True)
+            open_row = self.db.one("SELECT * FROM rounds WHERE state = 'open'")
+            if open_row is not None:
+                self._recover_round(open_row)
+            for d in self.layout.updates.iterdir():
+                if self.round is not None and d == self.layout.round_dir(self.round.id):
+                    continue
+                if self.keep_updates and d.is_dir():
+                    for t in d.glob(".*"):
+                        t.unlink(missing_ok=True)
+                else:
+                    shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+            if self.round is not None and len(self.round.accepted) >= self.round.quorum:
+                self._close_locked("quorum")             # crashed between the last accept and the close
+
+    def _recover_round(self, row: sqlite3.Row) -> None:
+        if self.model is None or self.model.version != row["model_version"]:
+            raise CheckpointError(f"round {row['id']} is open on model version {row['model_version']}, "
+                                  "which is not the latest published version: state is inconsistent")
+        rid = row["id"]
+        policy = RoundPolicy.from_json(json.loads(row["policy"]))
+        participants = frozenset(r[0] for r in self.db.all("SELECT device_id FROM participants WHERE round_id = ?", rid))
+        r = OpenRound(rid, row["model_version"], json.loads(row["task"]), policy, participants, row["quorum"],
+                      row["opened_at"], row["deadline"], StreamingFedAvg(self.model.weights))
+        keep: set[str] = set()
+        for u in self.db.all("SELECT * FROM updates WHERE round_id = ? ORDER BY received_at", rid):
+            path = self.layout.round_dir(rid) / u["file"]
+            data = self._read_checked(path, u["file_sha256"], f"update of {u['device_id']} in round {rid}")
+            weights, _ = decode_update(data)
+            r.acc.add(weights, u["num_samples"])
+            r.accepted[u["device_id"]] = self._receipt(rid, u["device_id"], u["num_samples"], u["body_sha256"],
+                                                       u["norm"], bool(u["clipped"]), u["received_at"])
+            keep.add(u["file"])
+        rdir = self.layout.round_dir(rid)
+        if rdir.is_dir():
+            for p in rdir.iterdir():                   # files of requests interrupted before their commit
+                if p.name not in keep:
+                    p.unlink(missing_ok=True)
+        self.round = r
+        _event("round recovered", round_id=rid, accepted=len(r.accepted), total_samples=r.acc.total_samples)
+
+    @staticmethod
+    def _read_checked(path: Path, sha: str, what: str) -> bytes:
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"{what}: cannot read {path}: {e}") from None
+        if sha256_hex(data) != sha:
+            raise CheckpointError(f"{what}: {path} does not match its recorded SHA-256; the state is corrupt")
+        return data
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.close()
+
+
+def _version_of(p: Path) -> int:
+    try:
+        return int(p.name[1:].split(".")[0])
+    except ValueError:
+        return 1 << 62  # not a version file: treated as an orphan
+
+
+__all__ = ["Coordinator", "GlobalModel", "OpenRound"]

@@ -1,0 +1,120 @@
+"""Helpers for the server tests: a real ``fedfs serve`` subprocess on 127.0.0.1, generated
+images, and independent (numpy) reading of safetensors bodies.
+
+Imported explicitly by tests/test_server_*.py (not a pytest conftest).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+ADMIN = "test-admin-token"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("FEDFS_CACHE_DIR", str(ROOT / ".fedfs_cache"))
+    env["OMP_NUM_THREADS"] = "1"   # several processes share 2 cores
+    return env
+
+
+@dataclass
+class ServerProc:
+    proc: subprocess.Popen
+    url: str
+    state: Path
+    log: Path
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+
+    def status(self) -> dict:
+        with self.admin() as c:
+            return c.get("/v1/rounds/current").json()
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown handler runs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_server(state: Path, *args: str, port: int | None = None, timeout: float = 60.0) -> ServerProc:
+    """``python -m fedfs_sdk.cli.main serve`` on a free port; waits for /health."""
+    port = port or free_port()
+    log = state.parent / f"{state.name}.server.log"
+    cmd = [sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
+           "--state", str(state), "--admin-token", ADMIN, "--tick-interval", "0.1", "--poll-interval", "0.2", *args]
+    with open(log, "ab") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return ServerProc(proc, url, state, log)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"server did not come up in {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+def write_images(folder: Path, count: int, seed: int, size: int = 40) -> list[Path]:
+    """Simple synthetic 'faces': a per-identity base pattern plus noise, saved as PNG with cv2."""
+    import cv2
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (size, size, 3))
+    paths = []
+    for i in range(count):
+        img = np.clip(base + rng.normal(0, 25, base.shape), 0, 255).astype(np.uint8)
+        p = folder / f"img_{i:03d}.png"
+        cv2.imwrite(str(p), img)
+        paths.append(p)
+    return paths
+
+
+def read_safetensors(data: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Parse a safetensors body with numpy only (independent of the code under test)."""
+    from safetensors.numpy import load
+
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + n]).get("__metadata__", {})
+    return load(data), meta
+
+
+def weighted_average(updates: list[tuple[dict[str, np.ndarray], int]]) -> dict[str, np.ndarray]:
+    """FedAvg recomputed independently: Σ n_c w_c / Σ n_c in float64."""
+    total = float(sum(n for _, n in updates))
+    keys = updates[0][0].keys()
+    return {k: sum(w[k].astype(np.float64) * n for w, n in updates) / total for k in keys}
