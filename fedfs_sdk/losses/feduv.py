@@ -37,5 +37,9 @@ def feduv_neg_loss(s: torch.Tensor, other_codewords: torch.Tensor,
     """
     c = s.shape[-1]
     corr = s @ other_codewords.to(s.dtype).t() / c          # [B, U]
-    return _masked_mean(corr.max(dim=-1).values, mask)
+    # max as gather-at-argmax: same value and gradient as corr.max(-1), but exports to
+    # ArgMax + GatherElements, which ONNX Runtime training differentiates (ReduceMax has no
+    # ORT gradient; its TopK gradient aborts when the indices output is unused).
+    top = corr.gather(-1, corr.argmax(dim=-1, keepdim=True)).squeeze(-1)
+    return _masked_mean(top, mask)
 
