@@ -1,0 +1,317 @@
+"""Face datasets indexed by ``(identity, image index)``: synthetic or an ImageFolder on disk.
+
+Both implement :class:`IdentityDataset`, the only thing the simulator needs: how many
+identities, how many images each has, and normalized float32 batches ``[n, 3, S, S]``
+(``(x − 127.5)/127.5``, RGB — the contract of :func:`fedfs_sdk.preprocess.preprocess`).
+
+Images are cached as uint8 (4× smaller than float32 and exact: every fedfs input is
+``(level − 127.5)/127.5`` for an integer level) in a byte-bounded LRU.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+import torch
+
+from fedfs_sdk.errors import FedFSError, ImageNotFoundError, InputError
+from fedfs_sdk.preprocess import IMAGE_EXTENSIONS, preprocess
+
+from .synthfaces import SynthFaces
+
+__all__ = ["IdentityDataset", "SynthDataset", "ImageFolderDataset", "SkippedFile", "LRUImageCache"]
+
+IndexLike = int | Sequence[int] | np.ndarray | torch.Tensor
+
+
+@runtime_checkable
+class IdentityDataset(Protocol):
+    """Images grouped by identity; identities are ``0 … num_identities − 1``."""
+
+    num_identities: int
+    image_size: int
+
+    def count(self, identity: int) -> int:
+        """Number of images of ``identity``."""
+        ...
+
+    def images(self, identity: int, indices: IndexLike) -> torch.Tensor:
+        """``[len(indices), 3, S, S]`` float32 normalized images of one identity."""
+        ...
+
+    def batch(self, identities: IndexLike, indices: IndexLike) -> torch.Tensor:
+        """``[N, 3, S, S]`` for pairs ``(identities[i], indices[i])`` (scalars broadcast)."""
+        ...
+
+
+def _as_1d(x: IndexLike, what: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim > 1:
+        raise InputError(f"{what} must be an int or a 1-D sequence, got shape {list(a.shape)}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise InputError(f"{what} must be integers, got dtype {a.dtype}")
+    return a.astype(np.int64).reshape(-1)
+
+
+def _pairs(identities: IndexLike, indices: IndexLike) -> tuple[np.ndarray, np.ndarray]:
+    ids, idx = _as_1d(identities, "identities"), _as_1d(indices, "indices")
+    if ids.size != idx.size:
+        if ids.size == 1:
+            ids = np.repeat(ids, idx.size)
+        elif idx.size == 1:
+            idx = np.repeat(idx, ids.size)
+        else:
+            raise InputError(f"identities ({ids.size}) and indices ({idx.size}) must have equal length "
+                             "or one must be a single value")
+    return ids, idx
+
+
+def _to_float(u8: torch.Tensor) -> torch.Tensor:
+    return (u8.to(torch.float32) - 127.5) / 127.5
+
+
+class LRUImageCache:
+    """Byte-bounded LRU of uint8 ``[3, S, S]`` images keyed by ``(identity, index)``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = int(max_bytes)
+        self._d: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def get(self, key: tuple[int, int]) -> torch.Tensor | None:
+        t = self._d.get(key)
+        if t is None:
+            self.misses += 1
+            return None
+        self._d.move_to_end(key)
+        self.hits += 1
+        return t
+
+    def put(self, key: tuple[int, int], value: torch.Tensor) -> None:
+        if self.max_bytes <= 0:
+            return
+        size = value.numel() * value.element_size()
+        if key in self._d:
+            return
+        self._d[key] = value
+        self.nbytes += size
+        while self.nbytes > self.max_bytes and self._d:
+            _, old = self._d.popitem(last=False)
+            self.nbytes -= old.numel() * old.element_size()
+
+    def clear(self) -> None:
+        self._d.clear()
+        self.nbytes = 0
+
+
+class SynthDataset:
+    """:class:`IdentityDataset` over :class:`SynthFaces` identities ``0 … num_identities − 1``.
+
+    Every identity has ``images_per_identity`` images (index ``0 …``), rendered on demand and
+    kept in an LRU of ``cache_bytes`` (uint8). ``device`` is where rendering runs; results are
+    returned there.
+    """
+
+    def __init__(self, faces: SynthFaces, images_per_identity: int = 72, num_identities: int = 10_000,
+                 cache_bytes: int = 256 << 20, device: str | torch.device | None = None) -> None:
+        if images_per_identity < 1:
+            raise InputError(f"images_per_identity must be ≥ 1, got {images_per_identity}")
+        if num_identities < 1:
+            raise InputError(f"num_identities must be ≥ 1, got {num_identities}")
+        self.faces = faces
+        self.images_per_identity = int(images_per_identity)
+        self.num_identities = int(num_identities)
+        self.image_size = faces.image_size
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.cache = LRUImageCache(cache_bytes)
+
+    def __repr__(self) -> str:
+        return (f"SynthDataset({self.faces!r}, images_per_identity={self.images_per_identity}, "
+                f"num_identities={self.num_identities})")
+
+    def count(self, identity: int) -> int:
+        self._check_ids(np.asarray([identity]))
+        return self.images_per_identity
+
+    def images(self, identity: int, indices: IndexLike) -> torch.Tensor:
+        return self.batch(identity, indices)
+
+    def batch(self, identities: IndexLike, indices: IndexLike) -> torch.Tensor:
+        ids, idx = _pairs(identities, indices)
+        self._check_ids(ids)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.images_per_identity):
+            raise InputError(f"image index out of range [0, {self.images_per_identity}): "
+                             f"{int(idx.min())}..{int(idx.max())}")
+        S = self.image_size
+        out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8, device=self.device)
+        missing = []
+        for i, key in enumerate(zip(ids.tolist(), idx.tolist())):
+            t = self.cache.get(key)
+            if t is None:
+                missing.append(i)
+            else:
+                out[i] = t
+        if missing:
+            m = np.asarray(missing)
+            levels = self.faces._render_levels(ids[m], idx[m], self.device).to(torch.uint8)
+            out[torch.as_tensor(m, device=self.device)] = levels
+            for j, i in enumerate(missing):
+                self.cache.put((int(ids[i]), int(idx[i])), levels[j].clone())
+        return _to_float(out)
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_identities):
+            raise InputError(f"identity out of range [0, {self.num_identities}): {int(ids.min())}..{int(ids.max())}")
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    path: Path
+    reason: str
+
+
+class ImageFolderDataset:
+    """:class:`IdentityDataset` over ``root/<identity>/*.{jpg,jpeg,png,pgm,bmp,webp}``.
+
+    The layout of DigiFace-1M, VGGFace2, CelebA-by-identity and ``write_image_folder``.
+    Identity ``i`` is the ``i``-th non-empty sub-folder in sorted order (``names[i]``);
+    images are sorted by file name. Decoding, optional face detection (OpenCV Haar cascade,
+    ``detect_face=True``), centre-square crop and resize go through
+    :func:`fedfs_sdk.preprocess.preprocess`.
+
+    Bad data:
+      * sub-folders with no image files are skipped and listed in ``empty_folders``;
+        a root with no usable identity raises :class:`InputError`;
+      * with ``validate=True`` (implied by ``preload=True``) every image is decoded at
+        construction; unreadable files (and, with ``detect_face``, faceless ones) are dropped
+        and listed in ``skipped_files`` so indices refer only to good images; identities left
+        without images join ``empty_folders``;
+      * without validation a bad file raises :class:`~fedfs_sdk.errors.ImageDecodeError`
+        (or :class:`~fedfs_sdk.errors.NoFaceError`) naming it when first loaded.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], image_size: int, detect_face: bool = False,
+                 preload: bool = False, validate: bool = False, cache_bytes: int = 256 << 20,
+                 min_images: int = 1) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise ImageNotFoundError(f"dataset root is not a directory: {self.root}")
+        if not isinstance(image_size, int) or image_size < 8:
+            raise InputError(f"image_size must be an int ≥ 8, got {image_size!r}")
+        self.image_size = image_size
+        self.detect_face = detect_face
+        self.empty_folders: list[Path] = []
+        self.skipped_files: list[SkippedFile] = []
+        self.cache = LRUImageCache(cache_bytes)
+        self._preloaded: torch.Tensor | None = None
+
+        files_by_id: list[list[Path]] = []
+        names: list[str] = []
+        for d in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+            if len(files) < max(1, min_images):
+                self.empty_folders.append(d)
+                continue
+            files_by_id.append(files)
+            names.append(d.name)
+
+        if preload or validate:
+            kept_files, kept_names, arrays = [], [], []
+            for name, files in zip(names, files_by_id):
+                good, imgs = [], []
+                for f in files:
+                    try:
+                        imgs.append(self._load_u8([f]))
+                        good.append(f)
+                    except FedFSError as e:       # ImageDecodeError, NoFaceError, …
+                        self.skipped_files.append(SkippedFile(f, str(e)))
+                if len(good) < max(1, min_images):
+                    self.empty_folders.append(self.root / name)
+                    continue
+                kept_files.append(good)
+                kept_names.append(name)
+                if preload:
+                    arrays.append(torch.cat(imgs))
+            files_by_id, names = kept_files, kept_names
+            if preload and arrays:
+                self._preloaded = torch.cat(arrays)
+
+        if not files_by_id:
+            raise InputError(f"no identity folders with images ({', '.join(IMAGE_EXTENSIONS)}) under {self.root}"
+                             + (f"; {len(self.empty_folders)} empty folder(s) skipped" if self.empty_folders else ""))
+        self.names = names
+        self.files = files_by_id
+        self.num_identities = len(names)
+        self._counts = np.array([len(f) for f in files_by_id], dtype=np.int64)
+        self._offsets = np.concatenate([[0], np.cumsum(self._counts)[:-1]])
+
+    def __repr__(self) -> str:
+        return (f"ImageFolderDataset({str(self.root)!r}, image_size={self.image_size}, "
+                f"identities={self.num_identities}, images={int(self._counts.sum())})")
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Images per identity, ``[num_identities]``."""
+        return self._counts.copy()
+
+    def count(self, identity: int) -> int:
+        self._check_ids(np.asarray([identity]))
+        return int(self._counts[identity])
+
+    def path(self, identity: int, index: int) -> Path:
+        self._check(np.asarray([identity]), np.asarray([index]))
+        return self.files[identity][index]
+
+    def images(self, identity: int, indices: IndexLike) -> torch.Tensor:
+        return self.batch(identity, indices)
+
+    def batch(self, identities: IndexLike, indices: IndexLike) -> torch.Tensor:
+        ids, idx = _pairs(identities, indices)
+        self._check(ids, idx)
+        S = self.image_size
+        if self._preloaded is not None:
+            flat = torch.as_tensor(self._offsets[ids] + idx)
+            return _to_float(self._preloaded[flat])
+        out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8)
+        missing = []
+        for i, key in enumerate(zip(ids.tolist(), idx.tolist())):
+            t = self.cache.get(key)
+            if t is None:
+                missing.append(i)
+            else:
+                out[i] = t
+        if missing:
+            paths = [self.files[ids[i]][idx[i]] for i in missing]
+            u8 = self._load_u8(paths)
+            for j, i in enumerate(missing):
+                out[i] = u8[j]
+                self.cache.put((int(ids[i]), int(idx[i])), u8[j].clone())
+        return _to_float(out)
+
+    def _load_u8(self, paths: Sequence[Path]) -> torch.Tensor:
+        x = preprocess([str(p) for p in paths], self.image_size, detect_face=self.detect_face)
+        return torch.from_numpy(np.rint(x * 127.5 + 127.5)).to(torch.uint8)
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_identities):
+            raise InputError(f"identity out of range [0, {self.num_identities}): {int(ids.min())}..{int(ids.max())}")
+
+    def _check(self, ids: np.ndarray, idx: np.ndarray) -> None:
+        self._check_ids(ids)
+        if idx.size:
+            bad = (idx < 0) | (idx >= self._counts[ids])
+            if bad.any():
+                j = int(np.argmax(bad))
+                raise InputError(f"image index {int(idx[j])} out of range for identity {int(ids[j])} "
+                                 f"({self.names[ids[j]]!r} has {int(self._counts[ids[j]])} images)")

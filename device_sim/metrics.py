@@ -1,0 +1,352 @@
+"""Verification and identification metrics of the FedFS and FedUV papers.
+
+Conventions (``docs/evaluation.md`` states them in full):
+
+* a **score** is "higher = more likely the genuine user"; a probe is **accepted iff
+  score ≥ threshold** (FedUV Eq. 5), so a score equal to the threshold is accepted;
+* **genuine** scores compare a user's model/enrollment with that user's own held-out images;
+  **impostor** scores compare it with other people's images;
+* ROC and AUROC come from scikit-learn (``roc_curve``, ``roc_auc_score``; tied scores count
+  one half in the AUROC — the Mann–Whitney statistic);
+* **TAR@FAR f**: the highest TAR of any threshold whose FAR is ≤ f on the given impostors:
+  with ``m = ⌊f · n_imp⌋`` allowed false accepts, the threshold sits just above the
+  ``(m+1)``-th largest impostor score, so TAR = share of genuine scores strictly above that
+  impostor score. It is exactly the ROC's upper envelope at FPR ≤ f. When
+  ``f · n_imp < 1`` no impostor may be accepted (the figure is then "TAR at FAR 0" — see
+  ``far_resolution``);
+* **TPIR@FPIR** (FedFR's 1:N protocol, used by FedFS Table 2): per client, a gallery of
+  enrolled identities and a set of probes; a mated probe counts as identified at threshold
+  t iff its own gallery entry is the rank-1 match with score ≥ t; a non-mated probe is a
+  false positive iff its best gallery score is ≥ t. The threshold for FPIR f is chosen like
+  TAR@FAR f on the non-mated best scores. With FedFS's one identity per client the gallery
+  has a single entry and rank-1 is automatic. Reported numbers are means over clients.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+from sklearn.metrics import roc_auc_score, roc_curve
+
+from fedfs_sdk.errors import InputError, InsufficientWarmupError
+
+__all__ = [
+    "DEFAULT_FARS", "roc", "auroc", "eer", "threshold_at_far", "tar_at_far", "verification_metrics",
+    "identification_scores", "template_scores", "tpir_at_fpir", "aggregate", "per_client_verification",
+    "per_client_identification", "WarmupOutcome", "warmup_outcome", "per_user_warmup", "mean_roc",
+]
+
+DEFAULT_FARS: tuple[float, ...] = (1e-1, 1e-2, 1e-3)
+
+
+def _scores(x: Sequence[float] | np.ndarray, what: str, allow_empty: bool = False) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float64).reshape(-1)
+    if a.size == 0 and not allow_empty:
+        raise InputError(f"{what} scores are empty")
+    if a.size and not np.isfinite(a).all():
+        raise InputError(f"{what} scores contain {int((~np.isfinite(a)).sum())} NaN/Inf value(s)")
+    return a
+
+
+def roc(genuine: Sequence[float] | np.ndarray, impostor: Sequence[float] | np.ndarray
+        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(fpr, tpr, thresholds)`` over all distinct thresholds (accept iff score ≥ thr).
+
+    ``thresholds`` decrease; the first is ``+inf`` (accept nothing).
+    """
+    g, i = _scores(genuine, "genuine"), _scores(impostor, "impostor")
+    y = np.concatenate([np.ones(g.size), np.zeros(i.size)])
+    fpr, tpr, thr = roc_curve(y, np.concatenate([g, i]), drop_intermediate=False)
+    return fpr, tpr, thr
+
+
+def auroc(genuine: Sequence[float] | np.ndarray, impostor: Sequence[float] | np.ndarray) -> float:
+    """Area under the ROC (probability a genuine score beats an impostor one, ties ½)."""
+    g, i = _scores(genuine, "genuine"), _scores(impostor, "impostor")
+    y = np.concatenate([np.ones(g.size), np.zeros(i.size)])
+    return float(roc_auc_score(y, np.concatenate([g, i])))
+
+
+def eer(genuine: Sequence[float] | np.ndarray, impostor: Sequence[float] | np.ndarray) -> float:
+    """Equal error rate: where FAR = FRR on the ROC, linearly interpolated between points."""
+    fpr, tpr, _ = roc(genuine, impostor)
+    fnr = 1.0 - tpr
+    diff = fnr - fpr                     # +1 at thr = +inf, −1 at thr = −inf: crosses 0 once
+    k = int(np.argmax(diff <= 0))
+    if k == 0:
+        return float(fpr[0])
+    d0, d1 = diff[k - 1], diff[k]
+    w = d0 / (d0 - d1) if d0 != d1 else 0.0
+    return float(fpr[k - 1] + w * (fpr[k] - fpr[k - 1]))
+
+
+def threshold_at_far(impostor: Sequence[float] | np.ndarray, far: float) -> float:
+    """Smallest threshold ``t`` (accept iff score ≥ t) with ``FAR(t) ≤ far`` on ``impostor``.
+
+    ``t`` lies just above the ``(m+1)``-th largest impostor score, ``m = ⌊far · n⌋``, so ties
+    at that score are rejected together; ``-inf`` when ``far ≥ 1``.
+    """
+    i = _scores(impostor, "impostor")
+    if not 0.0 <= far <= 1.0:
+        raise InputError(f"far must be in [0, 1], got {far}")
+    m = int(math.floor(far * i.size + 1e-9))
+    if m >= i.size:
+        return -math.inf
+    s = np.sort(i)[::-1][m]                       # the (m+1)-th largest
+    return float(np.nextafter(s, math.inf))
+
+
+def tar_at_far(genuine: Sequence[float] | np.ndarray, impostor: Sequence[float] | np.ndarray,
+               far: float) -> float:
+    """Genuine accept rate at :func:`threshold_at_far`."""
+    g = _scores(genuine, "genuine")
+    t = threshold_at_far(impostor, far)
+    return float(np.mean(g >= t))
+
+
+def verification_metrics(genuine: Sequence[float] | np.ndarray, impostor: Sequence[float] | np.ndarray,
+                         fars: Iterable[float] = DEFAULT_FARS) -> dict:
+    """AUROC, EER and TAR@FAR for one set of genuine and impostor scores.
+
+    Returns ``{"auroc", "eer", "tar_at_far": {far: tar}, "threshold_at_far": {far: t},
+    "n_genuine", "n_impostor", "far_resolution"}``; ``far_resolution = 1 / n_impostor`` is
+    the smallest FAR the impostor set can resolve.
+    """
+    g, i = _scores(genuine, "genuine"), _scores(impostor, "impostor")
+    thr = {float(f): threshold_at_far(i, f) for f in fars}
+    return {
+        "auroc": auroc(g, i),
+        "eer": eer(g, i),
+        "tar_at_far": {f: float(np.mean(g >= t)) for f, t in thr.items()},
+        "threshold_at_far": thr,
+        "n_genuine": int(g.size),
+        "n_impostor": int(i.size),
+        "far_resolution": 1.0 / i.size,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# 1:N identification (FedFR protocol)
+# ---------------------------------------------------------------------------------------------
+def identification_scores(similarity: np.ndarray, probe_labels: Sequence[int] | np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray]:
+    """Split a probe × gallery similarity matrix into mated and non-mated decision scores.
+
+    Args:
+        similarity: ``[P, G]`` scores of every probe against every gallery identity.
+        probe_labels: ``[P]`` gallery column of each probe's identity, or ``-1`` for a
+            probe whose identity is not enrolled (non-mated).
+
+    Returns ``(mated, nonmated)``: a mated probe's score against its own entry, or ``-inf``
+    if another entry outranks it (it is then never correctly identified); a non-mated
+    probe's best score over the gallery.
+    """
+    s = np.asarray(similarity, dtype=np.float64)
+    lab = np.asarray(probe_labels, dtype=np.int64).reshape(-1)
+    if s.ndim != 2 or s.shape[0] != lab.size:
+        raise InputError(f"similarity must be [P, G] with P = len(probe_labels) = {lab.size}, got {list(s.shape)}")
+    if s.size and not np.isfinite(s).all():
+        raise InputError("similarity contains NaN/Inf")
+    if lab.size and (lab.max() >= s.shape[1] or lab.min() < -1):
+        raise InputError(f"probe_labels must be -1 or in [0, {s.shape[1]})")
+    mated_rows = np.flatnonzero(lab >= 0)
+    own = s[mated_rows, lab[mated_rows]]
+    others = s[mated_rows].copy()
+    others[np.arange(mated_rows.size), lab[mated_rows]] = -np.inf
+    best_other = others.max(axis=1) if s.shape[1] > 1 else np.full(mated_rows.size, -np.inf)
+    mated = np.where(own > best_other, own, -np.inf)   # a tie with an impostor entry is not rank-1
+    nonmated = s[lab < 0].max(axis=1) if s.shape[1] else np.zeros(0)
+    return mated, nonmated
+
+
+def template_scores(gallery_embeddings: np.ndarray, probe_embeddings: np.ndarray) -> np.ndarray:
+    """Cosine similarity ``[P]`` of probes to one enrollment template.
+
+    The template is the L2-normalized mean of the L2-normalized gallery embeddings (FedFR
+    builds each gallery identity from the mean of its normalized features).
+    """
+    g = np.asarray(gallery_embeddings, dtype=np.float64)
+    p = np.asarray(probe_embeddings, dtype=np.float64)
+    if g.ndim != 2 or p.ndim != 2 or g.shape[1] != p.shape[1] or g.shape[0] == 0:
+        raise InputError(f"need gallery [G, D] (G ≥ 1) and probes [P, D], got {list(g.shape)} and {list(p.shape)}")
+    g = g / np.maximum(np.linalg.norm(g, axis=1, keepdims=True), 1e-12)
+    t = g.mean(0)
+    t = t / max(float(np.linalg.norm(t)), 1e-12)
+    p = p / np.maximum(np.linalg.norm(p, axis=1, keepdims=True), 1e-12)
+    return p @ t
+
+
+def tpir_at_fpir(mated: Sequence[float] | np.ndarray, nonmated: Sequence[float] | np.ndarray,
+                 fpirs: Iterable[float] = DEFAULT_FARS) -> dict[float, float]:
+    """TPIR at each FPIR for one client, from :func:`identification_scores` outputs.
+
+    ``mated`` may hold ``-inf`` (rank-1 failures); ``nonmated`` must be finite.
+    """
+    m = np.asarray(mated, dtype=np.float64).reshape(-1)
+    if m.size == 0:
+        raise InputError("mated scores are empty")
+    if np.isnan(m).any() or (m == np.inf).any():
+        raise InputError("mated scores contain NaN or +Inf")
+    n = _scores(nonmated, "non-mated")
+    return {float(f): float(np.mean(m >= threshold_at_far(n, f))) for f in fpirs}
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation over clients
+# ---------------------------------------------------------------------------------------------
+def aggregate(values: Sequence[float] | np.ndarray) -> dict:
+    """``mean``, ``median``, ``std``, ``min``, ``max`` over the finite values, with counts.
+
+    NaN marks a degenerate client (no genuine or no impostor scores, non-finite scores); it
+    is excluded and counted in ``n_degenerate``. All-NaN input gives NaN statistics.
+    """
+    v = np.asarray(values, dtype=np.float64).reshape(-1)
+    ok = v[np.isfinite(v)]
+    nan = float("nan")
+    return {"mean": float(ok.mean()) if ok.size else nan,
+            "median": float(np.median(ok)) if ok.size else nan,
+            "std": float(ok.std()) if ok.size else nan,
+            "min": float(ok.min()) if ok.size else nan,
+            "max": float(ok.max()) if ok.size else nan,
+            "n": int(ok.size), "n_degenerate": int(v.size - ok.size)}
+
+
+def per_client_verification(scores: Sequence[tuple[np.ndarray, np.ndarray]],
+                            fars: Iterable[float] = DEFAULT_FARS) -> dict:
+    """Verification metrics per client and aggregated.
+
+    Args:
+        scores: per client ``(genuine, impostor)`` scores under that client's own model.
+
+    Returns ``{"per_client": [metrics | {"error": …}], "auroc": aggregate, "eer": aggregate,
+    "tar_at_far": {far: aggregate}, "pooled": verification_metrics of all scores}``. The
+    per-client mean is the personalized figure (each client thresholds its own model);
+    ``pooled`` is what one global threshold across all clients would see.
+    """
+    fars = tuple(float(f) for f in fars)
+    per, au, ee = [], [], []
+    tars: dict[float, list[float]] = {f: [] for f in fars}
+    all_g, all_i = [], []
+    for g, i in scores:
+        try:
+            m = verification_metrics(g, i, fars)
+        except InputError as e:
+            per.append({"error": str(e)})
+            au.append(math.nan)
+            ee.append(math.nan)
+            for f in fars:
+                tars[f].append(math.nan)
+            continue
+        per.append(m)
+        au.append(m["auroc"])
+        ee.append(m["eer"])
+        for f in fars:
+            tars[f].append(m["tar_at_far"][f])
+        all_g.append(np.asarray(g, dtype=np.float64).reshape(-1))
+        all_i.append(np.asarray(i, dtype=np.float64).reshape(-1))
+    pooled = verification_metrics(np.concatenate(all_g), np.concatenate(all_i), fars) if all_g else None
+    return {"per_client": per, "auroc": aggregate(au), "eer": aggregate(ee),
+            "tar_at_far": {f: aggregate(v) for f, v in tars.items()}, "pooled": pooled}
+
+
+def per_client_identification(scores: Sequence[tuple[np.ndarray, np.ndarray]],
+                              fpirs: Iterable[float] = DEFAULT_FARS) -> dict:
+    """Mean (and spread of) TPIR@FPIR over clients (FedFS Table 2).
+
+    Args:
+        scores: per client ``(mated, nonmated)`` from :func:`identification_scores` (or, for
+            a one-identity gallery, genuine test scores and other users' scores).
+    """
+    fpirs = tuple(float(f) for f in fpirs)
+    vals: dict[float, list[float]] = {f: [] for f in fpirs}
+    for m, n in scores:
+        try:
+            r = tpir_at_fpir(m, n, fpirs)
+        except InputError:
+            r = {f: math.nan for f in fpirs}
+        for f in fpirs:
+            vals[f].append(r[f])
+    return {"tpir_at_fpir": {f: aggregate(v) for f, v in vals.items()}}
+
+
+# ---------------------------------------------------------------------------------------------
+# FedUV warm-up outcome (Alg. 2)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WarmupOutcome:
+    """One user's warm-up threshold and what it achieves on held-out data."""
+
+    threshold: float
+    tpr: float           # share of held-out genuine scores ≥ τ
+    fpr: float           # share of impostor scores ≥ τ
+    n_warmup: int
+    n_genuine: int
+    n_impostor: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def warmup_outcome(warmup_scores: Sequence[float] | np.ndarray, genuine_scores: Sequence[float] | np.ndarray,
+                   impostor_scores: Sequence[float] | np.ndarray, q: float = 0.9) -> WarmupOutcome:
+    """FedUV warm-up: ``τ`` from the user's own warm-up scores at target TPR ``q``
+    (:func:`fedfs_sdk.enrollment.warmup_threshold`), then TPR on the user's held-out genuine
+    scores and FPR on impostor scores, accepting ``score ≥ τ``.
+
+    Raises :class:`InsufficientWarmupError` if ``⌊n(1 − q)⌋ < 1``.
+    """
+    from fedfs_sdk.enrollment import warmup_threshold
+
+    w = _scores(warmup_scores, "warm-up")
+    g = _scores(genuine_scores, "genuine")
+    i = _scores(impostor_scores, "impostor")
+    tau = warmup_threshold(w, q)
+    return WarmupOutcome(threshold=float(tau), tpr=float(np.mean(g >= tau)), fpr=float(np.mean(i >= tau)),
+                         n_warmup=int(w.size), n_genuine=int(g.size), n_impostor=int(i.size))
+
+
+def per_user_warmup(scores: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], q: float = 0.9) -> dict:
+    """Warm-up outcomes of many users and their aggregate TPR/FPR.
+
+    Args:
+        scores: per user ``(warmup, genuine, impostor)`` scores under that user's model and
+            enrollment.
+
+    Users with too few warm-up images are counted in ``n_insufficient`` and excluded.
+    Returns ``{"per_user": [WarmupOutcome.to_dict() | None], "tpr": aggregate, "fpr":
+    aggregate, "n_insufficient": int, "q": q}``.
+    """
+    per, tprs, fprs, bad = [], [], [], 0
+    for w, g, i in scores:
+        try:
+            o = warmup_outcome(w, g, i, q)
+        except InsufficientWarmupError:
+            bad += 1
+            per.append(None)
+            continue
+        per.append(o.to_dict())
+        tprs.append(o.tpr)
+        fprs.append(o.fpr)
+    return {"per_user": per, "tpr": aggregate(tprs), "fpr": aggregate(fprs), "n_insufficient": bad, "q": q}
+
+
+def mean_roc(scores: Sequence[tuple[np.ndarray, np.ndarray]], fpr_grid: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Vertically averaged ROC over clients: mean TPR (upper envelope) at each FPR of a grid.
+
+    The grid defaults to 200 log-spaced points in ``[1e-4, 1]`` plus 0.
+    """
+    grid = np.concatenate([[0.0], np.logspace(-4, 0, 200)]) if fpr_grid is None else np.asarray(fpr_grid, np.float64)
+    acc = np.zeros_like(grid)
+    n = 0
+    for g, i in scores:
+        fpr, tpr, _ = roc(g, i)
+        # upper envelope: best TPR with FPR ≤ grid point (fpr is non-decreasing)
+        k = np.searchsorted(fpr, grid, side="right") - 1
+        acc += np.maximum.accumulate(tpr)[np.clip(k, 0, None)]
+        n += 1
+    if n == 0:
+        raise InputError("no clients to average")
+    return grid, acc / n

@@ -1,0 +1,136 @@
+"""SynthFaces: determinism, API contract and identity separability."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from device_sim.synthfaces import SynthFaces, hash_uniforms
+from fedfs_sdk.errors import InputError
+from fedfs_sdk.preprocess import preprocess
+
+
+@pytest.fixture(scope="module")
+def faces() -> SynthFaces:
+    return SynthFaces(seed=3, image_size=32, difficulty=1.0, num_threads=1)
+
+
+def test_shapes_dtype_and_range(faces: SynthFaces) -> None:
+    x = faces.render([0, 1, 2], [0, 0, 5])
+    assert x.shape == (3, 3, 32, 32) and x.dtype == torch.float32
+    assert float(x.min()) >= -1.0 and float(x.max()) <= 1.0
+    # values are uint8 levels mapped by (x − 127.5)/127.5
+    levels = x * 127.5 + 127.5
+    assert torch.allclose(levels, levels.round(), atol=1e-4)
+    u8 = faces.render_uint8([0, 1, 2], [0, 0, 5])
+    assert u8.shape == (3, 32, 32, 3) and u8.dtype == np.uint8
+
+
+def test_render_matches_preprocess_of_uint8(faces: SynthFaces) -> None:
+    u8 = faces.render_uint8([4, 5], [1, 2])
+    assert np.array_equal(preprocess(u8, 32), faces.render([4, 5], [1, 2]).numpy())
+
+
+def test_same_key_same_pixels_regardless_of_batch(faces: SynthFaces) -> None:
+    ids = np.array([7, 3, 7, 11, 3, 42, 7])
+    idx = np.array([0, 5, 9, 1, 5, 2, 0])
+    full = faces.render(ids, idx)
+    # alone, reordered, and with a different chunking
+    for j in range(len(ids)):
+        assert torch.equal(faces.render(int(ids[j]), int(idx[j]))[0], full[j])
+    perm = np.array([6, 2, 0, 5, 1, 4, 3])
+    assert torch.equal(faces.render(ids[perm], idx[perm]), full[perm])
+    chunked = SynthFaces(seed=3, image_size=32, difficulty=1.0, chunk_size=2)
+    assert torch.equal(chunked.render(ids, idx), full)
+    # duplicates inside one batch are identical
+    assert torch.equal(full[0], full[6]) and torch.equal(full[1], full[4])
+
+
+def test_different_seed_index_identity_differ(faces: SynthFaces) -> None:
+    a = faces.render(1, 0)
+    assert not torch.equal(a, SynthFaces(seed=4, image_size=32).render(1, 0))
+    assert not torch.equal(a, faces.render(1, 1))
+    assert not torch.equal(a, faces.render(2, 0))
+
+
+def test_scalar_broadcast_and_errors(faces: SynthFaces) -> None:
+    assert faces.render(5, [0, 1, 2]).shape[0] == 3
+    assert faces.render([5, 6], 0).shape[0] == 2
+    assert faces.render([], []).shape == (0, 3, 32, 32)
+    with pytest.raises(InputError, match="same length"):
+        faces.render([1, 2], [1, 2, 3])
+    with pytest.raises(InputError, match="≥ 0"):
+        faces.render(-1, 0)
+    with pytest.raises(InputError):
+        SynthFaces(image_size=8)
+    with pytest.raises(InputError):
+        SynthFaces(difficulty=-1)
+
+
+def test_hash_uniforms_rows_independent() -> None:
+    u = hash_uniforms([1, 2, np.arange(10)], 5)
+    v = hash_uniforms([1, 2, np.array([3])], 5)
+    assert u.shape == (10, 5) and np.array_equal(u[3], v[0])
+    assert 0.0 <= u.min() and u.max() < 1.0
+    big = hash_uniforms([0, np.arange(20000)], 1).ravel()
+    assert abs(big.mean() - 0.5) < 0.01 and abs(big.var() - 1 / 12) < 0.005
+
+
+@pytest.mark.parametrize("size", [64, 112])
+def test_other_sizes(size: int) -> None:
+    f = SynthFaces(seed=0, image_size=size, num_threads=1)
+    x = f.render([0, 1], [0, 0])
+    assert x.shape == (2, 3, size, size)
+    assert float(x.std()) > 0.1   # not blank
+
+
+def test_difficulty_zero_is_clean_and_stable() -> None:
+    """At difficulty 0 images of one identity vary only by look (hair/glasses/beard)."""
+    f = SynthFaces(seed=1, image_size=32, difficulty=0.0, looks_per_identity=1)
+    x = f.render(0, np.arange(6))
+    # backgrounds/clothes still vary, the face centre must not
+    centre = x[:, :, 8:24, 10:22]
+    assert float((centre - centre[0:1]).abs().mean()) < 0.05
+
+
+def test_identity_separability_pixels(faces: SynthFaces) -> None:
+    """Same-identity face crops are closer than different-identity ones on average."""
+    n_id, n_img = 12, 6
+    ids = np.repeat(np.arange(n_id), n_img)
+    idx = np.tile(np.arange(n_img), n_id)
+    x = faces.render(ids, idx)[:, :, 6:28, 6:26].reshape(n_id * n_img, -1)
+    x = x - x.mean(1, keepdim=True)
+    x = x / x.norm(dim=1, keepdim=True)
+    sim = (x @ x.T).numpy()
+    same = ids[:, None] == ids[None, :]
+    off = ~np.eye(len(ids), dtype=bool)
+    assert sim[same & off].mean() > sim[~same].mean() + 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu() -> None:
+    f = SynthFaces(seed=2, image_size=32)
+    ids, idx = np.arange(16), np.arange(16) % 5
+    cpu = f.render(ids, idx)
+    gpu = f.render(ids, idx, device="cuda").cpu()
+    # transcendental functions differ in the last ulp between devices: rare ±1 level flips
+    diff = (cpu - gpu).abs() * 127.5
+    assert float(diff.max()) <= 2.01 and float((diff > 0.5).float().mean()) < 0.01
+
+
+def test_scoped_threads_same_pixels_and_restored() -> None:
+    before = torch.get_num_threads()
+    one = SynthFaces(seed=3, image_size=32, num_threads=1)
+    default = SynthFaces(seed=3, image_size=32)          # the process's thread count
+    assert torch.equal(one.render([1, 2, 3], [4, 5, 6]), default.render([1, 2, 3], [4, 5, 6]))
+    assert torch.get_num_threads() == before
+
+
+def test_jpeg_like_identity_at_zero_and_lossy_above() -> None:
+    from device_sim.synthfaces import _jpeg_like
+
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    assert float((_jpeg_like(x, torch.zeros(2)) - x).abs().max()) < 1e-5     # orthonormal DCT round trip
+    err = (_jpeg_like(x, torch.tensor([0.5, 2.0])) - x).abs().mean(dim=(1, 2, 3))
+    assert 0 < float(err[0]) < float(err[1])
