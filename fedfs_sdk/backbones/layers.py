@@ -36,14 +36,17 @@ class GroupNormP(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, c = x.shape[0], x.shape[1]
+        n = x.shape[0]
         g = x.reshape(n, self.num_groups, -1)
         mean = g.mean(dim=-1, keepdim=True)
         centered = g - mean
         var = (centered * centered).mean(dim=-1, keepdim=True)
         g = centered / torch.sqrt(var + self.eps)
         x = g.reshape(x.shape)
-        shape = (1, c) + (1,) * (x.dim() - 2)
+        # (1, -1, 1, …) is a constant in the exported graph, so the affine parameters have a
+        # static [1, C, …] shape; with the traced C (dynamic) ONNX Runtime training cannot see
+        # the broadcast and builds a bias gradient of the activation's shape (MobileFaceNet).
+        shape = (1, -1) + (1,) * (x.dim() - 2)
         return x * self.weight.reshape(shape) + self.bias.reshape(shape)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,144 @@
+"""Per-image latency and file size of the exported verifier: torch eager vs ONNX fp32 vs
+ONNX int8, single thread, batch 1 — plus the int8 AUROC change on SynthFaces.
+
+Usage: PYTHONPATH=. python benchmarks/export_latency.py [--models tiny mobilefacenet]
+       [--checkpoint NAME=PATH ...] [--pretrain-steps 400] [--runs 100] [--coreml]
+
+Models without a ``--checkpoint`` are: ``tiny`` trained here for a few hundred steps on
+SynthFaces (CosFace head of ``device_sim.pretrain``) so its AUROC means something; other
+backbones random-initialized (their latency and size are exact, their AUROC is not a
+quality figure). Every model carries a FedUV head (c = 127). Latency: median and p90 of
+``--runs`` single-image calls after 10 warm-up calls, torch and ORT pinned to 1 thread.
+int8: static QDQ (export.quantize), calibrated on 64 SynthFaces images; AUROC over all
+pairs of a disjoint SynthFaces set (cosine of embeddings).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from export.onnx_inference import export_onnx
+from export.quantize import compare_int8, quantize_int8, synthetic_calibration, synthetic_eval_set
+from fedfs_sdk.checkpoint import load_checkpoint, model_id_of, save_checkpoint
+from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.onnx_backend import OnnxBackend
+
+
+def pretrained_tiny(steps: int) -> FaceNet:
+    """tiny trained with a CosFace head (``device_sim.pretrain.MarginHead``) on 200 SynthFaces
+    identities × 8 images — Adam, ``steps`` batches of 128 (a quick stand-in for a real ξ)."""
+    import torch.nn.functional as F
+
+    from device_sim.pretrain import MarginHead
+    from device_sim.synthfaces import SynthFaces
+
+    ids, per = 200, 8
+    x = SynthFaces(seed=0, image_size=32).render(np.repeat(np.arange(ids), per), np.tile(np.arange(per), ids))
+    y = torch.arange(ids).repeat_interleave(per)
+    torch.manual_seed(0)
+    model = FaceNet(ModelConfig("tiny", code_length=127))
+    head = MarginHead(64, ids, "cosface", scale=30.0, margin=0.2)
+    opt = torch.optim.Adam(list(model.backbone.parameters()) + list(head.parameters()), lr=2e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        idx = torch.randint(0, len(x), (128,), generator=gen)
+        loss = F.cross_entropy(head(model.backbone(x[idx]), y[idx]), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def timed(fn, runs: int) -> tuple[float, float]:
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    times.sort()
+    return statistics.median(times), times[int(0.9 * (len(times) - 1))]
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def bench(name: str, model: FaceNet, source: str, runs: int, coreml: bool, tmp: Path) -> dict:
+    verifier = VerifierNet(model.backbone, model.uv_head).eval()
+    s = verifier.input_size
+    mid = model_id_of({k: v for k, v in model.state_dict().items() if not k.startswith("proj.")})
+    ckpt = tmp / f"{name}.safetensors"
+    save_checkpoint(ckpt, model, model.config)
+    fp32 = export_onnx(verifier, tmp / f"{name}.onnx", model_id=mid)
+    int8 = tmp / f"{name}.int8.onnx"
+    quantize_int8(fp32, int8, synthetic_calibration(s))
+    x = np.random.default_rng(0).uniform(-1, 1, size=(1, 3, s, s)).astype(np.float32)
+    torch.set_num_threads(1)
+    xt = torch.from_numpy(x)
+    with torch.inference_mode():
+        t_torch = timed(lambda: verifier(xt), runs)
+    b32, b8 = OnnxBackend(fp32, intra_op_threads=1), OnnxBackend(int8, intra_op_threads=1)
+    t_fp32 = timed(lambda: b32.run(x), runs)
+    t_int8 = timed(lambda: b8.run(x), runs)
+    imgs, labels = synthetic_eval_set(s, identities=40, per_identity=6)
+    quality = compare_int8(fp32, int8, imgs, labels)
+    row = {"model": f"{name}@{s}", "weights": source, "torch": t_torch, "onnx_fp32": t_fp32, "onnx_int8": t_int8,
+           "ckpt_kb": ckpt.stat().st_size / 1024, "fp32_kb": fp32.stat().st_size / 1024,
+           "int8_kb": int8.stat().st_size / 1024, **quality}
+    if coreml:
+        from export.coreml import export_coreml
+        pkg = export_coreml(verifier, tmp / f"{name}.fp16.mlpackage", precision="fp16")
+        row["coreml_fp16_kb"] = dir_size(pkg) / 1024
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["tiny", "mobilefacenet"])
+    ap.add_argument("--checkpoint", nargs="*", default=[], metavar="NAME=PATH",
+                    help="use these weights for a model (e.g. mobilefacenet=ckpt.safetensors)")
+    ap.add_argument("--pretrain-steps", type=int, default=400, help="CosFace steps for tiny without a checkpoint")
+    ap.add_argument("--runs", type=int, default=100)
+    ap.add_argument("--coreml", action="store_true", help="also report the Core ML fp16 package size")
+    a = ap.parse_args()
+    given = dict(item.split("=", 1) for item in a.checkpoint)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in a.models:
+            if name in given:
+                model, source = load_checkpoint(given[name])[0], Path(given[name]).name
+                if model.uv_head is None:
+                    raise SystemExit(f"{given[name]} has no FedUV head")
+            elif name == "tiny":
+                model, source = pretrained_tiny(a.pretrain_steps), f"CosFace {a.pretrain_steps} steps, SynthFaces"
+            else:
+                torch.manual_seed(0)
+                model, source = FaceNet(ModelConfig(name, code_length=127)).eval(), "random init"
+            rows.append(bench(name, model, source, a.runs, a.coreml, Path(tmp)))
+            print(f"done {name}", flush=True)
+    print(f"\nsingle thread, batch 1, ms per image (median / p90); torch {torch.__version__}")
+    print("| model | weights | torch eager | ONNX fp32 | ONNX int8 | ckpt KiB | .onnx fp32 KiB | .onnx int8 KiB |"
+          + (" Core ML fp16 KiB |" if a.coreml else ""))
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if a.coreml else ""))
+    for r in rows:
+        lat = " | ".join(f"{r[k][0]:.2f} / {r[k][1]:.2f}" for k in ("torch", "onnx_fp32", "onnx_int8"))
+        print(f"| {r['model']} | {r['weights']} | {lat} | {r['ckpt_kb']:.0f} | {r['fp32_kb']:.0f} | {r['int8_kb']:.0f} |"
+              + (f" {r['coreml_fp16_kb']:.0f} |" if a.coreml else ""))
+    print("\nint8 vs fp32 on SynthFaces (40 unseen identities × 6 images, all pairs)")
+    print("| model | AUROC fp32 | AUROC int8 | change | min cos(fp32, int8) | mean cos |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['model']} | {r['auroc_fp32']:.4f} | {r['auroc_int8']:.4f} | {r['auroc_change']:+.4f} | "
+              f"{r['min_cosine_fp32_int8']:.4f} | {r['mean_cosine_fp32_int8']:.4f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Pieces every exporter shares: the ONNX version targets, the input contract, checkpoint
+loading with export-specific errors, hashing, and a quiet ONNX Runtime.
+
+The input contract is fixed once for every format so a phone app preprocesses the same
+way whatever runtime it uses (insightface convention, :mod:`fedfs_sdk.preprocess`):
+RGB, ``float32`` NCHW ``[N, 3, S, S]``, ``(x − 127.5) / 127.5``. Core ML takes the
+uint8 image itself and applies the same affine map inside the model (``ImageType``
+scale ``1/127.5``, bias ``−1``).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from fedfs_sdk.errors import CheckpointError, InputError
+
+OPSET = 17
+"""ONNX opset of every exported graph. ORT 1.19 (training build included) reads opset ≤ 21
+and IR ≤ 10; 17 is what ``torch.onnx.export(dynamo=False)`` exercises best and is
+supported by ONNX Runtime Mobile and the onnxruntime-training-android/objc packages."""
+
+MAX_IR_VERSION = 10
+"""Largest ONNX IR version ONNX Runtime 1.19 loads (``onnx`` 1.17 writes ≤ 10)."""
+
+class ExportError(InputError):
+    """The requested artifact cannot be built from these inputs (says which and why)."""
+
+
+FORMAT_ONNX = "fedfs-onnx/1"
+FORMAT_ORT_TRAINING = "fedfs-ort-training/1"
+FORMAT_MANIFEST = "fedfs-export/1"
+
+
+@dataclass(frozen=True)
+class InputContract:
+    """What the exported models expect as input (same for ONNX, int8 and ORT training)."""
+
+    input_size: int
+    layout: str = "NCHW"
+    dtype: str = "float32"
+    color: str = "RGB"
+    mean: float = 127.5
+    std: float = 127.5
+
+    @property
+    def normalization(self) -> str:
+        return f"(x - {self.mean:g}) / {self.std:g}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layout": self.layout, "dtype": self.dtype, "color": self.color,
+                "shape": ["N", 3, self.input_size, self.input_size],
+                "normalization": self.normalization, "mean": self.mean, "std": self.std,
+                "pixel_range": "uint8 RGB 0..255 before normalization; model input in [-1, 1]"}
+
+
+def quiet_onnxruntime() -> None:
+    """ORT's default logger prints every graph transformer at INFO during artifact
+    generation; keep warnings and errors only (library code never prints)."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(3)
+
+
+def sha256_file(path: str | os.PathLike[str], chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_tree(path: str | os.PathLike[str]) -> dict[str, str]:
+    """``{relative file path: sha256}`` for a file or every file below a folder."""
+    p = Path(path)
+    if p.is_file():
+        return {p.name: sha256_file(p)}
+    return {str(f.relative_to(p)): sha256_file(f) for f in sorted(p.rglob("*")) if f.is_file()}
+
+
+def load_for_export(path: str | os.PathLike[str]):
+    """``(FaceNet, meta)`` of a fedfs checkpoint, with errors that say what to fix.
+
+    :class:`CheckpointError` when the file is missing, is not a fedfs checkpoint, or its
+    tensors do not fit the architecture its header declares.
+    """
+    from fedfs_sdk.checkpoint import load_checkpoint
+
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint not found: {p}")
+    if p.is_dir():
+        raise CheckpointError(f"checkpoint must be a .safetensors file, got a folder: {p}")
+    try:
+        model, meta = load_checkpoint(p)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:  # header names an unknown backbone / bad JSON
+        raise CheckpointError(f"{p} cannot be rebuilt from its header: {e}") from e
+    return model.eval(), meta
+
+
+def model_version(meta: dict[str, Any]) -> str:
+    """The version string written into every artifact: the checkpoint's ``model_version``
+    or FL ``round`` if it records one, else ``unversioned``."""
+    for key in ("model_version", "round"):
+        if key in meta and meta[key] is not None:
+            return str(meta[key])
+    return "unversioned"
+
+
+@contextlib.contextmanager
+def captured_native_stderr() -> Iterator[list[str]]:
+    """Capture what native code writes to file descriptor 2 (ORT's gradient builder logs
+    every graph transformer there regardless of the Python logger severity). The captured
+    text is appended to the yielded list, so a caller can attach it to an error."""
+    sink: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield sink
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            sink.append(tmp.read().decode("utf-8", "replace"))

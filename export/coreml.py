@@ -1,0 +1,160 @@
+"""Core ML export of the verifier: ``.mlpackage`` (ML Program), fp16 or fp32.
+
+Input ``image``: an RGB ``S×S`` image (``CVPixelBuffer`` / ``CGImage`` through Vision),
+normalized *inside* the model by the ``ImageType`` affine map ``x·(1/127.5) − 1`` — the
+same contract as ONNX's ``(x − 127.5)/127.5`` (:class:`~export.common.InputContract`).
+Outputs ``embedding`` ``[1, D]`` and, for FedUV models, ``uv`` ``[1, c]`` (float32 arrays;
+fp16 models compute in fp16 and return float32).
+
+Core ML prediction does not run on Linux: :func:`validate_coreml` checks the saved spec
+(input image type and size, the normalization ops at the head of the program, outputs and
+their shapes, metadata); numerics are checked against torch/ONNX Runtime, not Core ML.
+
+**No updatable FedUV head.** ``MLUpdateTask`` needs the ``neuralnetwork`` backend (not ML
+Program), trains only convolution / inner-product weights, offers only categorical
+cross-entropy (after a softmax) and MSE losses, and back-propagates only through
+convolution, inner-product, flatten, pooling, batchnorm and ReLU/sigmoid/tanh layers.
+FedUV's ``ℓ_pos = max(0, 1 − vᵀσ(W g)/c)`` needs the gradient through ``σ`` (an L2
+normalization scaled to ``√c``), which Core ML cannot back-propagate; the only loss Core
+ML could attach is MSE on ``W g`` itself, a different objective than what the federation
+trains (and averages). An fp16 model cannot be made updatable at all. On iOS, local
+training therefore uses the ONNX Runtime training artifacts (``onnxruntime-training-objc``),
+which train exactly the simulator's losses; Core ML serves inference.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .common import ExportError
+from .onnx_inference import OUTPUT_EMBEDDING, OUTPUT_UV, verifier_outputs
+
+IMAGE_INPUT = "image"
+PRECISIONS = ("fp16", "fp32")
+MIN_TARGET = "iOS16"
+
+
+class CoreMLValidationError(ExportError):
+    """A saved ``.mlpackage`` does not have the expected interface."""
+
+
+def _ct():
+    import logging
+
+    # coremltools logs its supported-version matrix at import; it is noise for an exporter.
+    logging.getLogger("coremltools").setLevel(logging.ERROR)
+    import coremltools as ct
+    return ct
+
+
+def export_coreml(verifier: torch.nn.Module, path: str | os.PathLike[str], *, precision: str = "fp16",
+                  metadata: dict[str, str] | None = None, model_version: str = "unversioned") -> Path:
+    """Convert ``verifier`` (a :class:`~fedfs_sdk.model.VerifierNet`) to an ``.mlpackage``."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    ct = _ct()
+    verifier = verifier.eval()
+    s = int(verifier.backbone.input_size)
+    outputs = verifier_outputs(verifier)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace(verifier, torch.zeros(1, 3, s, s))
+        # ct.convert draws tqdm bars on stderr with no switch to turn them off.
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = ct.convert(
+                traced,
+                inputs=[ct.ImageType(name=IMAGE_INPUT, shape=(1, 3, s, s), scale=1.0 / 127.5,
+                                     bias=[-1.0, -1.0, -1.0], color_layout=ct.colorlayout.RGB)],
+                outputs=[ct.TensorType(name=o, dtype=np.float32) for o in outputs],
+                convert_to="mlprogram",
+                compute_precision=ct.precision.FLOAT16 if precision == "fp16" else ct.precision.FLOAT32,
+                minimum_deployment_target=getattr(ct.target, MIN_TARGET),
+            )
+    meta = dict(metadata or {})
+    meta.update({"fedfs.precision": precision, "fedfs.input_name": IMAGE_INPUT,
+                 "fedfs.input_layout": "image", "fedfs.input_dtype": "uint8 RGB image",
+                 "fedfs.coreml_preprocessing": "x * (1/127.5) - 1 (ImageType scale/bias)"})
+    if precision == "fp16" and "fedfs.model_id" in meta:
+        meta["fedfs.model_id"] += "-coreml-fp16"   # fp16 scores differ: thresholds do not carry over
+    model.author = "fedfs"
+    model.short_description = ("fedfs face verifier: embedding" + (" + FedUV head σ(W g)" if OUTPUT_UV in outputs else "")
+                               + f"; input RGB {s}x{s} image, normalized in-model as (x-127.5)/127.5")
+    model.version = model_version
+    model.input_description[IMAGE_INPUT] = f"RGB {s}x{s} aligned face crop"
+    model.output_description[OUTPUT_EMBEDDING] = "embedding g(x) (not L2-normalized)"
+    if OUTPUT_UV in outputs:
+        model.output_description[OUTPUT_UV] = "sigma(W g(x)), norm sqrt(c); score = dot(uv, codeword)/c"
+    for k, v in meta.items():
+        model.user_defined_metadata[k] = str(v)
+    path = Path(path)
+    model.save(str(path))
+    return path
+
+
+def _const_floats(ops: dict[str, Any], name: str) -> list[float]:
+    op = ops.get(name)
+    if op is None or op.type != "const":
+        return []
+    return list(op.attributes["val"].immediateValue.tensor.floats.values)
+
+
+def validate_coreml(path: str | os.PathLike[str], *, input_size: int, outputs: dict[str, int],
+                    metadata: dict[str, str] | None = None, precision: str | None = None) -> dict[str, Any]:
+    """Check a saved ``.mlpackage`` on any OS. ``outputs`` maps name → last dimension.
+
+    Raises :class:`CoreMLValidationError` naming the first mismatch; returns a summary.
+    """
+    ct = _ct()
+    p = Path(path)
+    if not p.exists():
+        raise CoreMLValidationError(f"no Core ML package at {p}")
+    spec = ct.utils.load_spec(str(p))
+    if spec.WhichOneof("Type") != "mlProgram":
+        raise CoreMLValidationError(f"{p} is a {spec.WhichOneof('Type')} model, expected an ML Program")
+    desc = spec.description
+    if len(desc.input) != 1 or desc.input[0].name != IMAGE_INPUT:
+        raise CoreMLValidationError(f"expected one input {IMAGE_INPUT!r}, got {[i.name for i in desc.input]}")
+    img = desc.input[0].type
+    if img.WhichOneof("Type") != "imageType":
+        raise CoreMLValidationError(f"input is {img.WhichOneof('Type')}, expected an image")
+    it = img.imageType
+    if (it.width, it.height) != (input_size, input_size):
+        raise CoreMLValidationError(f"input image is {it.width}x{it.height}, expected {input_size}x{input_size}")
+    if ct.proto.FeatureTypes_pb2.ImageFeatureType.ColorSpace.Name(it.colorSpace) != "RGB":
+        raise CoreMLValidationError("input image color space is not RGB")
+    # The ImageType scale/bias become the first two ops of the program: mul(image, s), add(·, b).
+    fn = spec.mlProgram.functions["main"]
+    block = fn.block_specializations[fn.opset]
+    ops = {o.outputs[0].name: o for o in block.operations if o.outputs}
+    mul = next((o for o in block.operations if o.type == "mul"
+                and [a.name for a in o.inputs["x"].arguments] == [IMAGE_INPUT]), None)
+    if mul is None:
+        raise CoreMLValidationError("no input scaling op found: the model does not normalize the image")
+    scale = _const_floats(ops, mul.inputs["y"].arguments[0].name)
+    add = next((o for o in block.operations if o.type == "add"
+                and [a.name for a in o.inputs["x"].arguments] == [mul.outputs[0].name]), None)
+    bias = _const_floats(ops, add.inputs["y"].arguments[0].name) if add is not None else []
+    if not scale or not np.allclose(scale, 1.0 / 127.5, rtol=1e-6):
+        raise CoreMLValidationError(f"input scale is {scale}, expected 1/127.5")
+    if not bias or not np.allclose(bias, -1.0):
+        raise CoreMLValidationError(f"input bias is {bias}, expected -1 per channel")
+    got = {o.name: list(o.type.multiArrayType.shape) for o in desc.output}
+    want = {k: [1, d] for k, d in outputs.items()}
+    if got != want:
+        raise CoreMLValidationError(f"outputs are {got}, expected {want}")
+    user = dict(desc.metadata.userDefined)
+    for k, v in (metadata or {}).items():
+        if user.get(k) != v:
+            raise CoreMLValidationError(f"metadata {k!r} is {user.get(k)!r}, expected {v!r}")
+    if precision is not None and user.get("fedfs.precision") != precision:
+        raise CoreMLValidationError(f"fedfs.precision is {user.get('fedfs.precision')!r}, expected {precision!r}")
+    return {"spec_version": int(spec.specificationVersion), "input": {"name": IMAGE_INPUT, "width": it.width,
+            "height": it.height, "color": "RGB", "scale": float(scale[0]), "bias": [float(b) for b in bias]},
+            "outputs": got, "precision": user.get("fedfs.precision"), "model_id": user.get("fedfs.model_id")}

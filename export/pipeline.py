@@ -1,0 +1,258 @@
+"""``run_export``: one checkpoint → a folder of phone artifacts + ``manifest.json``.
+
+Everything is validated before any work starts (formats, checkpoint, ξ, training
+methods, the output folder), then written into a hidden sibling folder and renamed onto
+``out`` only when complete: an interrupted or failed export leaves ``out`` as it was.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from fedfs_sdk.errors import CheckpointError, InputError
+
+from .common import ExportError, load_for_export, model_version, sha256_file
+
+FORMATS = ("onnx", "onnx-int8", "coreml", "ort-training")
+"""Export formats in the order they are produced."""
+
+ONNX_FILE = "onnx/verifier.onnx"
+INT8_FILE = "onnx-int8/verifier.int8.onnx"
+
+
+def parse_formats(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """``"onnx,coreml"`` → ``("onnx", "coreml")`` in canonical order; unknown names fail."""
+    items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text) if t.strip()]
+    if not items:
+        raise InputError(f"no export format given; choose from {', '.join(FORMATS)}")
+    unknown = [t for t in items if t not in FORMATS]
+    if unknown:
+        raise InputError(f"unknown export format(s) {unknown}; choose from {', '.join(FORMATS)}")
+    return tuple(f for f in FORMATS if f in items)
+
+
+def method_dir(method: str) -> str:
+    return method.replace("+", "_")
+
+
+@dataclass
+class ExportOptions:
+    """What to export and how.
+
+    Attributes:
+        formats: subset of :data:`FORMATS`.
+        xi: path of the frozen pre-trained model ``ξ`` (FedFS training artifacts).
+        methods: training methods to build artifacts for (default: all the checkpoint supports).
+        train: local-training settings, the ``train`` object of a server round task
+            (:func:`fedfs_sdk.wire.train_config_from_json`): lr, head_lr, local_epochs,
+            batch_size, objective. Defaults are the methods' paper values.
+        coreml_precisions: ``fp16`` and/or ``fp32``.
+        calibration: folder of face images for int8 calibration (default: SynthFaces).
+        evaluate_int8: also measure the int8 AUROC change on a SynthFaces set.
+        overwrite: replace an existing non-empty ``out`` folder (only once the new one is complete).
+    """
+
+    formats: tuple[str, ...] = ("onnx",)
+    xi: str | None = None
+    methods: tuple[str, ...] | None = None
+    train: Mapping[str, Any] | None = None
+    coreml_precisions: tuple[str, ...] = ("fp16", "fp32")
+    calibration: str | None = None
+    evaluate_int8: bool = False
+    overwrite: bool = False
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise InputError(f"--out {out} already exists and is not empty; pass --overwrite to replace it")
+
+
+def _train_configs(methods: list[str], train: Mapping[str, Any] | None) -> dict[str, Any]:
+    from fedfs_sdk.wire import train_config_from_json
+
+    out = {}
+    for m in methods:
+        cfg = train_config_from_json(m, dict(train or {}))
+        if cfg.momentum or cfg.weight_decay:
+            raise InputError("ORT training artifacts use plain SGD: momentum and weight_decay must be 0 "
+                             f"(got {cfg.momentum}, {cfg.weight_decay})")
+        out[m] = cfg
+    return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` folder onto ``out``; the old ``out`` is removed only after."""
+    if out.exists():
+        backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        backup.rmdir()
+        os.replace(out, backup)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(backup, out)
+            raise
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], options: ExportOptions,
+               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Export ``checkpoint`` into ``out``; returns the manifest. See :class:`ExportOptions`."""
+    from .manifest import build_manifest, write_manifest
+    from .ort_training import supported_methods
+
+    step = progress or (lambda _msg: None)
+    out = Path(out)
+    formats = parse_formats(options.formats)
+    _check_out(out, options.overwrite)
+    bad_prec = [p for p in options.coreml_precisions if p not in ("fp16", "fp32")]
+    if "coreml" in formats and (bad_prec or not options.coreml_precisions):
+        raise InputError(f"Core ML precisions must be fp16 and/or fp32, got {list(options.coreml_precisions)}")
+    if options.calibration is not None and not Path(options.calibration).is_dir():
+        raise InputError(f"calibration folder not found: {options.calibration}")
+    step("loading checkpoint")
+    model, meta = load_for_export(checkpoint)
+    xi = None
+    if options.xi is not None:
+        xi, _ = load_for_export(options.xi)
+    from fedfs_sdk.checkpoint import model_id_of
+    from fedfs_sdk.model import VerifierNet
+
+    verifier = VerifierNet(model.backbone, model.uv_head).eval()
+    mid = meta.get("model_id") or model_id_of({k: v for k, v in model.state_dict().items() if not k.startswith("proj.")})
+    version = model_version(meta)
+    methods: list[str] = []
+    train_cfgs: dict[str, Any] = {}
+    if "ort-training" in formats:
+        possible = supported_methods(model, xi)
+        methods = list(options.methods) if options.methods else possible
+        from fedfs_sdk.objective import METHODS
+
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            raise InputError(f"unknown training method(s) {unknown}; choose from {', '.join(METHODS)}")
+        if not methods:
+            raise CheckpointError("no on-device training method fits this checkpoint: FedUV needs a head "
+                                  "(code_length), FedFS needs the extra linear layer (proj_dim) and --xi")
+        missing = [m for m in methods if m not in possible]
+        if missing:
+            why = ("FedUV needs a checkpoint with a FedUV head (code_length); FedFS needs proj_dim and the "
+                   "frozen model ξ (--xi)")
+            raise CheckpointError(f"cannot build training artifacts for {missing}: {why}")
+        train_cfgs = _train_configs(methods, options.train)
+        from .ort_training import build_step
+
+        for m in methods:  # dimension checks (ξ vs proj_dim, input sizes) before any file is written
+            build_step(m, model, xi=xi, objective=train_cfgs[m].objective, lr=train_cfgs[m].effective_lr,
+                       head_lr=train_cfgs[m].head_lr)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the published folder gets the usual mode
+    try:
+        artifacts: dict[str, Any] = {}
+        with tempfile.TemporaryDirectory() as scratch:
+            fp32_path = tmp / ONNX_FILE if "onnx" in formats else Path(scratch) / "verifier.onnx"
+            if "onnx" in formats or "onnx-int8" in formats:
+                from .onnx_inference import export_onnx, onnx_vs_torch
+
+                step("ONNX fp32")
+                fp32_path.parent.mkdir(parents=True, exist_ok=True)
+                export_onnx(verifier, fp32_path, model_id=mid, model_version=version)
+                parity = onnx_vs_torch(verifier, fp32_path)
+                if max(parity.values()) > 1e-4:
+                    raise ExportError(f"ONNX output differs from torch by {parity} (> 1e-4)")
+                if "onnx" in formats:
+                    artifacts["onnx"] = {"file": ONNX_FILE, "model_id": mid, "precision": "fp32",
+                                         "opset": _opset(fp32_path), "max_abs_diff_vs_torch": parity}
+            if "onnx-int8" in formats:
+                from .quantize import (compare_int8, folder_calibration, quantize_int8,
+                                       synthetic_calibration, synthetic_eval_set)
+
+                step("ONNX int8")
+                s = verifier.input_size
+                if options.calibration:
+                    calib, src = folder_calibration(options.calibration, s), f"images from {options.calibration}"
+                else:
+                    calib, src = synthetic_calibration(s), "SynthFaces"
+                (tmp / INT8_FILE).parent.mkdir(parents=True, exist_ok=True)
+                info = quantize_int8(fp32_path, tmp / INT8_FILE, calib, calibration_source=src)
+                entry = {"file": INT8_FILE, "model_id": mid + "-int8", "precision": "int8", **info,
+                         "bytes_fp32": fp32_path.stat().st_size, "bytes_int8": (tmp / INT8_FILE).stat().st_size}
+                if options.evaluate_int8:
+                    imgs, labels = synthetic_eval_set(s)
+                    entry["evaluation_synthfaces"] = compare_int8(fp32_path, tmp / INT8_FILE, imgs, labels)
+                artifacts["onnx-int8"] = entry
+        if "coreml" in formats:
+            from .coreml import export_coreml, validate_coreml
+            from .onnx_inference import inference_metadata
+
+            md = inference_metadata(verifier, model_id=mid, model_version=version)
+            outs = {"embedding": int(model.config.embedding_dim)}
+            if model.config.code_length:
+                outs["uv"] = int(model.config.code_length)
+            variants = {}
+            for prec in options.coreml_precisions:
+                step(f"Core ML {prec}")
+                rel = f"coreml/verifier.{prec}.mlpackage"
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                export_coreml(verifier, tmp / rel, precision=prec, metadata=md, model_version=version)
+                summary = validate_coreml(tmp / rel, input_size=verifier.input_size, outputs=outs, precision=prec)
+                variants[prec] = {"package": rel, **summary}
+            artifacts["coreml"] = {"variants": variants, "minimum_deployment_target": "iOS16",
+                                   "prediction": "needs macOS/iOS; validated here by spec inspection only",
+                                   "updatable": False,
+                                   "updatable_reason": "MLUpdateTask cannot back-propagate through FedUV's sigma "
+                                                       "(L2 normalization) nor use its hinge loss; on-device training "
+                                                       "uses the ORT artifacts (see docs/export.md)"}
+        if methods:
+            from .ort_training import export_training_artifacts
+
+            per_method = {}
+            for m in methods:
+                step(f"ORT training artifacts: {m}")
+                cfg = train_cfgs[m]
+                rel = f"ort-training/{method_dir(m)}"
+                info = export_training_artifacts(
+                    m, model, tmp / rel, xi=xi, objective=cfg.objective, lr=cfg.effective_lr,
+                    head_lr=cfg.head_lr, local_epochs=cfg.effective_epochs, batch_size=cfg.batch_size,
+                    model_id=mid, model_version=version,
+                    xi_sha256=sha256_file(options.xi) if options.xi is not None else None)
+                per_method[m] = {"folder": rel, "inputs": info["inputs"], "outputs": info["outputs"],
+                                 "lr": info["lr"], "head_lr": info["head_lr"], "local_epochs": info["local_epochs"],
+                                 "batch_size": info["batch_size"], "soft_labels": info["soft_labels"]}
+            artifacts["ort-training"] = {"methods": per_method, "runtime": "onnxruntime-training 1.19.2 C API "
+                                         "(fedfs_sdk.ort_device.OrtDeviceTrainer)"}
+        step("manifest")
+        ckpt = Path(checkpoint)
+        source = {"file": ckpt.name, "sha256": sha256_file(ckpt), "meta": meta}
+        if options.xi is not None:
+            source["xi"] = {"file": Path(options.xi).name, "sha256": sha256_file(options.xi)}
+        cfg = model.config
+        model_info = {"backbone": cfg.backbone, "input_size": int(cfg.input_size),
+                      "embedding_dim": int(cfg.embedding_dim), "code_length": int(cfg.code_length or 0),
+                      "proj_dim": int(cfg.proj_dim or 0)}
+        manifest = build_manifest(tmp, source=source, model=model_info, model_id=mid, model_version=version,
+                                  artifacts=artifacts)
+        write_manifest(tmp, manifest)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _opset(path: Path) -> int:
+    import onnx
+
+    m = onnx.load(str(path), load_external_data=False)
+    return next(i.version for i in m.opset_import if i.domain in ("", "ai.onnx"))
