@@ -1,0 +1,155 @@
+"""Arguments and set-up shared by ``fedfs pretrain``, ``fedfs simulate`` and ``fedfs demo``:
+the data (``synth`` or an ImageFolder path), its split, ξ, and progress bars."""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from fedfs_sdk.errors import CheckpointError, InputError
+
+from .datasets import IdentityDataset, ImageFolderDataset, SynthDataset
+from .pretrain import PretrainConfig, load_xi, pretrain_cached
+from .splits import FaceSplits, make_splits
+from .synthfaces import SynthFaces
+
+SYNTH_UNIVERSE = 1_000_000
+"""Identities of the synthetic universe the splits draw from."""
+
+
+def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users: int = 20,
+                       public: int = 300) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="synth", help="'synth' (SynthFaces, generated) or an ImageFolder root "
+                   "(root/<identity>/*.jpg|png|pgm, one client per identity)")
+    g.add_argument("--image-size", type=int, default=32, help="input side in pixels (default 32, the tiny backbone)")
+    g.add_argument("--difficulty", type=float, default=1.0, help="SynthFaces nuisance strength (0 clean … 1 default)")
+    g.add_argument("--synth-seed", type=int, default=0, help="SynthFaces universe seed")
+    g.add_argument("--clients", type=int, default=clients, help=f"number of clients, one identity each (default {clients}; "
+                   "for a folder: all identities not public/new users when 0)")
+    g.add_argument("--new-users", type=int, default=new_users, help="identities never in training (FedUV's third set)")
+    g.add_argument("--public", type=int, default=public, help="public identities for pre-training ξ")
+    g.add_argument("--train-per-client", type=int, default=20, help="local training images per client "
+                   "(synth; FedFS uses 57). For a folder: 0 = 80/20 split of each identity")
+    g.add_argument("--test-per-client", type=int, default=10, help="held-out test images per client (FedFS: 13)")
+    g.add_argument("--public-images", type=int, default=20, help="images per public identity (synth)")
+    g.add_argument("--split-seed", type=int, default=0, help="seed of the identity / image split")
+    g.add_argument("--detect-face", action="store_true", help="crop the largest detected face (folders)")
+
+
+def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
+    """The dataset and the public / client / new-user split the arguments describe."""
+    if args.data == "synth":
+        per = args.train_per_client + args.test_per_client
+        faces = SynthFaces(args.synth_seed, args.image_size, args.difficulty)
+        ds = SynthDataset(faces, images_per_identity=max(per, args.public_images), num_identities=SYNTH_UNIVERSE,
+                          cache_bytes=1 << 30)
+        splits = make_splits(SYNTH_UNIVERSE, args.public, args.clients, args.new_users,
+                             args.train_per_client, args.test_per_client, seed=args.split_seed,
+                             public_images=args.public_images)
+        return ds, splits
+    root = Path(args.data)
+    if not root.is_dir():
+        raise InputError(f"--data must be 'synth' or an ImageFolder directory; {root} is not a directory")
+    ds = ImageFolderDataset(root, args.image_size, detect_face=args.detect_face, validate=True, cache_bytes=1 << 30)
+    fixed = args.train_per_client > 0
+    clients = args.clients or (ds.num_identities - args.public - args.new_users)
+    splits = make_splits(ds, args.public, clients, args.new_users,
+                         args.train_per_client if fixed else None, args.test_per_client if fixed else None,
+                         seed=args.split_seed, public_images=None)
+    return ds, splits
+
+
+def add_pretrain_arguments(p: argparse.ArgumentParser, epochs: int = 10) -> None:
+    g = p.add_argument_group("pre-training of ξ")
+    g.add_argument("--backbone", default="tiny", choices=["tiny", "mobilefacenet", "feduv_cnn"])
+    g.add_argument("--width", type=int, default=None, help="backbone width multiplier (tiny, feduv_cnn)")
+    g.add_argument("--embedding-dim", type=int, default=None, help="embedding size (backbone default)")
+    g.add_argument("--margin-loss", default="cosface", choices=["cosface", "arcface"])
+    g.add_argument("--margin", type=float, default=None, help="CosFace m (default 0.2) / ArcFace angle (0.5)")
+    g.add_argument("--scale", type=float, default=16.0, help="logit scale s")
+    g.add_argument("--pretrain-epochs", type=int, default=epochs)
+    g.add_argument("--pretrain-optimizer", default="adamw", choices=["adamw", "sgd"])
+    g.add_argument("--pretrain-lr", type=float, default=5e-3)
+    g.add_argument("--pretrain-batch-size", type=int, default=128)
+    g.add_argument("--cache-dir", default=None, help="ξ cache (default $FEDFS_CACHE_DIR/pretrained or ~/.cache/fedfs/pretrained)")
+
+
+def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
+    margin = args.margin if args.margin is not None else (0.2 if args.margin_loss == "cosface" else 0.5)
+    return PretrainConfig(backbone=args.backbone, width=args.width, embedding_dim=args.embedding_dim,
+                          loss=args.margin_loss, scale=args.scale, margin=margin, epochs=args.pretrain_epochs, optimizer=args.pretrain_optimizer,
+                          batch_size=args.pretrain_batch_size, lr=args.pretrain_lr, seed=args.split_seed)
+
+
+def run_pretrain(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits, out: str | None = None,
+                 force: bool = False, quiet: bool = False):
+    """Pre-train ξ on the split's public identities (cached) with a progress bar."""
+    ids, idx, labels = splits.pairs("public", "train")
+    if ids.size == 0:
+        raise InputError("no public identities to pre-train ξ on: set --public N (or pass --pretrained CKPT)")
+    with progress_bar("pre-training ξ", unit="step", disable=quiet) as bar:
+        def cb(step: int, total: int, m: dict[str, float]) -> None:
+            bar.total = total
+            bar.update(step - bar.n)
+            bar.set_postfix(loss=f"{m['loss']:.3f}", acc=f"{m['acc']:.2f}")
+        res = pretrain_cached(ds, ids, idx, labels, pretrain_config(args), device=args.device,
+                              cache_dir=args.cache_dir, out=out, force=force, progress=cb)
+    return res
+
+
+def check_xi_disjoint(xi_meta: dict[str, Any], splits: FaceSplits) -> None:
+    """Refuse a ξ pre-trained on identities that are clients or new users here."""
+    public = xi_meta.get("public_identities")
+    if public is None:
+        return
+    overlap = np.intersect1d(np.asarray(public), np.r_[splits.identities("clients"), splits.identities("new_users")])
+    if overlap.size:
+        raise CheckpointError(f"ξ was pre-trained on {overlap.size} identities that are clients/new users in this "
+                              f"split (e.g. {overlap[:3].tolist()}); pre-train on this split's public identities")
+
+
+def resolve_xi(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits, quiet: bool = False):
+    """ξ from ``--pretrained`` or pre-trained (cached) on the split's public identities."""
+    if getattr(args, "pretrained", None):
+        from fedfs_sdk.checkpoint import read_checkpoint
+        _, _, meta = read_checkpoint(args.pretrained)
+        check_xi_disjoint(meta, splits)
+        xi = load_xi(args.pretrained)
+        if xi.input_size != ds.image_size:
+            raise InputError(f"ξ expects {xi.input_size}px inputs but --image-size is {ds.image_size}")
+        return xi, {"path": str(args.pretrained), "cached": True, "stats": meta.get("stats", {})}
+    res = run_pretrain(args, ds, splits, quiet=quiet)
+    return res.model, {"path": str(res.path), "cached": res.cached, "stats": res.stats}
+
+
+def add_device_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def setup_device(args: argparse.Namespace) -> None:
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError("--device cuda was requested but no CUDA device is available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+
+@contextlib.contextmanager
+def progress_bar(desc: str, total: int | None = None, unit: str = "it", disable: bool = False) -> Iterator[Any]:
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit=unit, disable=disable, file=sys.stderr, dynamic_ncols=True, leave=False)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+__all__ = ["add_data_arguments", "build_data", "add_pretrain_arguments", "pretrain_config", "run_pretrain",
+           "resolve_xi", "check_xi_disjoint", "add_device_argument", "setup_device", "progress_bar", "SYNTH_UNIVERSE"]

@@ -1,0 +1,158 @@
+"""``fedfs simulate``: run federations of single-identity clients and report the papers' metrics.
+
+Example::
+
+    fedfs simulate --method pretrained fedfs feduv:c=255 fedfs+feduv --data synth \\
+        --clients 100 --rounds 10 --participation 0.5 --out runs/exp1
+
+    fedfs simulate --method fedfs --data /data/digiface --image-size 112 --backbone mobilefacenet \\
+        --pretrained xi.safetensors --clients 0 --device cuda --out runs/digiface
+
+Writes ``DIR/results.json`` (settings, per-round history, all metrics), ``DIR/results.md``
+(the table) and ``DIR/roc.png``; checkpoints under ``DIR/checkpoints/<method>/`` resume
+with ``--resume``.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from fedfs_sdk.errors import InputError
+
+from .cli_common import (add_data_arguments, add_device_argument, add_pretrain_arguments, build_data,
+                         progress_bar, resolve_xi, setup_device)
+from .evaluate import EvalConfig, evaluate
+from .executors import LocalConfig
+from .federation import Federation, FederationConfig, checkpoint_path, latest_checkpoint
+from .methods import REGISTRY, parse_method
+from .population import Population
+from .report import markdown_table, slug, write_results
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--method", nargs="+", default=["pretrained", "fedfs", "feduv", "fedfs+feduv"],
+                   help=f"one or more of {sorted(REGISTRY)}, with options as name:key=value,… "
+                        "(e.g. feduv:c=511,neg=early,neg_rounds=5)")
+    p.add_argument("--rounds", type=int, default=10, help="federated rounds T")
+    p.add_argument("--participation", type=float, default=0.5, help="fraction p of clients per round")
+    p.add_argument("--local-epochs", type=int, default=None, help="local epochs E (default: the method's paper value)")
+    p.add_argument("--lr", type=float, default=None, help="local SGD lr (default: FedFS 5e-3, FedUV 0.1)")
+    p.add_argument("--head-lr", type=float, default=None, help="lr of a randomly started head (default: the "
+                   "method's — 20 for the FedUV head W, which σ makes scale-invariant; 0.1 for class embeddings)")
+    p.add_argument("--batch-size", type=int, default=10, help="local batch size (default 10)")
+    p.add_argument("--momentum", type=float, default=0.0)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="federation seed (sampling, init, local shuffles)")
+    p.add_argument("--pretrained", default=None, help="ξ checkpoint (default: pre-train on the public identities, cached)")
+    p.add_argument("--executor", default="auto", choices=["auto", "sequential", "batched"],
+                   help="auto: batched (vmap) on CUDA, sequential on CPU")
+    p.add_argument("--chunk-size", type=int, default=0, help="clients per executor call (0: auto)")
+    p.add_argument("--amp", default="off", choices=["off", "bf16", "fp16"], help="autocast on CUDA")
+    p.add_argument("--store-dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="precision of stored θ_c")
+    p.add_argument("--store-location", default="cpu", choices=["cpu", "pinned", "cuda", "disk"], help="where θ_c lives")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K rounds (and at the end) when > 0")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
+    p.add_argument("--eval-every", type=int, default=0, help="also evaluate every K rounds (history) when > 0")
+    p.add_argument("--eval-clients", type=int, default=1000, help="evaluate at most this many clients")
+    p.add_argument("--impostor-pool", type=int, default=2000, help="at most this many impostor images per client")
+    p.add_argument("--q", type=float, default=0.9, help="FedUV warm-up target TPR")
+    p.add_argument("--out", default="runs/simulate", help="output directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_device_argument(p)
+    add_data_arguments(p)
+    add_pretrain_arguments(p)
+
+
+def federation_config(args: argparse.Namespace) -> FederationConfig:
+    local = LocalConfig(lr=args.lr, head_lr=args.head_lr, local_epochs=args.local_epochs,
+                        batch_size=args.batch_size, momentum=args.momentum, weight_decay=args.weight_decay,
+                        amp=args.amp)
+    return FederationConfig(rounds=args.rounds, participation=args.participation, local=local, seed=args.seed,
+                            device=args.device, executor=args.executor, chunk_size=args.chunk_size,
+                            store_dtype=args.store_dtype, store_location=args.store_location)
+
+
+def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Path,
+               eval_cfg: EvalConfig, keep: dict[str, Federation] | None = None) -> dict[str, Any]:
+    """Train (or resume) one method's federation, evaluate it, return its result row
+    (and put the federation in ``keep[spec]`` when given)."""
+    method = parse_method(spec)
+    cfg = federation_config(args)
+    ckdir = out / "checkpoints" / slug(method.label)
+    fed = Federation(method, pop, xi, cfg, store_path=ckdir / "store.mmap")
+    if args.resume and (ck := latest_checkpoint(ckdir)) is not None:
+        fed.load(ck)
+    t0 = time.perf_counter()
+    if method.trains and fed.round < cfg.rounds:
+        with progress_bar(f"{method.label}", total=cfg.rounds, unit="round", disable=args.quiet) as bar:
+            bar.update(fed.round)
+
+            def on_round(f: Federation, rec) -> None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{rec.metrics.get('loss_mean', float('nan')):.4f}",
+                                upd_s=f"{rec.client_updates_per_s:.1f}")
+                if args.checkpoint_every and (f.round % args.checkpoint_every == 0 or f.round == cfg.rounds):
+                    f.save(checkpoint_path(ckdir, f.round))
+                if args.eval_every and f.round % args.eval_every == 0 and f.round < cfg.rounds:
+                    rec.eval = _summary(_evaluate(f, pop, eval_cfg, args, quiet=True))
+
+            fed.run(cfg.rounds, on_round=on_round)
+    train_s = time.perf_counter() - t0
+    result = _evaluate(fed, pop, eval_cfg, args, quiet=args.quiet)
+    if keep is not None:
+        keep[spec] = fed
+    return {"method": method.name, "label": method.label, "options": method.options(), "rounds": fed.round,
+            "seconds": train_s, "touched_clients": int(fed.store.touched().size) if fed.store is not None else None,
+            "history": [vars(h) for h in fed.history], "eval": result}
+
+
+def _evaluate(fed: Federation, pop: Population, cfg: EvalConfig, args: argparse.Namespace, quiet: bool) -> dict:
+    with progress_bar(f"evaluating {fed.method.label}", unit="client", disable=quiet) as bar:
+        def cb(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+        return evaluate(fed.method, fed.global_weights, fed.private_weights, pop, cfg, args.device,
+                        client_state=fed.client_state, progress=cb)
+
+
+def _summary(ev: dict) -> dict:
+    return {"auroc": ev["verification"]["auroc"]["mean"],
+            "warmup_tpr": ev["warmup"]["tpr"]["mean"], "warmup_fpr": ev["warmup"]["fpr_participants"]["mean"]}
+
+
+def run_simulation(args: argparse.Namespace, title: str = "fedfs simulate",
+                   keep: dict[str, Federation] | None = None) -> dict[str, Any]:
+    """Everything ``fedfs simulate`` does; returns the results dict (also written to ``--out``).
+    ``keep`` receives the trained federations by method spec."""
+    setup_device(args)
+    if args.rounds < 0:
+        raise InputError(f"--rounds must be ≥ 0, got {args.rounds}")
+    for spec in args.method:  # fail fast on a typo before any pre-training
+        parse_method(spec)
+    out = Path(args.out)
+    t0 = time.perf_counter()
+    ds, splits = build_data(args)
+    pop = Population(ds, splits)
+    xi, xi_info = resolve_xi(args, ds, splits, quiet=args.quiet)
+    eval_cfg = EvalConfig(q=args.q, max_clients=args.eval_clients, impostor_pool=args.impostor_pool, seed=args.seed)
+    rows = [run_method(spec, pop, xi, args, out, eval_cfg, keep) for spec in args.method]
+    settings = {k: v for k, v in vars(args).items() if k not in ("func",)}
+    results = {"title": title, "settings": settings, "xi": xi_info, "eval_config": vars(eval_cfg),
+               "population": {"clients": pop.num_clients, "new_users": pop.num_new_users,
+                              "public": len(splits.public), "image_size": pop.image_size, "data": repr(ds)},
+               "wall_seconds": time.perf_counter() - t0, "methods": rows}
+    results["files"] = {k: str(v) for k, v in write_results(out, results, title).items()}
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    results = run_simulation(args)
+    print(markdown_table(results["methods"], f"{results['population']['clients']} clients, "
+                                             f"{args.rounds} rounds, p = {args.participation}"))
+    print(f"wrote {', '.join(results['files'].values())} ({results['wall_seconds']:.0f} s)")
+    return 0
+
+
+__all__ = ["add_arguments", "run", "run_simulation", "run_method", "federation_config"]

@@ -1,0 +1,281 @@
+"""The project's methods on top of ``fedfs_sdk``: pretrained-only, FedFS, FedUV, FedFS+FedUV.
+
+All three trained methods evaluate exactly the device objective of
+:func:`fedfs_sdk.objective.local_objective` (the function the phone's trainer and the ONNX
+training graphs use), called functionally on the executor's parameters.
+
+Verification (see ``docs/simulation.md``):
+
+* ``pretrained`` — ξ's embedding, cosine template.
+* ``fedfs`` — the personalized ``q'`` = ``ϕ(θ_c)`` backbone output, cosine template
+  (``q'`` rather than ``q``: the projection only serves ``F_insub``'s ``z = r ⊕ q``, while
+  ``F_reg`` (Eq. 8) ties ``q'`` to the global ``r'``; see ``docs/methods.md`` item 6).
+* ``feduv`` — the global model and head, score ``(1/c) v_uᵀ σ(W g(x))`` (FedUV Eq. 5).
+* ``fedfs+feduv`` — the personalized backbone ``q'`` with the global head ``W`` and the
+  client's codeword.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from fedfs_sdk.codes import KNOWN_CODES, make_codeword, random_codewords
+from fedfs_sdk.errors import InputError
+from fedfs_sdk.losses.fedfs import FedFSLossConfig
+from fedfs_sdk.model import FaceNet, ModelConfig, personal_config
+from fedfs_sdk.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
+from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_LR, initial_global_weights
+
+from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, VerifierSpec, Weights,
+                   backbone_weights, frozen, verifier_net)
+
+NEG_MODES = ("none", "all", "early")
+
+
+class PretrainedOnly(FederatedMethod):
+    """No federation: every client verifies with ξ and a cosine template (FedFS Table 1's
+    "pre-trained model" row)."""
+
+    name = "pretrained"
+    trains = False
+
+    def setup(self, ctx: SimContext) -> None:
+        super().setup(ctx)
+        self._net = verifier_net(ctx.model_config.resolved(), with_head=False)
+
+    def init_global(self) -> Weights:
+        return {k: v.detach().clone() for k, v in self.context.xi.state_dict().items()}
+
+    def objective(self, plan, params, consts, x, mask):
+        raise RuntimeError("the pretrained-only method does not train")
+
+    def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
+        return VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="xi")
+
+
+class SDKMethod(FederatedMethod):
+    """Shared machinery of ``fedfs``, ``feduv`` and ``fedfs+feduv``.
+
+    Args:
+        code_length: FedUV code length ``c`` ∈ {127, 255, 511} (FedUV Table 1).
+        neg: ``ℓ_neg`` schedule — ``none``, ``all`` rounds, or ``early`` (rounds ≤
+            ``neg_rounds``; FedUV §6.3 "better accuracy at early epochs").
+        neg_rounds: last round with ``ℓ_neg`` when ``neg="early"``.
+        lambda_neg: weight of ``ℓ_neg`` when active.
+        neg_samples: how many other participants' codewords each client sees for
+            ``ℓ_neg`` (simulation only: a real device never learns others' codewords).
+        uv_weight: μ of the combined objective.
+        fedfs_loss: FedFS loss options (``⊕``, logit mode, K, γ, λ); the keyword options
+            ``combine``, ``logits``, ``logit_scale``, ``top_k``, ``gamma``, ``lam`` and
+            ``soft_score`` override single fields (CLI: ``fedfs:soft_score=cosine,lam=0.5``).
+    """
+
+    sdk_method = "fedfs"
+
+    def __init__(self, code_length: int = 127, neg: str = "none", neg_rounds: int = 5,
+                 lambda_neg: float = 1.0, neg_samples: int = 64, uv_weight: float = 1.0,
+                 fedfs_loss: FedFSLossConfig | None = None, combine: str | None = None,
+                 logits: str | None = None, logit_scale: float | None = None, top_k: float | None = None,
+                 gamma: float | None = None, lam: float | None = None, soft_score: str | None = None) -> None:
+        super().__init__()
+        if uses_feduv(self.sdk_method) and code_length not in KNOWN_CODES:
+            raise InputError(f"code_length must be one of {sorted(KNOWN_CODES)} (FedUV Table 1), got {code_length}")
+        if neg not in NEG_MODES:
+            raise InputError(f"neg must be one of {NEG_MODES}, got {neg!r}")
+        if neg != "none" and not uses_feduv(self.sdk_method):
+            raise InputError(f"ℓ_neg is a FedUV term; method {self.sdk_method!r} has no codewords")
+        if neg_rounds < 0 or neg_samples < 1 or lambda_neg < 0:
+            raise InputError("neg_rounds must be ≥ 0, neg_samples ≥ 1 and lambda_neg ≥ 0")
+        self.code_length = int(code_length) if uses_feduv(self.sdk_method) else None
+        self.neg, self.neg_rounds, self.lambda_neg = neg, int(neg_rounds), float(lambda_neg)
+        self.neg_samples, self.uv_weight = int(neg_samples), float(uv_weight)
+        overrides = {k: v for k, v in dict(combine=combine, logits=logits, logit_scale=logit_scale, top_k=top_k,
+                                           gamma=gamma, lam=lam, soft_score=soft_score).items() if v is not None}
+        if overrides and not uses_fedfs(self.sdk_method):
+            raise InputError(f"FedFS loss options {sorted(overrides)} do not apply to {self.sdk_method!r}")
+        self.fedfs_loss = replace(fedfs_loss or FedFSLossConfig(), **overrides)
+        self._loss_overrides = overrides
+        self._codewords: dict[int, np.ndarray] = {}
+
+    # ---- description -------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        opts = [f"{k}={v}" for k, v in sorted(self._loss_overrides.items())]
+        if self.code_length is not None:
+            neg = {"none": [], "all": ["ℓ_neg"], "early": [f"ℓ_neg≤r{self.neg_rounds}"]}[self.neg]
+            opts = [f"c={self.code_length}", *neg, *opts]
+        return f"{self.name} ({', '.join(opts)})" if opts else self.name
+
+    def options(self) -> dict[str, Any]:
+        opts: dict[str, Any] = {"fedfs_loss": asdict(self.fedfs_loss)} if uses_fedfs(self.sdk_method) else {}
+        if self.code_length is not None:
+            opts.update(code_length=self.code_length, neg=self.neg, neg_rounds=self.neg_rounds,
+                        lambda_neg=self.lambda_neg, neg_samples=self.neg_samples)
+        if self.sdk_method == "fedfs+feduv":
+            opts["uv_weight"] = self.uv_weight
+        return opts
+
+    def default_lr(self) -> float:
+        return DEFAULT_LR[self.sdk_method]
+
+    def default_local_epochs(self) -> int:
+        return DEFAULT_EPOCHS[self.sdk_method]
+
+    def default_head_lr(self) -> float | None:
+        """20 for the FedUV head: σ makes the loss invariant to the scale of ``W``, so its
+        effective step is ``lr/||W||²``-small. Measured on SynthFaces (feduv, 100 clients,
+        p = 0.5, 10 rounds, ξ-initialized backbone): per-client AUROC 0.53 / 0.56 / 0.69 /
+        0.79 / 0.82 for a head lr of 0.1 / 1 / 5 / 20 / 100."""
+        return 20.0
+
+    def min_batch(self) -> int:
+        return 2 if uses_fedfs(self.sdk_method) else 1
+
+    # ---- set-up ------------------------------------------------------------------------
+    def setup(self, ctx: SimContext) -> None:
+        super().setup(ctx)
+        base = ctx.model_config.resolved()
+        proj = self.fedfs_loss.projection_dim(int(base.embedding_dim)) if uses_fedfs(self.sdk_method) else None
+        self.model_config: ModelConfig = replace(base, proj_dim=proj, code_length=self.code_length)
+        dev = torch.device(ctx.device)
+        # Skeletons only: their tensors are replaced by functional_call's params.
+        self.global_net = frozen(FaceNet(self.model_config)).to(dev)
+        self.personal_net = (frozen(FaceNet(personal_config(self.model_config))).to(dev)
+                             if uses_fedfs(self.sdk_method) else None)
+        self.xi = frozen(ctx.xi).to(dev) if uses_fedfs(self.sdk_method) else None
+        self._personal_vnet = verifier_net(personal_config(self.model_config), with_head=False)
+        self._global_vnet = verifier_net(self.model_config, with_head=self.code_length is not None)
+        self._init_private: Params | None = None
+
+    def init_global(self) -> Weights:
+        ctx = self.context
+        return initial_global_weights(self.model_config, ctx.xi, seed=ctx.seed)
+
+    def init_private(self, global_weights: Weights) -> Params:
+        if not uses_fedfs(self.sdk_method):
+            return {}
+        # θ_c starts from the round-0 global model (FedFS: both start from the pre-trained ξ).
+        return {"personal": {k: v.detach().clone() for k, v in global_weights.items() if not k.startswith("uv_head.")}}
+
+    @property
+    def private_groups(self) -> tuple[str, ...]:  # type: ignore[override]
+        return ("personal",) if uses_fedfs(self.sdk_method) else ()
+
+    # ---- codewords ---------------------------------------------------------------------
+    def codeword(self, client: int) -> np.ndarray:
+        """Client ``client``'s FedUV codeword ``v_u = C(b_u ‖ r_u)`` (FedUV Alg. 2): ``b_u``
+        is the client index (unique, as the server assigns), ``r_u`` drawn from a generator
+        seeded by ``(seed, client)`` so it is regenerated on demand, never stored."""
+        assert self.code_length is not None
+        v = self._codewords.get(client)
+        if v is None:
+            rng = np.random.default_rng([self.context.seed, 0xC0DE, client])
+            v, _ = make_codeword(int(client), self.code_length, rng=rng)
+            if len(self._codewords) < 65536:  # bounded cache; regeneration is cheap
+                self._codewords[client] = v
+        return v
+
+    def client_state_init(self, client: int) -> ClientState:
+        return ClientState(client, self.codeword(client) if self.code_length is not None else None)
+
+    # ---- one round ---------------------------------------------------------------------
+    def lambda_neg_at(self, round_idx: int) -> float:
+        if self.neg == "all" or (self.neg == "early" and round_idx <= self.neg_rounds):
+            return self.lambda_neg
+        return 0.0
+
+    def configure_round(self, round_idx: int, participants: np.ndarray) -> RoundPlan:
+        lneg = self.lambda_neg_at(round_idx) if self.code_length is not None else 0.0
+        cfg = ObjectiveConfig(fedfs=self.fedfs_loss, uv_weight=self.uv_weight, lambda_neg=lneg)
+        return RoundPlan(round_idx, np.asarray(participants), {"objective": cfg})
+
+    def client_consts(self, plan: RoundPlan, state: ClientState) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        if self.code_length is None:
+            return out
+        assert state.codeword is not None
+        out["codeword"] = torch.from_numpy(state.codeword.astype(np.float32))
+        if plan.extras["objective"].lambda_neg > 0:
+            out["neg_codewords"] = torch.from_numpy(self._neg_codewords(plan, state.client).astype(np.float32))
+        return out
+
+    def _neg_codewords(self, plan: RoundPlan, client: int) -> np.ndarray:
+        """``ℓ_neg``'s other users (FedUV Eq. 4): up to ``neg_samples`` other participants of
+        this round; the same count for every client of the round (stackable). A lone
+        participant gets codewords of random messages instead."""
+        others = plan.participants[plan.participants != client]
+        rng = np.random.default_rng([self.context.seed, 0x4E45, plan.round, client])
+        assert self.code_length is not None
+        if others.size == 0:
+            return random_codewords(self.neg_samples, self.code_length, rng)
+        count = min(self.neg_samples, int(plan.participants.size) - 1)
+        chosen = rng.choice(others, size=count, replace=False) if others.size > count else others
+        return np.stack([self.codeword(int(u)) for u in chosen])
+
+    def objective(self, plan: RoundPlan, params: Params, consts: Mapping[str, torch.Tensor],
+                  x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return local_objective(
+            self.sdk_method, plan.extras["objective"], x, self.global_net,
+            personal_model=self.personal_net, xi=self.xi,
+            codeword=consts.get("codeword"), neg_codewords=consts.get("neg_codewords"),
+            global_params=params["global"], personal_params=params.get("personal"), mask=mask)
+
+    def learning_rate(self, group: str, name: str, base_lr: float, head_lr: float | None) -> float:
+        # The FedUV head W starts random while the backbone starts pre-trained, and σ makes the
+        # loss invariant to the scale of W (the effective step shrinks as 1/||W||²): W gets its
+        # own learning rate (``head_lr``; ``trainer.TrainConfig`` does the same for fedfs+feduv).
+        if name.startswith("uv_head.") and head_lr is not None:
+            return head_lr
+        return base_lr
+
+    # ---- evaluation --------------------------------------------------------------------
+    def _personal_backbone(self, global_weights: Weights, private: Params | None) -> tuple[Weights, str | None]:
+        if private is not None and "personal" in private:
+            return backbone_weights(private["personal"]), None
+        if self._init_private is None:
+            # A client that never trained still holds its round-0 θ_c.
+            self._init_private = self.init_private(self.init_global())
+        return backbone_weights(self._init_private["personal"]), "init"
+
+    def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
+        if self.sdk_method == "feduv":
+            return VerifierSpec(self._global_vnet, self._global_head_weights(global_weights),
+                                state.codeword, shared_key="global")
+        weights, key = self._personal_backbone(global_weights, private)
+        if self.sdk_method == "fedfs":
+            return VerifierSpec(self._personal_vnet, weights, None, shared_key=key)
+        weights = {**weights, "uv_head.weight": global_weights["uv_head.weight"]}
+        return VerifierSpec(self._global_vnet, weights, state.codeword, shared_key=key)
+
+    def new_user_verifier(self, state: ClientState, global_weights: Weights) -> VerifierSpec:
+        """A new user starts from the shipped global model: ``r'`` template for FedFS,
+        global backbone + head + a fresh codeword for the FedUV methods."""
+        if self.code_length is None:
+            return VerifierSpec(self._personal_vnet, backbone_weights(global_weights), None, shared_key="global")
+        return VerifierSpec(self._global_vnet, self._global_head_weights(global_weights), state.codeword,
+                            shared_key="global")
+
+    @staticmethod
+    def _global_head_weights(global_weights: Weights) -> Weights:
+        return {**backbone_weights(global_weights), "uv_head.weight": global_weights["uv_head.weight"]}
+
+
+class FedFSMethod(SDKMethod):
+    """FedFS (FedFS Alg. 1): ``F_total`` (Eq. 9) on global, personalized and frozen ξ."""
+
+    name = sdk_method = "fedfs"
+
+
+class FedUVMethod(SDKMethod):
+    """FedUV (FedUV Alg. 2): ``ℓ_pos`` (+ scheduled ``λ_neg ℓ_neg``) on the global model."""
+
+    name = sdk_method = "feduv"
+
+
+class FedFSUVMethod(SDKMethod):
+    """FedFS + FedUV: FedFS personalization plus the shared FedUV head and codewords."""
+
+    name = sdk_method = "fedfs+feduv"

@@ -1,0 +1,79 @@
+"""CLI smoke tests on tiny settings: pretrain, simulate (+ resume), demo, bench."""
+from __future__ import annotations
+
+import json
+
+from device_sim.datasets import ImageFolderDataset
+from device_sim.splits import make_splits
+from device_sim.synthfaces import SynthFaces, write_image_folder
+from device_sim.throughput import BenchConfig, format_table, run_benchmark
+from fedfs_sdk.cli.main import main
+
+TINY_DATA = ["--clients", "4", "--new-users", "2", "--public", "6", "--train-per-client", "10",
+             "--test-per-client", "3", "--public-images", "6", "--width", "4", "--embedding-dim", "16",
+             "--pretrain-epochs", "1", "--pretrain-batch-size", "12"]
+
+
+def test_pretrain_then_simulate_with_it(tmp_path, capsys) -> None:
+    ck = tmp_path / "xi.safetensors"
+    assert main(["pretrain", *TINY_DATA, "--cache-dir", str(tmp_path / "c"), "--out", str(ck), "--quiet"]) == 0
+    assert ck.is_file() and "AUROC" in capsys.readouterr().out
+    out = tmp_path / "run"
+    args = ["simulate", "--method", "pretrained", "feduv:c=127,neg=all", *TINY_DATA, "--pretrained", str(ck),
+            "--rounds", "2", "--participation", "0.5", "--out", str(out), "--checkpoint-every", "1", "--quiet"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    res = json.loads((out / "results.json").read_text())
+    assert [m["label"] for m in res["methods"]] == ["pretrained", "feduv (c=127, ℓ_neg)"]
+    assert res["methods"][1]["rounds"] == 2 and len(res["methods"][1]["history"]) == 2
+    assert (out / "roc.png").stat().st_size > 1000 and "| feduv (c=127, ℓ_neg) |" in (out / "results.md").read_text()
+    assert "TAR@FAR=1e-2" in printed
+    # resume: nothing left to train, same final metrics
+    assert main([*args[:args.index("--rounds")], "--rounds", "2", *args[args.index("--participation"):], "--resume"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["methods"][1]["eval"]["verification"] == res["methods"][1]["eval"]["verification"]
+
+
+def test_image_folder_one_client_per_identity_and_xi_overlap_check(tmp_path, capsys) -> None:
+    root = write_image_folder(SynthFaces(seed=3, image_size=32), tmp_path / "faces", range(10), 8)
+    data = ["--data", str(root), "--public", "4", "--clients", "0", "--new-users", "2", "--train-per-client", "0",
+            "--width", "4", "--embedding-dim", "16", "--pretrain-epochs", "1", "--pretrain-batch-size", "8"]
+    ck = tmp_path / "xi.safetensors"
+    assert main(["pretrain", *data, "--cache-dir", str(tmp_path / "c"), "--out", str(ck), "--quiet"]) == 0
+    out = tmp_path / "run"
+    assert main(["simulate", "--method", "fedfs", *data, "--pretrained", str(ck), "--rounds", "1",
+                 "--out", str(out), "--quiet"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["population"]["clients"] == 4 and res["methods"][0]["eval"]["clients_evaluated"] == 4
+    capsys.readouterr()
+    # a split whose clients include identities ξ was pre-trained on is refused
+    ds = ImageFolderDataset(root, 32)
+    public = set(make_splits(ds, 4, 4, 2, None, None, seed=0).identities("public").tolist())
+    seed = next(s for s in range(1, 50)
+                if public & set(make_splits(ds, 4, 4, 2, None, None, seed=s).identities("clients").tolist()))
+    code = main(["simulate", "--method", "fedfs", *data, "--split-seed", str(seed), "--pretrained", str(ck),
+                 "--rounds", "1", "--out", str(tmp_path / "r2"), "--quiet"])
+    assert code == 2 and "pre-trained on" in capsys.readouterr().err
+
+
+def test_unknown_method_fails_fast(tmp_path, capsys) -> None:
+    assert main(["simulate", "--method", "fedprox", "--out", str(tmp_path), "--quiet"]) == 2
+    assert "unknown method" in capsys.readouterr().err
+
+
+def test_demo_tiny(tmp_path, capsys) -> None:
+    args = ["demo", "--clients", "4", "--new-users", "2", "--public", "6", "--train-per-client", "10",
+            "--test-per-client", "3", "--public-images", "6", "--rounds", "1", "--participation", "0.5",
+            "--pretrain-epochs", "1", "--out", str(tmp_path), "--cache-dir", str(tmp_path / "c"), "--quiet"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "| fedfs+feduv (c=127) |" in out and "verify own held-out image" in out
+    assert (tmp_path / "results.md").is_file()
+
+
+def test_bench_in_process() -> None:
+    res = run_benchmark(BenchConfig(clients=2, images_per_client=6, batch_size=4, repeats=1, width=4), ["cpu"],
+                        isolate=False)
+    assert {r["executor"] for r in res["rows"]} == {"sequential", "batched"}
+    assert all(r["client_updates_per_s"] > 0 for r in res["rows"]) and res["winner"]["cpu"] in ("sequential", "batched")
+    assert "winner on cpu" in format_table(res)

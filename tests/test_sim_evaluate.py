@@ -1,0 +1,76 @@
+"""Evaluation: per-client verifiers, consistency with the SDK's enrollment, vmap == loop."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest_sim import xi  # noqa: F401
+from device_sim.datasets import SynthDataset
+from device_sim import metrics
+from device_sim.evaluate import EvalConfig, _Scorer, embed, embed_stacked, evaluate
+from device_sim.executors import LocalConfig
+from device_sim.federation import Federation, FederationConfig
+from device_sim.methods import parse_method
+from device_sim.population import Population
+from device_sim.splits import make_splits
+from device_sim.synthfaces import SynthFaces
+from fedfs_sdk.enrollment import enroll
+from fedfs_sdk.inference import TorchBackend
+
+
+@pytest.fixture(scope="module")
+def pop() -> Population:
+    ds = SynthDataset(SynthFaces(seed=0, image_size=32), images_per_identity=14, num_identities=12)
+    return Population(ds, make_splits(ds, num_public=0, num_clients=5, num_new=2, train_per_client=10,
+                                      test_per_client=4, seed=0))
+
+
+@pytest.fixture(scope="module")
+def trained(xi, pop) -> Federation:
+    f = Federation(parse_method("fedfs+feduv"), pop, xi,
+                   FederationConfig(rounds=1, participation=0.6, local=LocalConfig(batch_size=5)))
+    f.run()
+    return f
+
+
+def test_result_shape_and_ranges(trained, pop) -> None:
+    r = evaluate(trained.method, trained.global_weights, trained.private_weights, pop, EvalConfig(batch_size=64))
+    assert r["clients_evaluated"] == 5 and r["impostor_pool"] == 20 and r["new_user_images"] == 28
+    v = r["verification"]
+    assert v["auroc"]["n"] == 5 and 0 <= v["auroc"]["mean"] <= 1 and len(v["per_client_auroc"]) == 5
+    assert set(v["tar_at_far"]) == {"0.1", "0.01", "0.001"}
+    assert set(r["identification"]["tpir_at_fpir"]) == {"0.1", "0.01", "0.001"}
+    assert 0 <= r["warmup"]["tpr"]["mean"] <= 1 and "fpr_new_users" in r["warmup"]
+    assert r["new_users"]["users"] == 2 and r["new_users"]["n_insufficient"] == 0
+    assert len(r["roc"]["fpr"]) == len(r["roc"]["tpr"])
+
+
+@pytest.mark.parametrize("spec", ["fedfs", "fedfs+feduv"])
+def test_warmup_threshold_matches_sdk_enrollment(spec: str, xi, pop) -> None:
+    """The simulator's warm-up is the SDK's enroll() on the same images and model."""
+    f = Federation(parse_method(spec), pop, xi, FederationConfig(rounds=1, participation=1.0,
+                                                                  local=LocalConfig(batch_size=5)))
+    f.run()
+    r = evaluate(f.method, f.global_weights, f.private_weights, pop, EvalConfig(batch_size=64))
+    assert r["warmup"]["tpr"]["n"] == 5
+    c = 2
+    spec_c = f.method.verifier(f.client_state(c), f.global_weights, f.private_weights(c))
+    spec_c.net.load_state_dict(spec_c.weights)
+    e = enroll(TorchBackend(spec_c.net, "m"), pop.train_images(c).numpy(), q=0.9, codeword=spec_c.codeword)
+    # this client's warm-up scores as evaluate() computes them give the SDK's threshold
+    s = _Scorer(spec_c, embed(spec_c, pop.train_images(c), torch.device("cpu")))
+    assert metrics.warmup_outcome(s.warmup, [1.0], [0.0]).threshold == pytest.approx(e.threshold, abs=1e-5)
+
+
+def test_vmap_embedding_equals_loop(trained, pop) -> None:
+    specs = [trained.method.verifier(trained.client_state(c), trained.global_weights, trained.private_weights(c))
+             for c in range(3)]
+    x = pop.test_images(0)
+    stacked = embed_stacked(specs, x, torch.device("cpu"))
+    for s, got in zip(specs, stacked):
+        ref = embed(s, x, torch.device("cpu"))
+        assert all(torch.allclose(ref[k], got[k], atol=1e-5) for k in ref)
+    a = evaluate(trained.method, trained.global_weights, trained.private_weights, pop, EvalConfig(batched=True))
+    b = evaluate(trained.method, trained.global_weights, trained.private_weights, pop, EvalConfig(batched=False))
+    assert np.allclose(a["verification"]["per_client_auroc"], b["verification"]["per_client_auroc"])

@@ -1,0 +1,115 @@
+"""Executors: the sequential one runs LocalTrainer's math; the batched (vmap) one gives the
+same updates as the sequential one for uneven, padded, masked clients."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest_sim import RandomClients, make_tasks, max_diff, setup_method, xi  # noqa: F401
+from device_sim.executors import (BatchedExecutor, LocalConfig, SequentialExecutor, client_batches, make_executor)
+from fedfs_sdk.errors import InputError
+from fedfs_sdk.trainer import LocalTrainer, TrainConfig
+
+SPECS = ["fedfs", "feduv", "fedfs+feduv", "feduv:c=255,neg=all,neg_samples=3"]
+
+
+@pytest.fixture(scope="module")
+def data() -> RandomClients:
+    return RandomClients()
+
+
+@pytest.mark.parametrize("spec", ["fedfs", "feduv", "fedfs+feduv"])
+def test_sequential_equals_local_trainer(spec: str, xi, data) -> None:
+    m = setup_method(spec, xi)
+    plan, tasks = make_tasks(m, data, [1])
+    res = SequentialExecutor().train(m, plan, tasks, LocalConfig(batch_size=4, head_lr=0.1))   # TrainConfig's
+    t = tasks[0]
+    ref = LocalTrainer(m.model_config, TrainConfig(method=spec, batch_size=4), xi=xi).train(
+        t.params["global"], t.images, personal_weights=t.params.get("personal", {}).copy() or None,
+        codeword=t.consts.get("codeword"), seed=t.seed)
+    got = {k: v[0] for k, v in res.params["global"].items()}
+    assert max(float((ref.weights[k] - got[k]).abs().max()) for k in got) < 1e-6
+    if ref.personal_weights is not None:
+        gp = {k: v[0] for k, v in res.params["personal"].items()}
+        assert max(float((ref.personal_weights[k] - gp[k]).abs().max()) for k in gp) < 1e-6
+    assert res.metrics["loss_first"][0] == pytest.approx(ref.metrics["loss_first"], rel=1e-5)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_batched_equals_sequential_on_uneven_clients(spec: str, xi, data) -> None:
+    m = setup_method(spec, xi)
+    plan, tasks = make_tasks(m, data, [0, 1, 2, 3])          # 7, 12, 5, 9 images
+    cfg = LocalConfig(batch_size=4, momentum=0.5, weight_decay=1e-3)
+    seq = SequentialExecutor().train(m, plan, tasks, cfg)
+    bat = BatchedExecutor("cpu").train(m, plan, tasks, cfg)
+    assert seq.clients == bat.clients and torch.equal(seq.num_samples, bat.num_samples)
+    assert seq.steps == bat.steps
+    assert max_diff(seq.params, bat.params) < 1e-5
+    # the weights did move, so the equality above is not trivial
+    start = {g: {k: torch.stack([t.params[g][k] for t in tasks]) for k in w} for g, w in tasks[0].params.items()}
+    assert max_diff(seq.params, start) > 1e-4
+    for k in seq.metrics:
+        assert torch.allclose(seq.metrics[k], bat.metrics[k], atol=1e-5), k
+
+
+def test_client_batches_skip_lone_leftover_like_local_trainer() -> None:
+    b = client_batches(9, 4, epochs=2, seed=3, min_batch=2)
+    assert [len(i) for i in b] == [4, 4, 4, 4]                 # the leftover single image is skipped
+    assert [len(i) for i in client_batches(9, 4, 1, 3, min_batch=1)] == [4, 4, 1]
+    first = torch.randperm(9, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(b[0], first[:4])
+
+
+def test_make_executor_auto_and_errors() -> None:
+    assert make_executor("auto", "cpu").name == "sequential"
+    assert make_executor("batched", "cpu", 8).chunk_size == 8
+    with pytest.raises(InputError, match="unknown executor"):
+        make_executor("parallel", "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(InputError, match="cuda"):
+            make_executor("auto", "cuda")
+
+
+def test_bad_learning_rate_and_empty_clients(xi, data) -> None:
+    with pytest.raises(InputError, match="lr"):
+        LocalConfig(lr=0)
+    with pytest.raises(InputError, match="amp"):
+        LocalConfig(amp="int8")
+    m = setup_method("feduv", xi)
+    plan, tasks = make_tasks(m, data, [0])
+    with pytest.raises(InputError, match="no clients"):
+        SequentialExecutor().train(m, plan, [], LocalConfig())
+    tasks[0].images = torch.full_like(tasks[0].images, float("nan"))
+    with pytest.raises(FloatingPointError, match="client 0"):
+        SequentialExecutor().train(m, plan, tasks, LocalConfig())
+    with pytest.raises(FloatingPointError, match=r"clients \[0\]"):
+        BatchedExecutor("cpu").train(m, plan, tasks, LocalConfig())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["fedfs+feduv", "feduv:neg=all,neg_samples=3"])
+def test_batched_cuda_matches_sequential_cpu(spec: str, xi, data) -> None:
+    m_cpu = setup_method(spec, xi)
+    plan, tasks = make_tasks(m_cpu, data, [0, 1, 2, 3])
+    cfg = LocalConfig(batch_size=4)
+    ref = SequentialExecutor().train(m_cpu, plan, tasks, cfg)
+    m_gpu = setup_method(spec, xi, device="cuda")
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    got = BatchedExecutor("cuda", chunk_size=4).train(m_gpu, plan, tasks, cfg)
+    got_cpu = {g: {k: v.cpu() for k, v in w.items()} for g, w in got.params.items()}
+    assert max_diff(ref.params, got_cpu) < 1e-4
+    amp = BatchedExecutor("cuda", chunk_size=4).train(m_gpu, plan, tasks, LocalConfig(batch_size=4, amp="bf16"))
+    amp_cpu = {g: {k: v.cpu() for k, v in w.items()} for g, w in amp.params.items()}
+    assert max_diff(ref.params, amp_cpu) < 5e-2                 # bf16 forward: close, not equal
+    assert all(torch.isfinite(v).all() for w in amp.params.values() for v in w.values())
+
+
+@pytest.mark.gpu
+def test_batched_cuda_calibrates_chunk_size(xi, data) -> None:
+    m = setup_method("fedfs", xi, device="cuda")
+    plan, tasks = make_tasks(m, data, [0, 1])
+    ex = BatchedExecutor("cuda")
+    ex.train(m, plan, tasks, LocalConfig(batch_size=4))
+    assert ex.chunk_size >= 1
+    assert np.isfinite(ex.chunk_size)
