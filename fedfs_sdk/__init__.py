@@ -27,6 +27,8 @@ _LAZY: dict[str, str] = {
     "ModelConfig": "fedfs_sdk.model", "FaceNet": "fedfs_sdk.model", "VerifierNet": "fedfs_sdk.model",
     "TrainConfig": "fedfs_sdk.trainer", "LocalTrainer": "fedfs_sdk.trainer",
     "TorchBackend": "fedfs_sdk.inference",
+    # onnxruntime only (never torch): what a phone-like app runs
+    "OnnxBackend": "fedfs_sdk.onnx_backend", "OrtDeviceTrainer": "fedfs_sdk.ort_device",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
