@@ -21,4 +21,11 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in result["rows"]) else 1
 
 
-__all__ = ["add_arguments", "run"]
+def main(argv: list[str] | None = None) -> int:
+    """``benchmarks/sim_throughput.py``: the same as ``fedfs bench``."""
+    p = argparse.ArgumentParser(description="Simulator throughput: sequential vs batched executors")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+__all__ = ["add_arguments", "main", "run"]

@@ -21,7 +21,7 @@ import torch
 from fedfs_sdk.errors import FedFSError, ImageNotFoundError, InputError
 from fedfs_sdk.preprocess import IMAGE_EXTENSIONS, preprocess
 
-from .synthfaces import SynthFaces
+from .synthfaces import SynthFaces, broadcast_pairs
 
 __all__ = ["IdentityDataset", "SynthDataset", "ImageFolderDataset", "SkippedFile", "LRUImageCache"]
 
@@ -46,30 +46,6 @@ class IdentityDataset(Protocol):
     def batch(self, identities: IndexLike, indices: IndexLike) -> torch.Tensor:
         """``[N, 3, S, S]`` for pairs ``(identities[i], indices[i])`` (scalars broadcast)."""
         ...
-
-
-def _as_1d(x: IndexLike, what: str) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    a = np.asarray(x)
-    if a.ndim > 1:
-        raise InputError(f"{what} must be an int or a 1-D sequence, got shape {list(a.shape)}")
-    if a.size and not np.issubdtype(a.dtype, np.integer):
-        raise InputError(f"{what} must be integers, got dtype {a.dtype}")
-    return a.astype(np.int64).reshape(-1)
-
-
-def _pairs(identities: IndexLike, indices: IndexLike) -> tuple[np.ndarray, np.ndarray]:
-    ids, idx = _as_1d(identities, "identities"), _as_1d(indices, "indices")
-    if ids.size != idx.size:
-        if ids.size == 1:
-            ids = np.repeat(ids, idx.size)
-        elif idx.size == 1:
-            idx = np.repeat(idx, ids.size)
-        else:
-            raise InputError(f"identities ({ids.size}) and indices ({idx.size}) must have equal length "
-                             "or one must be a single value")
-    return ids, idx
 
 
 def _to_float(u8: torch.Tensor) -> torch.Tensor:
@@ -114,6 +90,23 @@ class LRUImageCache:
         self._d.clear()
         self.nbytes = 0
 
+    def fetch_into(self, ids: np.ndarray, idx: np.ndarray, out: torch.Tensor) -> list[int]:
+        """Copy each cached image of the pairs ``(ids[i], idx[i])`` into ``out[i]``; return
+        the positions ``i`` that were not cached."""
+        missing = []
+        for i, key in enumerate(zip(ids.tolist(), idx.tolist())):
+            t = self.get(key)
+            if t is None:
+                missing.append(i)
+            else:
+                out[i] = t
+        return missing
+
+    def put_many(self, ids: np.ndarray, idx: np.ndarray, positions: list[int], images: torch.Tensor) -> None:
+        """Cache ``images[j]`` as the pair at ``positions[j]``."""
+        for j, i in enumerate(positions):
+            self.put((int(ids[i]), int(idx[i])), images[j].clone())
+
 
 class SynthDataset:
     """:class:`IdentityDataset` over :class:`SynthFaces` identities ``0 … num_identities − 1``.
@@ -148,26 +141,19 @@ class SynthDataset:
         return self.batch(identity, indices)
 
     def batch(self, identities: IndexLike, indices: IndexLike) -> torch.Tensor:
-        ids, idx = _pairs(identities, indices)
+        ids, idx = broadcast_pairs(identities, indices)
         self._check_ids(ids)
         if idx.size and (idx.min() < 0 or idx.max() >= self.images_per_identity):
             raise InputError(f"image index out of range [0, {self.images_per_identity}): "
                              f"{int(idx.min())}..{int(idx.max())}")
         S = self.image_size
         out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8, device=self.device)
-        missing = []
-        for i, key in enumerate(zip(ids.tolist(), idx.tolist())):
-            t = self.cache.get(key)
-            if t is None:
-                missing.append(i)
-            else:
-                out[i] = t
+        missing = self.cache.fetch_into(ids, idx, out)
         if missing:
             m = np.asarray(missing)
             levels = self.faces._render_levels(ids[m], idx[m], self.device).to(torch.uint8)
             out[torch.as_tensor(m, device=self.device)] = levels
-            for j, i in enumerate(missing):
-                self.cache.put((int(ids[i]), int(idx[i])), levels[j].clone())
+            self.cache.put_many(ids, idx, missing, levels)
         return _to_float(out)
 
     def _check_ids(self, ids: np.ndarray) -> None:
@@ -277,26 +263,18 @@ class ImageFolderDataset:
         return self.batch(identity, indices)
 
     def batch(self, identities: IndexLike, indices: IndexLike) -> torch.Tensor:
-        ids, idx = _pairs(identities, indices)
+        ids, idx = broadcast_pairs(identities, indices)
         self._check(ids, idx)
         S = self.image_size
         if self._preloaded is not None:
             flat = torch.as_tensor(self._offsets[ids] + idx)
             return _to_float(self._preloaded[flat])
         out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8)
-        missing = []
-        for i, key in enumerate(zip(ids.tolist(), idx.tolist())):
-            t = self.cache.get(key)
-            if t is None:
-                missing.append(i)
-            else:
-                out[i] = t
+        missing = self.cache.fetch_into(ids, idx, out)
         if missing:
-            paths = [self.files[ids[i]][idx[i]] for i in missing]
-            u8 = self._load_u8(paths)
-            for j, i in enumerate(missing):
-                out[i] = u8[j]
-                self.cache.put((int(ids[i]), int(idx[i])), u8[j].clone())
+            u8 = self._load_u8([self.files[ids[i]][idx[i]] for i in missing])
+            out[torch.as_tensor(missing)] = u8
+            self.cache.put_many(ids, idx, missing, u8)
         return _to_float(out)
 
     def _load_u8(self, paths: Sequence[Path]) -> torch.Tensor:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,9 +26,8 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
+from fedfs_sdk.checkpoint import read_safetensors, write_safetensors_atomic
 from fedfs_sdk.errors import CheckpointError, InputError
 from server_agg.aggregate import StreamingFedAvg, fedavg_stacked
 
@@ -231,32 +229,12 @@ class Federation:
                 "identity": json.dumps(self._identity(), sort_keys=True),
                 "sampler": json.dumps(self.sampler.bit_generator.state),
                 "history": json.dumps([asdict(h) for h in self.history])}
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-        os.close(fd)
-        try:
-            save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, p)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return p
+        return write_safetensors_atomic(path, tensors, meta)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Restore a state written by :meth:`save` for the same method, data and settings."""
         p = Path(path)
-        if not p.is_file():
-            raise CheckpointError(f"federation checkpoint not found: {p}")
-        try:
-            from safetensors import safe_open
-            with safe_open(str(p), framework="pt") as f:
-                meta = f.metadata() or {}
-            tensors = load_file(str(p))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise CheckpointError(f"not a readable federation checkpoint: {p} ({e})") from e
-        if meta.get("format") != CHECKPOINT_FORMAT:
-            raise CheckpointError(f"{p} is not a federation checkpoint (format={meta.get('format')!r})")
+        tensors, meta = read_safetensors(p, CHECKPOINT_FORMAT, "federation checkpoint")
         saved, mine = json.loads(meta["identity"]), json.loads(json.dumps(self._identity(), sort_keys=True))
         if saved != mine:
             diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))

@@ -365,6 +365,37 @@ def _jpeg_like(img: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # The generator
 # ---------------------------------------------------------------------------------------------
+def index_array(x: object, what: str) -> np.ndarray:
+    """``x`` (int, sequence, ndarray or tensor of whole numbers ≥ 0) as a 1-D int64 array."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    a = np.asarray(x)
+    if a.ndim > 1:
+        raise InputError(f"{what} must be an int or a 1-D sequence, got shape {list(a.shape)}")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        if not np.issubdtype(a.dtype, np.number) or not np.all(np.equal(np.mod(a, 1), 0)):
+            raise InputError(f"{what} must be integers, got dtype {a.dtype}")
+    a = a.astype(np.int64).reshape(-1)
+    if a.size and a.min() < 0:
+        raise InputError(f"{what} must be ≥ 0, got {int(a.min())}")
+    return a
+
+
+def broadcast_pairs(identities: object, indices: object) -> tuple[np.ndarray, np.ndarray]:
+    """``(identities[i], indices[i])`` pairs as two equal-length int64 arrays; a single value
+    on either side is repeated to the other's length."""
+    ids, idx = index_array(identities, "identities"), index_array(indices, "indices")
+    if ids.size != idx.size:
+        if ids.size == 1:
+            ids = np.repeat(ids, idx.size)
+        elif idx.size == 1:
+            idx = np.repeat(idx, ids.size)
+        else:
+            raise InputError(f"identities ({ids.size}) and indices ({idx.size}) must have the same "
+                             "length, or one of them must be a single value")
+    return ids, idx
+
+
 class SynthFaces:
     """Deterministic procedural face identities (see module docstring).
 
@@ -430,37 +461,9 @@ class SynthFaces:
         return u8.permute(0, 2, 3, 1).to(torch.uint8).numpy()
 
     # -- internals ----------------------------------------------------------------------------
-    @staticmethod
-    def _as_index_array(x: object, what: str) -> np.ndarray:
-        if isinstance(x, torch.Tensor):
-            x = x.detach().cpu().numpy()
-        a = np.asarray(x)
-        if a.ndim > 1:
-            raise InputError(f"{what} must be an int or a 1-D sequence, got shape {list(a.shape)}")
-        if a.size and not np.issubdtype(a.dtype, np.integer):
-            if not np.all(np.equal(np.mod(a, 1), 0)):
-                raise InputError(f"{what} must be integers")
-        a = a.astype(np.int64).reshape(-1)
-        if a.size and a.min() < 0:
-            raise InputError(f"{what} must be ≥ 0, got {int(a.min())}")
-        return a
-
-    def _broadcast(self, identities: object, indices: object) -> tuple[np.ndarray, np.ndarray]:
-        ids = self._as_index_array(identities, "identities")
-        idx = self._as_index_array(indices, "indices")
-        if ids.size != idx.size:
-            if ids.size == 1:
-                ids = np.repeat(ids, idx.size)
-            elif idx.size == 1:
-                idx = np.repeat(idx, ids.size)
-            else:
-                raise InputError(f"identities ({ids.size}) and indices ({idx.size}) must have the same "
-                                 "length, or one of them must be a single value")
-        return ids, idx
-
     def _render_levels(self, identities: object, indices: object, device: str | torch.device | None) -> torch.Tensor:
         """Float32 ``[N, 3, S, S]`` holding integer levels 0..255."""
-        ids, idx = self._broadcast(identities, indices)
+        ids, idx = broadcast_pairs(identities, indices)
         dev = torch.device(device) if device is not None else torch.device("cpu")
         S = self.image_size
         if ids.size == 0:

@@ -9,11 +9,9 @@ after set-up on CPU, ``torch.cuda.max_memory_allocated`` on CUDA.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import queue
 import resource
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -209,18 +207,3 @@ def devices_from_arg(arg: str) -> list[str]:
         return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     return [arg]
 
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    args = p.parse_args(argv)
-    result = run_benchmark(config_from_args(args), devices_from_arg(args.device))
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return 0 if all("error" not in r for r in result["rows"]) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

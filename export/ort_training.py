@@ -26,7 +26,7 @@ from torch import nn
 
 from fedfs_sdk.model import FaceNet, personal_config
 from fedfs_sdk.objective import METHODS, ObjectiveConfig, uses_fedfs, uses_feduv
-from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_LR, TrainConfig
+from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, TrainConfig
 
 from .common import FORMAT_ORT_TRAINING, OPSET, ExportError, captured_native_stderr, quiet_onnxruntime
 from .onnx_inference import check_runtime_compatible
@@ -111,14 +111,18 @@ def _gradient_path_ops(model: onnx.ModelProto, trainable: set[str], loss: str) -
 
 def build_step(method: str, global_model: FaceNet, *, xi: nn.Module | None = None,
                objective: ObjectiveConfig = ObjectiveConfig(), lr: float | None = None,
-               head_lr: float | None = 0.1) -> tuple[nn.Module, float]:
-    """The loss module of ``method`` and its head scale ``a`` (see training_graphs)."""
+               head_lr: float | None = None) -> tuple[nn.Module, float]:
+    """The loss module of ``method`` and its head scale ``a`` (see training_graphs);
+    ``head_lr=None`` is the device default :data:`~fedfs_sdk.trainer.DEFAULT_HEAD_LR`."""
     if method not in METHODS:
         raise ExportError(f"unknown method {method!r}; choose from {METHODS}")
+    eff_lr = lr if lr is not None else DEFAULT_LR[method]
+    eff_head_lr = head_lr if head_lr is not None else DEFAULT_HEAD_LR
     if method == "feduv":
         if global_model.uv_head is None:
             raise ExportError("feduv artifacts need a checkpoint with a FedUV head (code_length)")
-        return FedUVStep(global_model, objective), 1.0
+        scale = head_scale_for(eff_lr, eff_head_lr)
+        return FedUVStep(global_model, objective, head_scale=scale), scale
     if xi is None:
         raise ExportError(f"{method} artifacts need the frozen pre-trained model ξ (pass --xi)")
     if not global_model.config.proj_dim:
@@ -134,8 +138,7 @@ def build_step(method: str, global_model: FaceNet, *, xi: nn.Module | None = Non
                           f"{global_model.input_size}×{global_model.input_size}")
     personal = FaceNet(personal_config(global_model.config))
     personal.load_state_dict({k: t for k, t in global_model.state_dict().items() if not k.startswith("uv_head.")})
-    eff_lr = lr if lr is not None else DEFAULT_LR[method]
-    scale = head_scale_for(eff_lr, head_lr) if uses_feduv(method) else 1.0
+    scale = head_scale_for(eff_lr, eff_head_lr) if uses_feduv(method) else 1.0
     return FedFSStep(method, global_model, personal, xi, objective, head_scale=scale), scale
 
 
@@ -192,15 +195,15 @@ def build_artifacts(step: nn.Module, example_inputs: tuple[torch.Tensor, ...], o
 
 def export_training_artifacts(method: str, global_model: FaceNet, out_dir: str | os.PathLike[str], *,
                               xi: nn.Module | None = None, objective: ObjectiveConfig = ObjectiveConfig(),
-                              lr: float | None = None, head_lr: float | None = 0.1,
+                              lr: float | None = None, head_lr: float | None = None,
                               local_epochs: int | None = None, batch_size: int = 32,
                               model_id: str = "", model_version: str = "unversioned",
                               xi_sha256: str | None = None) -> dict[str, Any]:
     """Write the ORT training artifacts of ``method`` into ``out_dir`` (created).
 
     ``lr``/``head_lr``/``local_epochs`` default to the method's paper values
-    (:data:`fedfs_sdk.trainer.DEFAULT_LR`, ``TrainConfig.head_lr``). The ratio
-    ``head_lr/lr`` is baked into the graph (``fedfs+feduv``); the device may change ``lr``
+    (:data:`fedfs_sdk.trainer.DEFAULT_LR`, ``DEFAULT_HEAD_LR``). The ratio
+    ``head_lr/lr`` is baked into the graph (FedUV methods); the device may change ``lr``
     and the head's rate follows it. ``xi_sha256`` (of ξ's checkpoint file) is recorded so a
     device can check that the ξ baked into the artifact (frozen) is the one a round task
     names. Returns the ``artifact.json`` content.

@@ -97,11 +97,12 @@ class FedUVStep(nn.Module):
     ``[U, c]`` when ``λ_neg > 0``. Outputs ``loss``, ``l_pos`` (and ``l_neg``).
     """
 
-    def __init__(self, global_model: FaceNet, objective: ObjectiveConfig) -> None:
+    def __init__(self, global_model: FaceNet, objective: ObjectiveConfig, head_scale: float = 1.0) -> None:
         super().__init__()
         if global_model.uv_head is None:
             raise ValueError("FedUV artifacts need a model with a FedUV head (code_length)")
         self.global_model = copy.deepcopy(global_model)
+        self.global_model.uv_head = ScaledFedUVHead(self.global_model.uv_head, head_scale)
         self.lambda_neg = float(objective.lambda_neg)
 
     @property

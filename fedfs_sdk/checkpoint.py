@@ -22,37 +22,53 @@ from .model import FaceNet, ModelConfig
 FORMAT = "fedfs-checkpoint/1"
 
 
+def write_safetensors_atomic(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor],
+                             metadata: dict[str, str]) -> Path:
+    """Write ``tensors`` + string ``metadata`` to ``path`` via a temporary file and a rename,
+    so a crash leaves either the old file or the new one, never half of one."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
+
+
+def read_safetensors(path: str | os.PathLike[str], fmt: str,
+                     what: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """``(tensors, metadata)`` of a local safetensors file whose ``format`` metadata is
+    ``fmt``; :class:`CheckpointError` naming ``what`` if missing, unreadable or another format."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"{what} not found: {p}")
+    try:
+        from safetensors import safe_open
+        with safe_open(str(p), framework="pt") as f:
+            header = f.metadata() or {}
+        tensors = load_file(str(p))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"not a readable {what}: {p} ({e})") from e
+    if header.get("format") != fmt:
+        raise CheckpointError(f"{p} is not a {what} (format={header.get('format')!r})")
+    return tensors, header
+
+
 def save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, config: ModelConfig,
                     meta: dict[str, Any] | None = None) -> None:
     """Save ``model``'s state dict with ``config`` (and JSON-able ``meta``) atomically."""
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     header = {"format": FORMAT, "model_config": config.to_json(), "meta": json.dumps(meta or {})}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=header)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_safetensors_atomic(path, tensors, header)
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
     """Return ``(state_dict, config, meta)``; :class:`CheckpointError` if unusable."""
-    p = Path(path)
-    if not p.is_file():
-        raise CheckpointError(f"checkpoint not found: {p}")
-    try:
-        from safetensors import safe_open
-        with safe_open(str(p), framework="pt") as f:
-            header = f.metadata() or {}
-        state = load_file(str(p))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"not a readable safetensors checkpoint: {p} ({e})") from e
-    if header.get("format") != FORMAT:
-        raise CheckpointError(f"{p} is not a fedfs checkpoint (format={header.get('format')!r})")
+    state, header = read_safetensors(path, FORMAT, "fedfs checkpoint")
     config = ModelConfig.from_json(header["model_config"])
     return state, config, json.loads(header.get("meta", "{}"))
 

@@ -24,19 +24,25 @@ DEFAULT_LR = {"fedfs": 5e-3, "feduv": 0.1, "fedfs+feduv": 5e-3}
 """FedFS §4.1: SGD lr 5e-3; FedUV §6: SGD lr 0.1."""
 DEFAULT_EPOCHS = {"fedfs": 2, "feduv": 1, "fedfs+feduv": 2}
 """FedFS §4.1: 2 local epochs; FedUV §6: 1 local epoch."""
+DEFAULT_HEAD_LR = 20.0
+"""SGD lr of the FedUV head ``W`` (``feduv``, ``fedfs+feduv``). σ makes ``ℓ_pos`` invariant to
+the scale of ``W``, so the effective step on ``W`` is ``lr/‖W‖²``-small, and ``W`` starts
+random while the backbone starts from ξ. Measured on SynthFaces (feduv, 100 clients,
+p = 0.5, 10 rounds, ξ-initialized tiny backbone, see docs/methods.md): per-client AUROC
+0.53 / 0.56 / 0.69 / 0.79 / 0.82 for a head lr of 0.1 / 1 / 5 / 20 / 100."""
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Local SGD settings. ``None`` means the paper's default for the method.
 
-    ``head_lr`` is the learning rate of the FedUV head ``W`` in ``fedfs+feduv`` (FedUV's
-    0.1: ``W`` starts random while the backbone starts pre-trained).
+    ``head_lr`` is the learning rate of the FedUV head ``W`` (``feduv``, ``fedfs+feduv``);
+    ``None`` = :data:`DEFAULT_HEAD_LR`. Set it equal to ``lr`` for FedUV's single rate.
     """
 
     method: str = "fedfs+feduv"
     lr: float | None = None
-    head_lr: float | None = 0.1
+    head_lr: float | None = None
     local_epochs: int | None = None
     batch_size: int = 32
     momentum: float = 0.0
@@ -51,10 +57,16 @@ class TrainConfig:
             raise InputError("FedFS needs batches of ≥ 2 images (F_insub contrasts within the batch)")
         if self.lr is not None and not self.lr > 0:
             raise InputError(f"lr must be > 0, got {self.lr}")
+        if self.head_lr is not None and not self.head_lr > 0:
+            raise InputError(f"head_lr must be > 0, got {self.head_lr}")
 
     @property
     def effective_lr(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.method]
+
+    @property
+    def effective_head_lr(self) -> float:
+        return self.head_lr if self.head_lr is not None else DEFAULT_HEAD_LR
 
     @property
     def effective_epochs(self) -> int:
@@ -186,8 +198,7 @@ class LocalTrainer:
             rest += list(self.personal_model.parameters())
         groups = [{"params": rest}]
         if head:
-            lr = cfg.head_lr if (cfg.method == "fedfs+feduv" and cfg.head_lr is not None) else cfg.effective_lr
-            groups.append({"params": head, "lr": lr})
+            groups.append({"params": head, "lr": cfg.effective_head_lr})
         return groups
 
     @staticmethod

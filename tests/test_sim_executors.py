@@ -23,7 +23,7 @@ def data() -> RandomClients:
 def test_sequential_equals_local_trainer(spec: str, xi, data) -> None:
     m = setup_method(spec, xi)
     plan, tasks = make_tasks(m, data, [1])
-    res = SequentialExecutor().train(m, plan, tasks, LocalConfig(batch_size=4, head_lr=0.1))   # TrainConfig's
+    res = SequentialExecutor().train(m, plan, tasks, LocalConfig(batch_size=4))   # both default to DEFAULT_HEAD_LR
     t = tasks[0]
     ref = LocalTrainer(m.model_config, TrainConfig(method=spec, batch_size=4), xi=xi).train(
         t.params["global"], t.images, personal_weights=t.params.get("personal", {}).copy() or None,

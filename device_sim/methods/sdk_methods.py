@@ -27,7 +27,7 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.losses.fedfs import FedFSLossConfig
 from fedfs_sdk.model import FaceNet, ModelConfig, personal_config
 from fedfs_sdk.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
-from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_LR, initial_global_weights
+from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initial_global_weights
 
 from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, VerifierSpec, Weights,
                    backbone_weights, frozen, verifier_net)
@@ -125,11 +125,9 @@ class SDKMethod(FederatedMethod):
         return DEFAULT_EPOCHS[self.sdk_method]
 
     def default_head_lr(self) -> float | None:
-        """20 for the FedUV head: σ makes the loss invariant to the scale of ``W``, so its
-        effective step is ``lr/||W||²``-small. Measured on SynthFaces (feduv, 100 clients,
-        p = 0.5, 10 rounds, ξ-initialized backbone): per-client AUROC 0.53 / 0.56 / 0.69 /
-        0.79 / 0.82 for a head lr of 0.1 / 1 / 5 / 20 / 100."""
-        return 20.0
+        """The FedUV head's own rate, the same default a device uses
+        (:data:`fedfs_sdk.trainer.DEFAULT_HEAD_LR`, measured there)."""
+        return DEFAULT_HEAD_LR
 
     def min_batch(self) -> int:
         return 2 if uses_fedfs(self.sdk_method) else 1
