@@ -244,6 +244,9 @@ def export_training_artifacts(method: str, global_model: FaceNet, out_dir: str |
         "batch_size": int(batch_size),
         "objective": {"uv_weight": objective.uv_weight, "lambda_neg": objective.lambda_neg,
                       "fedfs": asdict(objective.fedfs)},
+        # what a round task means when it leaves a setting out (the device checks the task against both)
+        "objective_defaults": {"uv_weight": ObjectiveConfig().uv_weight, "lambda_neg": ObjectiveConfig().lambda_neg,
+                               "fedfs": asdict(ObjectiveConfig().fedfs)},
     }
     (out / "artifact.json").write_text(json.dumps(info, indent=2, sort_keys=True))
     return info

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from fedfs_sdk.errors import CheckpointError, InputError
+from fedfs_sdk.ort_device import artifact_subdir
 
 from .common import ExportError, load_for_export, model_version, sha256_file
 
@@ -36,7 +37,8 @@ def parse_formats(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 
 def method_dir(method: str) -> str:
-    return method.replace("+", "_")
+    """``ort-training/<this>`` of a method (shared with the device: :func:`fedfs_sdk.ort_device.artifact_subdir`)."""
+    return artifact_subdir(method)
 
 
 @dataclass

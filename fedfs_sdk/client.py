@@ -3,9 +3,10 @@
 :class:`ServerClient` speaks HTTP to the aggregation server (httpx): register, fetch the
 task, download a global version, upload an update — with exponential back-off on
 connection errors and 5xx. :class:`DeviceAgent` runs a device: it registers once, keeps
-its secrets in a :class:`~fedfs_sdk.device_state.DeviceState`, trains with
-:class:`~fedfs_sdk.trainer.LocalTrainer` whenever it is sampled, and uploads only
-``w_c`` and ``|D_c|``.
+its secrets in a :class:`~fedfs_sdk.device_state.DeviceState`, trains whenever it is
+sampled — with :class:`~fedfs_sdk.trainer.LocalTrainer` (torch) or, as a phone does, from
+ONNX Runtime training artifacts without torch (:mod:`fedfs_sdk.device_runtime`) — and
+uploads only ``w_c`` and ``|D_c|``. Importing this module does not import torch.
 
 Never sent: images, embeddings, ``r_u``, the codeword, ``θ_c``, the enrollment.
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import random
-import secrets
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +33,11 @@ from typing import Any, Callable, Mapping, Sequence
 import httpx
 import numpy as np
 
+from .device_runtime import DeviceRuntime, OrtRuntime, TorchRuntime
 from .device_state import DeviceState, DeviceStateError
 from .errors import InputError, ProtocolError
-from .wire import (MEDIA_TYPE, MODEL_FORMAT, check_finite, decode_weights, encode_update, sha256_hex,
-                   train_config_from_json)
+from .methods import uses_feduv
+from .wire_format import MEDIA_TYPE, MODEL_FORMAT, read_header, sha256_hex
 
 USER_AGENT = "fedfs-device/1"
 
@@ -227,6 +228,8 @@ class DeviceConfig:
     Attributes:
         rounds: rounds to take part in during this run (0: until the server says ``done``).
         device: torch device for local training (``cpu``, ``cuda``).
+        artifacts: an export folder (``fedfs export --formats onnx,ort-training``): train and
+            verify with ONNX Runtime from it, as a phone does — no torch (:class:`OrtRuntime`).
         xi_path: local ξ checkpoint for FedFS methods (else the server's ξ is downloaded).
         wait_timeout_s: stop (with an error) after waiting this long without a task.
         detect_face: crop faces with OpenCV before training / enrolling.
@@ -238,6 +241,7 @@ class DeviceConfig:
 
     rounds: int = 1
     device: str = "cpu"
+    artifacts: Path | None = None
     xi_path: Path | None = None
     wait_timeout_s: float = 3600.0
     detect_face: bool = False
@@ -261,6 +265,8 @@ class DeviceAgent:
     Args:
         client: the HTTP client (its token is set from the state).
         state: the device-state directory.
+        runtime: how local training and verification run (default: :class:`OrtRuntime` when
+            ``config.artifacts`` is set, else :class:`TorchRuntime` on ``config.device``).
         images: the owner's image files (or sources :func:`~fedfs_sdk.preprocess.preprocess` accepts).
         config: behaviour.
         on_event: ``(name, fields)`` callback for progress (the CLI prints it).
@@ -269,10 +275,14 @@ class DeviceAgent:
     def __init__(self, client: ServerClient, state: DeviceState, images: Sequence[Any],
                  config: DeviceConfig = DeviceConfig(),
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+                 sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic,
+                 runtime: DeviceRuntime | None = None) -> None:
         if len(images) == 0:
             raise InputError("a device needs at least one image")
         self.client, self.state, self.images, self.config = client, state, list(images), config
+        if runtime is None:
+            runtime = OrtRuntime(config.artifacts) if config.artifacts is not None else TorchRuntime(config.device)
+        self.runtime = runtime
         self._emit = on_event or (lambda name, fields: None)
         self._sleep, self._clock = sleep, clock
         self._batches: dict[int, np.ndarray] = {}
@@ -327,73 +337,48 @@ class DeviceAgent:
             report.enrollment = self.enroll(after_round=last)
         return report
 
-    def _images(self, input_size: int) -> np.ndarray:
+    def images_array(self, input_size: int) -> np.ndarray:
+        """The owner's images preprocessed for the model (cached per input size)."""
         if input_size not in self._batches:
             from .preprocess import preprocess
             self._batches[input_size] = preprocess(self.images, input_size, detect_face=self.config.detect_face)
         return self._batches[input_size]
 
-    def _global_weights(self, version: int, sha: str) -> dict[str, Any]:
+    def model_bytes(self, version: int, sha: str) -> bytes:
+        """Global model ``version`` (a fedfs checkpoint body), cached in the state by hash."""
         cached = self.state.file("global.safetensors")
         data = cached.read_bytes() if cached.is_file() else b""
         if sha256_hex(data) != sha:
             data = self.client.download_model(version, sha)
             self.state.save_weights_bytes("global", data)
-        weights, meta = decode_weights(data)
-        if meta.get("format") != MODEL_FORMAT:
+        if read_header(data)[1].get("format") != MODEL_FORMAT:
             raise ProtocolError(f"model version {version} is not a fedfs checkpoint")
-        return weights
+        return data
 
-    def _xi(self, sha: str | None):
-        from .checkpoint import load_checkpoint
-
+    def xi_file(self, sha: str | None) -> Path:
+        """The frozen ξ for FedFS methods: ``config.xi_path``, else the server's (downloaded once)."""
         if self.config.xi_path is not None:
-            return load_checkpoint(self.config.xi_path)[0]
+            return Path(self.config.xi_path)
         if sha is None:
             raise InputError("this round trains a FedFS method, which needs ξ; the server serves none: pass --xi")
         path = self.state.file("xi.safetensors")
         if not (path.is_file() and sha256_hex(path.read_bytes()) == sha):
             self.state.save_weights_bytes("xi", self.client.download_xi(sha))
-        return load_checkpoint(path)[0]
+        return path
 
     def run_round(self, task: Mapping[str, Any]) -> dict[str, Any]:
-        """Download, train locally, upload. Returns the server's receipt."""
-        from .codes import random_codewords
-        from .model import ModelConfig
-        from .objective import uses_fedfs, uses_feduv
-        from .trainer import LocalTrainer
-
+        """Download, train locally (:attr:`runtime`), upload. Returns the server's receipt."""
         round_id, version, method = int(task["round_id"]), int(task["model_version"]), str(task["method"])
-        self._emit("round_started", {"round_id": round_id, "model_version": version, "method": method})
-        config = ModelConfig.from_json(json.dumps(task["model_config"])).resolved()
-        train_cfg = train_config_from_json(method, task.get("train"), self.config.device)
-        global_w = self._global_weights(version, str(task["model_sha256"]))
-        codeword = self.state.codeword(int(config.code_length)) if uses_feduv(method) else None
-        neg = None
-        if uses_feduv(method) and train_cfg.objective.lambda_neg > 0:
-            # ℓ_neg needs other codewords; a device knows none, so it draws random ones (docs/methods.md).
-            count = max(1, int(task.get("neg_codewords") or 0))
-            neg = random_codewords(count, int(config.code_length), np.random.default_rng(secrets.randbits(128)))
-        xi = self._xi(task.get("xi_sha256")) if uses_fedfs(method) else None
-        personal = None
-        if uses_fedfs(method):
-            loaded = self.state.load_weights("personal")
-            personal = loaded[0] if loaded is not None else None
-        images = self._images(int(config.input_size))
-        result = LocalTrainer(config, train_cfg, xi).train(global_w, images, personal_weights=personal,
-                                                           codeword=codeword, neg_codewords=neg)
-        check_finite(result.weights, "local result")
-        if result.personal_weights is not None:
-            self.state.save_weights("personal", result.personal_weights)   # θ_c stays here
-        self._emit("trained", {"round_id": round_id, "num_samples": result.num_samples,
-                               **{k: v for k, v in result.metrics.items() if k.endswith("_last")}})
-        body = encode_update(result.weights, round_id=round_id, model_version=version,
-                             num_samples=result.num_samples)
-        receipt = self.client.upload(round_id, body)
+        self._emit("round_started", {"round_id": round_id, "model_version": version, "method": method,
+                                     "runtime": self.runtime.name})
+        update = self.runtime.train(task, self.model_bytes(version, str(task["model_sha256"])), self)
+        self._emit("trained", {"round_id": round_id, "num_samples": update.num_samples,
+                               **{k: v for k, v in update.metrics.items() if k.endswith("_last")}})
+        receipt = self.client.upload(round_id, update.body)
         self.state.record_round({"round_id": round_id, "model_version": version, "method": method,
-                                 "num_samples": result.num_samples, "sha256": receipt["sha256"],
-                                 "at": time.time()})
-        self._emit("uploaded", {"round_id": round_id, "bytes": len(body), "duplicate": receipt.get("duplicate"),
+                                 "num_samples": update.num_samples, "sha256": receipt["sha256"],
+                                 "runtime": self.runtime.name, "at": time.time()})
+        self._emit("uploaded", {"round_id": round_id, "bytes": len(update.body), "duplicate": receipt.get("duplicate"),
                                 "clipped": receipt.get("clipped")})
         return receipt
 
@@ -403,14 +388,11 @@ class DeviceAgent:
         """Enroll the owner with the newest global model (and θ_c for FedFS methods).
 
         Waits for ``after_round`` to close so the model includes this device's last update.
-        Writes ``verifier.safetensors`` (what ``fedfs verify --model`` takes) and the
-        encrypted ``enrollment.fedfs`` into the device state; returns the enrollment.
+        Writes the encrypted ``enrollment.fedfs`` into the device state (the torch runtime
+        also ``verifier.safetensors``, what ``fedfs verify --model`` takes); returns the
+        enrollment.
         """
-        from .checkpoint import load_verifier, save_verifier
         from .enrollment import enroll, save_enrollment
-        from .inference import TorchBackend
-        from .model import FaceNet, ModelConfig, personal_config
-        from .objective import uses_fedfs, uses_feduv
 
         if after_round is not None:
             t0 = self._clock()
@@ -421,32 +403,18 @@ class DeviceAgent:
         info = self.client.latest_model()
         method = (self.state.info.rounds[-1]["method"] if self.state.info and self.state.info.rounds
                   else ("feduv" if info["config"].get("code_length") else "fedfs"))
-        config = ModelConfig.from_json(json.dumps(info["config"])).resolved()
-        global_net = FaceNet(config)
-        global_net.load_state_dict(self._global_weights(int(info["version"]), info["sha256"]))
-        backbone = global_net.backbone
-        if uses_fedfs(method):
-            loaded = self.state.load_weights("personal")
-            if loaded is None:
-                raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
-            personal = FaceNet(personal_config(config))
-            personal.load_state_dict(loaded[0])
-            backbone = personal.backbone
-        head = global_net.uv_head if uses_feduv(method) else None
-        vpath = self.state.file("verifier.safetensors")
-        save_verifier(vpath, backbone, config, head, meta={"global_version": int(info["version"]), "method": method})
-        vpath.chmod(0o600)
-        verifier, model_id = load_verifier(vpath)
+        version = int(info["version"])
+        backend = self.runtime.verifier(method, self.model_bytes(version, info["sha256"]), self, version)
         codeword = self.state.load_codeword() if uses_feduv(method) else None
-        enrollment = enroll(TorchBackend(verifier, model_id, device=self.config.device), self.images,
-                            q=self.config.q, codeword=codeword, detect_face=self.config.detect_face,
-                            meta={"global_version": int(info["version"]), "method": method})
+        enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
+                            detect_face=self.config.detect_face,
+                            meta={"global_version": version, "method": method, "runtime": self.runtime.name})
         key = self.config.enrollment_key or self.state.enrollment_key()
         save_enrollment(self.state.file("enrollment.fedfs"), enrollment, key, overwrite=True)
         self._emit("enrolled", {"mode": enrollment.mode, "threshold": enrollment.threshold,
-                                "model_id": model_id, "n_warmup": enrollment.n_warmup})
+                                "model_id": backend.model_id, "n_warmup": enrollment.n_warmup})
         return enrollment
 
 
 __all__ = ["ServerClient", "ServerError", "RetryPolicy", "RequestRecorder", "DeviceAgent", "DeviceConfig",
-           "DeviceReport", "LOST_ROUND_CODES"]
+           "DeviceReport", "LOST_ROUND_CODES", "TorchRuntime", "OrtRuntime"]

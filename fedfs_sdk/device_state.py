@@ -23,15 +23,16 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
-import torch
 
 from .codes import BASE_BITS, make_codeword
 from .errors import CodeError, FedFSError, InputError
 from .fileio import atomic_write_bytes
-from .wire import decode_weights, encode_weights
+
+if TYPE_CHECKING:  # torch is imported only by the torch runtime's calls: an ORT device never loads it
+    import torch
 
 STATE_FORMAT = "fedfs-device/1"
 FILE_MODE = 0o600
@@ -189,6 +190,8 @@ class DeviceState:
     # ---- weights -----------------------------------------------------------------------
 
     def save_weights(self, name: str, weights: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None) -> None:
+        from .wire import encode_weights
+
         self._write(f"{name}.safetensors", encode_weights(weights, meta))
 
     def save_weights_bytes(self, name: str, data: bytes) -> None:
@@ -198,9 +201,35 @@ class DeviceState:
         p = self.path / f"{name}.safetensors"
         if not p.is_file():
             return None
+        from .wire import decode_weights
+
         try:
             return decode_weights(p.read_bytes())
         except InputError as e:
+            raise DeviceStateError(f"{p} is corrupt: {e}") from None
+
+    def save_arrays(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
+        """Numpy counterpart of :meth:`save_weights` (the same safetensors file, no torch)."""
+        from safetensors.numpy import save
+
+        if not arrays:
+            raise InputError(f"cannot save empty weights as {name!r}")
+        self._write(f"{name}.safetensors", save({k: np.ascontiguousarray(v) for k, v in arrays.items()}))
+
+    def load_arrays(self, name: str) -> dict[str, np.ndarray] | None:
+        """Numpy counterpart of :meth:`load_weights` (None when absent)."""
+        from safetensors.numpy import load
+
+        from .wire_format import read_header
+
+        p = self.path / f"{name}.safetensors"
+        if not p.is_file():
+            return None
+        data = p.read_bytes()
+        try:
+            read_header(data)
+            return load(data)
+        except Exception as e:  # InputError from the header check, SafetensorError from the parser
             raise DeviceStateError(f"{p} is corrupt: {e}") from None
 
     def file(self, name: str) -> Path:

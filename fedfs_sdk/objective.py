@@ -21,28 +21,12 @@ from torch import nn
 from torch.func import functional_call
 
 from .errors import InputError
+from .methods import METHODS, check_method, uses_fedfs, uses_feduv  # noqa: F401 (re-exported)
 from .losses.fedfs import FedFSLossConfig, f_total
 from .losses.feduv import feduv_neg_loss, feduv_pos_loss
 from .model import FaceOutputs, scale_to_sqrt_c
 
 Method = Literal["fedfs", "feduv", "fedfs+feduv"]
-METHODS: tuple[str, ...] = ("fedfs", "feduv", "fedfs+feduv")
-
-
-def check_method(method: str) -> str:
-    if method not in METHODS:
-        raise InputError(f"unknown method {method!r}; choose one of {METHODS}")
-    return method
-
-
-def uses_fedfs(method: str) -> bool:
-    return method in ("fedfs", "fedfs+feduv")
-
-
-def uses_feduv(method: str) -> bool:
-    return method in ("feduv", "fedfs+feduv")
-
-
 @dataclass(frozen=True)
 class ObjectiveConfig:
     """Loss options of all methods. ``uv_weight`` is μ of the combined method;

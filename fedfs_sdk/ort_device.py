@@ -36,14 +36,16 @@ import numpy as np
 from .errors import CheckpointError, InputError
 from .inference import check_batch
 from .onnx_backend import import_onnxruntime
+from .wire_format import MODEL_FORMAT, UPDATE_FORMAT, read_header, update_metadata  # noqa: F401 (re-exported)
 
 Weights = dict[str, np.ndarray]
 
 ARTIFACT_FORMAT = "fedfs-ort-training/1"
-UPDATE_FORMAT = "fedfs-update/1"
-"""Equal to :data:`fedfs_sdk.wire.UPDATE_FORMAT` (kept literal: ``wire`` imports torch)."""
-MODEL_FORMAT = "fedfs-checkpoint/1"
-"""Equal to :data:`fedfs_sdk.checkpoint.FORMAT`: what the server sends as a model."""
+
+def artifact_subdir(method: str) -> str:
+    """Folder of ``method``'s artifacts under an export's ``ort-training/`` (``fedfs+feduv`` → ``fedfs_feduv``)."""
+    return method.replace("+", "_")
+
 
 _REQUIRED_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint", "artifact.json")
 
@@ -323,12 +325,9 @@ def encode_update(weights: Mapping[str, np.ndarray], *, round_id: int, model_ver
     built from numpy arrays: ``w_c`` and ``|D_c|``, nothing else."""
     from safetensors.numpy import save
 
-    if isinstance(num_samples, bool) or int(num_samples) != num_samples or num_samples <= 0:
-        raise InputError(f"num_samples must be a positive integer, got {num_samples!r}")
+    meta = update_metadata(round_id=round_id, model_version=model_version, num_samples=num_samples)
     if not weights:
         raise InputError("cannot upload an empty state dict")
-    meta = {"format": UPDATE_FORMAT, "round_id": str(int(round_id)),
-            "model_version": str(int(model_version)), "num_samples": str(int(num_samples))}
     return save({k: np.ascontiguousarray(v) for k, v in weights.items()}, metadata=meta)
 
 
@@ -336,12 +335,11 @@ def decode_model(data: bytes) -> tuple[Weights, dict[str, str]]:
     """A model the server sent (a fedfs checkpoint body) as numpy arrays + header."""
     from safetensors.numpy import load
 
+    _, header = read_header(data)
     try:
         weights = load(bytes(data))
     except Exception as e:  # SafetensorError and friends: malformed body
         raise InputError(f"model body is not valid safetensors: {e}") from None
-    n = int.from_bytes(bytes(data[:8]), "little")
-    header = json.loads(bytes(data[8:8 + n])).get("__metadata__", {}) or {}
     if header.get("format") != MODEL_FORMAT:
         raise InputError(f"body is not a fedfs model (format={header.get('format')!r})")
     return weights, header

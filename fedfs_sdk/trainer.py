@@ -16,20 +16,11 @@ from torch import nn
 
 from .errors import InputError
 from .model import FaceNet, ModelConfig, personal_config
+from .methods import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR  # noqa: F401 (re-exported)
 from .objective import ObjectiveConfig, check_method, local_objective, uses_fedfs, uses_feduv
 
 Weights = dict[str, torch.Tensor]
 
-DEFAULT_LR = {"fedfs": 5e-3, "feduv": 0.1, "fedfs+feduv": 5e-3}
-"""FedFS §4.1: SGD lr 5e-3; FedUV §6: SGD lr 0.1."""
-DEFAULT_EPOCHS = {"fedfs": 2, "feduv": 1, "fedfs+feduv": 2}
-"""FedFS §4.1: 2 local epochs; FedUV §6: 1 local epoch."""
-DEFAULT_HEAD_LR = 20.0
-"""SGD lr of the FedUV head ``W`` (``feduv``, ``fedfs+feduv``). σ makes ``ℓ_pos`` invariant to
-the scale of ``W``, so the effective step on ``W`` is ``lr/‖W‖²``-small, and ``W`` starts
-random while the backbone starts from ξ. Measured on SynthFaces (feduv, 100 clients,
-p = 0.5, 10 rounds, ξ-initialized tiny backbone, see docs/methods.md): per-client AUROC
-0.53 / 0.56 / 0.69 / 0.79 / 0.82 for a head lr of 0.1 / 1 / 5 / 20 / 100."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +35,7 @@ class TrainConfig:
     lr: float | None = None
     head_lr: float | None = None
     local_epochs: int | None = None
-    batch_size: int = 32
+    batch_size: int = DEFAULT_BATCH_SIZE
     momentum: float = 0.0
     weight_decay: float = 0.0
     seed: int = 0

@@ -29,6 +29,9 @@ TINY = ModelConfig("tiny", proj_dim=32, code_length=127)
 """Global model of every method: tiny backbone (64-d), FedFS projection (z = r ⊕ q = 64 = dim ξ),
 FedUV head c = 127."""
 
+TOL = 2e-5
+"""Absolute tolerance of ORT-training vs torch weights after a few SGD steps (measured ≤ 2e-7)."""
+
 NO_TORCH_PRELUDE = """
 import sys
 class _NoTorch:

@@ -118,3 +118,32 @@ def weighted_average(updates: list[tuple[dict[str, np.ndarray], int]]) -> dict[s
     total = float(sum(n for _, n in updates))
     keys = updates[0][0].keys()
     return {k: sum(w[k].astype(np.float64) * n for w, n in updates) / total for k in keys}
+
+
+def audited_uploads(audit_dir: Path) -> list[tuple[int, dict[str, np.ndarray], int]]:
+    """``(round_id, w_c, |D_c|)`` of every update a device sent, read from its ``--audit-dir``
+    copies of the request bodies (what actually went over the wire)."""
+    index = [json.loads(line) for line in (audit_dir / "index.jsonl").read_text().splitlines()]
+    out = []
+    for e in index:
+        if e["method"] == "PUT":
+            w, meta = read_safetensors((audit_dir / e["file"]).read_bytes())
+            assert meta["format"] == "fedfs-update/1" and e["path"] == f"/v1/rounds/{meta['round_id']}/update"
+            out.append((int(meta["round_id"]), w, int(meta["num_samples"])))
+    return out
+
+
+def assert_published_fedavg(srv: "ServerProc", uploads: dict[int, list[tuple[dict[str, np.ndarray], int]]],
+                            atol: float = 1e-6) -> None:
+    """Every round's published global version equals the |D_c|-weighted average of its uploads."""
+    with srv.admin() as c:
+        for rnd, ups in sorted(uploads.items()):
+            info = c.get(f"/v1/rounds/{rnd}").json()
+            assert info["state"] == "closed" and info["accepted"] == len(ups)
+            assert info["total_samples"] == sum(n for _, n in ups)
+            published, meta = read_safetensors(c.get(f"/v1/models/{info['result_version']}").content)
+            expected = weighted_average(ups)
+            assert set(published) == set(expected)
+            for k in expected:
+                np.testing.assert_allclose(published[k], expected[k].astype(np.float32), rtol=0, atol=atol, err_msg=k)
+            assert json.loads(meta["meta"])["num_updates"] == len(ups)

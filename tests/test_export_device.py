@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest_export import TINY, TMP, checkpoints, faces, full_export, run_device_script, tiny_weights, xi_model
+from conftest_export import TOL, TINY, TMP, checkpoints, faces, full_export, run_device_script, tiny_weights, xi_model
 from export.ort_training import train_config_of
 from fedfs_sdk.codes import make_codeword
 from fedfs_sdk.enrollment import score
@@ -22,7 +22,6 @@ from fedfs_sdk.trainer import LocalTrainer
 from fedfs_sdk.wire import UPDATE_FORMAT as WIRE_UPDATE_FORMAT
 from fedfs_sdk.wire import decode_update
 
-TOL = 2e-5
 
 
 def _uint8(x: np.ndarray) -> np.ndarray:

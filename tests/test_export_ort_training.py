@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest_export import TINY, TMP, faces, full_export, tiny_weights, xi_model
+from conftest_export import TOL, TINY, TMP, faces, full_export, tiny_weights, xi_model
 from export.ort_training import build_artifacts, export_training_artifacts, train_config_of
 from export.pipeline import method_dir
 from export.training_graphs import FedFSStep, insub_from_labels, soft_labels_graph
@@ -26,7 +26,6 @@ from fedfs_sdk.objective import ObjectiveConfig, local_objective
 from fedfs_sdk.ort_device import OrtDeviceTrainer
 from fedfs_sdk.trainer import DEFAULT_HEAD_LR, LocalTrainer, TrainConfig
 
-TOL = 2e-5
 LR = 0.05
 CODEWORD = make_codeword(11, 127, rng=np.random.default_rng(0))[0]
 

@@ -1,6 +1,7 @@
 """``fedfs device``: run one device against an aggregation server.
 
     fedfs device --server http://127.0.0.1:8080 --images ./me --state ./device --rounds 5 --enroll
+    fedfs device ... --artifacts ./phone-export     # ONNX Runtime training, no torch in the process
 
 The first run registers and creates the device state (token, ``b_u``, ``r_u``,
 codeword, θ_c, enrollment); later runs reuse it.
@@ -21,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=1, help="rounds to take part in (0: until the server is done; default 1)")
     p.add_argument("--xi", type=Path, metavar="CKPT", help="frozen ξ for FedFS methods (default: download the server's)")
     p.add_argument("--device", default="cpu", help="torch device for local training (cpu, cuda)")
+    p.add_argument("--artifacts", type=Path, metavar="DIR",
+                   help="train and verify from this export folder (fedfs export --formats onnx,ort-training) "
+                        "with ONNX Runtime, as a phone does: torch is never imported")
     p.add_argument("--wait-timeout", type=float, default=3600.0, help="give up after this many seconds without a task")
     p.add_argument("--registration-token", default=os.environ.get("FEDFS_REGISTRATION_TOKEN"),
                    help="token the server requires for registration (default $FEDFS_REGISTRATION_TOKEN)")
@@ -48,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     if args.key_file is not None:
         from .common import read_key
         key = read_key(str(args.key_file), create=True)
-    config = DeviceConfig(rounds=args.rounds, device=args.device, xi_path=args.xi, wait_timeout_s=args.wait_timeout,
+    config = DeviceConfig(rounds=args.rounds, device=args.device, artifacts=args.artifacts, xi_path=args.xi,
+                          wait_timeout_s=args.wait_timeout,
                           detect_face=args.detect_face, enroll=args.enroll, q=args.q, enrollment_key=key,
                           registration_token=args.registration_token)
     def on_retry(why: str, delay: float) -> None:

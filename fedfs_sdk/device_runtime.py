@@ -1,0 +1,286 @@
+"""How a device computes its part of a round, behind one small interface.
+
+:class:`~fedfs_sdk.client.DeviceAgent` speaks the protocol (register, task, download,
+upload, enroll); a runtime turns a task and the global model's bytes into an upload body
+and, after training, gives the inference backend that enrolls the owner:
+
+* :class:`TorchRuntime` — :class:`~fedfs_sdk.trainer.LocalTrainer` (PyTorch, CPU or CUDA),
+  enrollment through :class:`~fedfs_sdk.inference.TorchBackend`;
+* :class:`OrtRuntime` — the phone's way: the ONNX Runtime training artifacts and the ONNX
+  verifier of an export folder (``fedfs export --formats onnx,ort-training``), through
+  :class:`~fedfs_sdk.ort_device.OrtDeviceTrainer` and
+  :class:`~fedfs_sdk.onnx_backend.OnnxBackend`. Nothing in this path imports torch.
+
+Both send the same thing: ``w_c`` and ``|D_c|`` as a ``fedfs-update/1`` safetensors body.
+``θ_c`` (FedFS) is kept in the device state as ``personal.safetensors`` in either runtime's
+format-compatible safetensors, so a device may switch runtimes between rounds.
+"""
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
+
+import numpy as np
+
+from .errors import CheckpointError, InputError, ProtocolError
+from .methods import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, check_method, uses_fedfs, uses_feduv
+from .wire_format import MODEL_FORMAT, split_train_json
+
+if TYPE_CHECKING:
+    from .client import DeviceAgent
+    from .inference import InferenceBackend
+
+
+@dataclass
+class LocalUpdate:
+    """One round's result on the device: ``body`` is all that is uploaded."""
+
+    body: bytes
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class DeviceRuntime(Protocol):
+    name: str
+
+    def train(self, task: Mapping[str, Any], model: bytes, agent: "DeviceAgent") -> LocalUpdate:
+        """Local training for ``task`` from the global model ``model`` (a fedfs checkpoint body)."""
+        ...
+
+    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int) -> "InferenceBackend":
+        """The backend the owner verifies with: ``θ_c``'s backbone for FedFS methods, else the
+        global one (version ``version``); plus the global FedUV head for FedUV methods."""
+        ...
+
+
+def negative_codewords(task: Mapping[str, Any], code_length: int) -> np.ndarray:
+    """Random codewords for ``ℓ_neg`` (FedUV Eq. 4): a device knows no other user's codeword,
+    so it draws ``task["neg_codewords"]`` codewords of random messages (docs/methods.md)."""
+    from .codes import random_codewords
+
+    count = max(1, int(task.get("neg_codewords") or 0))
+    return random_codewords(count, int(code_length), np.random.default_rng(secrets.randbits(128)))
+
+
+class TorchRuntime:
+    """Local training with :class:`~fedfs_sdk.trainer.LocalTrainer` on ``device`` (cpu, cuda)."""
+
+    name = "torch"
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+
+    @staticmethod
+    def _weights(model: bytes) -> dict[str, Any]:
+        from .wire import decode_weights
+
+        weights, meta = decode_weights(model)
+        if meta.get("format") != MODEL_FORMAT:
+            raise ProtocolError(f"the server's model is not a fedfs checkpoint (format={meta.get('format')!r})")
+        return weights
+
+    def train(self, task: Mapping[str, Any], model: bytes, agent: "DeviceAgent") -> LocalUpdate:
+        from .checkpoint import load_checkpoint
+        from .model import ModelConfig
+        from .trainer import LocalTrainer
+        from .wire import check_finite, encode_update, train_config_from_json
+
+        method = check_method(str(task["method"]))
+        config = ModelConfig.from_json(json.dumps(task["model_config"])).resolved()
+        train_cfg = train_config_from_json(method, task.get("train"), self.device)
+        codeword = agent.state.codeword(int(config.code_length)) if uses_feduv(method) else None
+        neg = (negative_codewords(task, int(config.code_length))
+               if uses_feduv(method) and train_cfg.objective.lambda_neg > 0 else None)
+        xi = load_checkpoint(agent.xi_file(task.get("xi_sha256")))[0] if uses_fedfs(method) else None
+        personal = None
+        if uses_fedfs(method):
+            loaded = agent.state.load_weights("personal")
+            personal = loaded[0] if loaded is not None else None
+        result = LocalTrainer(config, train_cfg, xi).train(
+            self._weights(model), agent.images_array(int(config.input_size)), personal_weights=personal,
+            codeword=codeword, neg_codewords=neg)
+        check_finite(result.weights, "local result")
+        if result.personal_weights is not None:
+            agent.state.save_weights("personal", result.personal_weights)   # θ_c stays here
+        body = encode_update(result.weights, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
+                             num_samples=result.num_samples)
+        return LocalUpdate(body, result.num_samples, dict(result.metrics))
+
+    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int) -> "InferenceBackend":
+        from .checkpoint import load_verifier, save_verifier
+        from .inference import TorchBackend
+        from .model import FaceNet, ModelConfig, personal_config
+        from .wire import decode_weights
+
+        _, meta = decode_weights(model)
+        config = ModelConfig.from_json(meta["model_config"]).resolved()
+        global_net = FaceNet(config)
+        global_net.load_state_dict(self._weights(model))
+        backbone = global_net.backbone
+        if uses_fedfs(method):
+            loaded = agent.state.load_weights("personal")
+            if loaded is None:
+                raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
+            personal = FaceNet(personal_config(config))
+            personal.load_state_dict(loaded[0])
+            backbone = personal.backbone
+        head = global_net.uv_head if uses_feduv(method) else None
+        path = agent.state.file("verifier.safetensors")    # what `fedfs verify --model` takes
+        save_verifier(path, backbone, config, head, meta={"global_version": int(version), "method": method})
+        path.chmod(0o600)
+        verifier, model_id = load_verifier(path)
+        return TorchBackend(verifier, model_id, device=self.device)
+
+
+def _differences(expected: Mapping[str, Any], given: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Keys whose values differ between two JSON objects (numbers compared with a relative tolerance)."""
+    out = []
+    for k in sorted(set(expected) | set(given)):
+        a, b = expected.get(k), given.get(k)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+            if not math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0):
+                out.append(f"{prefix}{k}: artifact {a!r}, task {b!r}")
+        elif a != b:
+            out.append(f"{prefix}{k}: artifact {a!r}, task {b!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class OrtTrainSettings:
+    """What an :class:`~fedfs_sdk.ort_device.OrtDeviceTrainer` is built with for one task."""
+
+    lr: float
+    local_epochs: int
+    batch_size: int
+    seed: int
+    lambda_neg: float
+
+
+def ort_settings_for(task: Mapping[str, Any], info: Mapping[str, Any]) -> OrtTrainSettings:
+    """Check that an ORT training artifact (its ``artifact.json``) can run ``task`` exactly as
+    the torch trainer would, and return the settings; :class:`InputError` names each
+    mismatch (the artifact bakes in the model, ξ, the objective and the head/backbone
+    learning-rate ratio — only ``lr``, epochs, batch size and seed are free)."""
+    method = check_method(str(task["method"]))
+    problems = []
+    given_cfg = task.get("model_config") or {}
+    for k, v in sorted((info.get("model_config") or {}).items()):
+        if v is not None and given_cfg.get(k) is not None and given_cfg.get(k) != v:
+            problems.append(f"model_config.{k}: artifact {v!r}, server {given_cfg.get(k)!r}")
+    if uses_fedfs(method) and info.get("xi_sha256") and task.get("xi_sha256") and info["xi_sha256"] != task["xi_sha256"]:
+        problems.append("ξ: the artifact was exported with another frozen model than the server serves "
+                        f"(sha256 {info['xi_sha256'][:12]}… vs {str(task['xi_sha256'])[:12]}…)")
+    scalars, obj, fedfs = split_train_json(task.get("train"))
+    for k in ("momentum", "weight_decay"):
+        if scalars.get(k):
+            problems.append(f"train.{k}={scalars[k]}: the ORT training artifacts run plain SGD only")
+    lr = float(scalars["lr"]) if scalars.get("lr") is not None else DEFAULT_LR[method]
+    if not lr > 0:
+        problems.append(f"train.lr must be > 0, got {lr}")
+    if uses_feduv(method) and lr > 0:
+        head_lr = float(scalars["head_lr"]) if scalars.get("head_lr") is not None else DEFAULT_HEAD_LR
+        baked = float(info["head_lr"]) / float(info["lr"])
+        if not math.isclose(head_lr / lr, baked, rel_tol=1e-6):
+            problems.append(f"head_lr/lr: the artifact bakes in {baked:g}, the task asks {head_lr / lr:g} "
+                            f"(head_lr {head_lr:g}, lr {lr:g}); export again with these --train settings")
+    # The objective: what the task says, with the defaults filling what it leaves out.
+    defaults = info.get("objective_defaults")
+    artifact_obj = info.get("objective") or {}
+    if defaults is not None:
+        wanted = {**defaults, **obj, "fedfs": {**defaults.get("fedfs", {}), **fedfs}}
+        problems += [f"objective.{d}" for d in _differences(artifact_obj, wanted)]
+    else:  # older artifact.json: check what the task names
+        problems += [f"objective.{d}" for d in _differences({k: artifact_obj.get(k) for k in obj}, obj)]
+        problems += [f"objective.fedfs.{d}" for d in _differences(
+            {k: artifact_obj.get("fedfs", {}).get(k) for k in fedfs}, fedfs)]
+    if problems:
+        raise InputError(f"the {method} ORT training artifact cannot run this round as the server asks: "
+                         + "; ".join(problems))
+    return OrtTrainSettings(lr=lr, local_epochs=int(scalars.get("local_epochs") or DEFAULT_EPOCHS[method]),
+                            batch_size=int(scalars.get("batch_size") or DEFAULT_BATCH_SIZE),
+                            seed=int(scalars.get("seed") or 0),
+                            lambda_neg=float(artifact_obj.get("lambda_neg") or 0.0))
+
+
+class OrtRuntime:
+    """Local training and verification from an export folder alone (no torch).
+
+    Args:
+        export_dir: what ``fedfs export --formats onnx,ort-training`` wrote:
+            ``ort-training/<method>/`` (one artifact per method the server may ask for)
+            and ``onnx/verifier.onnx`` (for enrollment).
+        intra_op_threads: ONNX Runtime threads (None = ORT's default).
+    """
+
+    name = "ort"
+
+    def __init__(self, export_dir: str | Path, intra_op_threads: int | None = None) -> None:
+        self.root = Path(export_dir)
+        if not (self.root / "ort-training").is_dir():
+            raise CheckpointError(f"{self.root} is not a fedfs export with ORT training artifacts (no ort-training/); "
+                                  "write one with `fedfs export --formats onnx,ort-training`")
+        self.intra_op_threads = intra_op_threads
+        self._trainers: dict[tuple[str, OrtTrainSettings], Any] = {}
+
+    def _artifact(self, method: str) -> Path:
+        from .ort_device import artifact_subdir
+
+        path = self.root / "ort-training" / artifact_subdir(method)
+        if not path.is_dir():
+            raise CheckpointError(f"the server trains {method!r}, but {self.root} has no ORT training artifact for it "
+                                  f"({path.relative_to(self.root)}); export with --methods {method}")
+        return path
+
+    def train(self, task: Mapping[str, Any], model: bytes, agent: "DeviceAgent") -> LocalUpdate:
+        from .ort_device import OrtDeviceTrainer, TrainingArtifact, decode_model, encode_update
+
+        method = check_method(str(task["method"]))
+        path = self._artifact(method)
+        settings = ort_settings_for(task, TrainingArtifact.load(path).info)
+        key = (method, settings)
+        if key not in self._trainers:
+            self._trainers = {key: OrtDeviceTrainer(path, lr=settings.lr, local_epochs=settings.local_epochs,
+                                                    batch_size=settings.batch_size,
+                                                    intra_op_threads=self.intra_op_threads)}
+        trainer = self._trainers[key]
+        art = trainer.artifact
+        weights, _ = decode_model(model)
+        codeword = agent.state.codeword(art.code_length) if uses_feduv(method) else None
+        neg = negative_codewords(task, art.code_length) if uses_feduv(method) and settings.lambda_neg > 0 else None
+        personal = agent.state.load_arrays("personal") if uses_fedfs(method) else None
+        up = trainer.train(weights, agent.images_array(art.input_size), personal_weights=personal,
+                           codeword=codeword, neg_codewords=neg, seed=settings.seed)
+        if up.personal_weights is not None:
+            agent.state.save_arrays("personal", up.personal_weights)   # θ_c stays here
+        body = encode_update(up.weights, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
+                             num_samples=up.num_samples)
+        return LocalUpdate(body, up.num_samples, dict(up.metrics))
+
+    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int) -> "InferenceBackend":
+        from .onnx_backend import OnnxBackend
+        from .ort_device import decode_model, verifier_weights
+
+        onnx = self.root / "onnx" / "verifier.onnx"
+        if not onnx.is_file():
+            raise CheckpointError(f"{self.root} has no ONNX verifier (onnx/verifier.onnx) to enroll with; "
+                                  "export with --formats onnx,ort-training")
+        weights, _ = decode_model(model)
+        personal = None
+        if uses_fedfs(method):
+            personal = agent.state.load_arrays("personal")
+            if personal is None:
+                raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
+        backend = OnnxBackend(onnx, weights=verifier_weights(weights, personal), intra_op_threads=self.intra_op_threads)
+        if uses_feduv(method) and "uv" not in backend.outputs:
+            raise CheckpointError(f"{onnx} has no FedUV head output, but the server trains {method!r}")
+        return backend
+
+
+__all__ = ["DeviceRuntime", "LocalUpdate", "TorchRuntime", "OrtRuntime", "OrtTrainSettings", "ort_settings_for",
+           "negative_codewords"]
