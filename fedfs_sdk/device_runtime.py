@@ -75,13 +75,14 @@ class TorchRuntime:
         self.device = device
 
     @staticmethod
-    def _weights(model: bytes) -> dict[str, Any]:
+    def _decode(model: bytes) -> tuple[dict[str, Any], dict[str, str]]:
+        """The global model's tensors and checkpoint header."""
         from .wire import decode_weights
 
         weights, meta = decode_weights(model)
         if meta.get("format") != MODEL_FORMAT:
             raise ProtocolError(f"the server's model is not a fedfs checkpoint (format={meta.get('format')!r})")
-        return weights
+        return weights, meta
 
     def train(self, task: Mapping[str, Any], model: bytes, agent: "DeviceAgent") -> LocalUpdate:
         from .checkpoint import load_checkpoint
@@ -101,7 +102,7 @@ class TorchRuntime:
             loaded = agent.state.load_weights("personal")
             personal = loaded[0] if loaded is not None else None
         result = LocalTrainer(config, train_cfg, xi).train(
-            self._weights(model), agent.images_array(int(config.input_size)), personal_weights=personal,
+            self._decode(model)[0], agent.images_array(int(config.input_size)), personal_weights=personal,
             codeword=codeword, neg_codewords=neg)
         check_finite(result.weights, "local result")
         if result.personal_weights is not None:
@@ -114,12 +115,11 @@ class TorchRuntime:
         from .checkpoint import load_verifier, save_verifier
         from .inference import TorchBackend
         from .model import FaceNet, ModelConfig, personal_config
-        from .wire import decode_weights
 
-        _, meta = decode_weights(model)
+        weights, meta = self._decode(model)
         config = ModelConfig.from_json(meta["model_config"]).resolved()
         global_net = FaceNet(config)
-        global_net.load_state_dict(self._weights(model))
+        global_net.load_state_dict(weights)
         backbone = global_net.backbone
         if uses_fedfs(method):
             loaded = agent.state.load_weights("personal")

@@ -82,9 +82,18 @@ def test_artifact_only_devices_run_rounds_over_http(tmp_path) -> None:
         moved = max(float((ref.weights[k] - tiny_weights()[k]).abs().max()) for k in got)
         assert moved > 1e-3 and diff <= TOL, (moved, diff)
 
-        # θ_c, the codeword and the enrollment stayed on the device.
+        # θ_c, the codeword and the enrollment stayed on the device: no request body holds them.
         for f in ("personal.safetensors", "secrets.json", "enrollment.fedfs"):
             assert (state0 / f).stat().st_mode & 0o777 == 0o600
+        from safetensors.numpy import load
+        personal = load((state0 / "personal.safetensors").read_bytes())
+        secrets_ = {"codeword": np.packbits(codeword < 0).tobytes(),
+                    "θ_c (personal proj)": np.ascontiguousarray(personal["proj.weight"]).tobytes()[:256],
+                    "enrollment": (state0 / "enrollment.fedfs").read_bytes()[:256]}
+        bodies = [p.read_bytes() for p in (tmp_path / "audit0").iterdir() if p.name != "index.jsonl"]
+        assert bodies
+        for name, blob in secrets_.items():
+            assert not any(blob in b for b in bodies), f"{name} went over the wire"
         assert not (state0 / "verifier.safetensors").exists()        # the ORT path enrolls via ONNX
     finally:
         srv.stop()
