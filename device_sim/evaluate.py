@@ -69,21 +69,27 @@ class EvalConfig:
 class _Scorer:
     """Scores of one enrollment: cosine template or FedUV codeword (FedUV Eq. 5)."""
 
-    def __init__(self, spec: VerifierSpec, warm: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, spec: VerifierSpec, warm: Mapping[str, torch.Tensor],
+                 fresh: Mapping[str, torch.Tensor] | None = None) -> None:
+        """``warm``: the enrollment images' outputs (template, and the warm-up when ``fresh``
+        is None); ``fresh``: separate warm-up images scored against the enrollment."""
         self.codeword = None if spec.codeword is None else torch.as_tensor(spec.codeword, dtype=torch.float64)
         if self.codeword is not None:
-            self.warmup = self(warm)
+            self.warmup = self(fresh if fresh is not None else warm)
             return
         if getattr(spec, "reference", None) is not None:
             # a method-supplied template (the client's own class embedding: softmax, FedAwS…)
             self.template = _unit(torch.as_tensor(spec.reference).double())
-            self.warmup = (_unit(warm["embedding"].double()) @ self.template).numpy()
+            self.warmup = self(fresh if fresh is not None else warm)
             return
         e = _unit(warm["embedding"].double())
         total = e.sum(0)
         self.template = _unit(total)
-        # leave-one-out warm-up scores: an image is never scored against a template holding it
-        self.warmup = (e * _unit(total[None, :] - e)).sum(1).numpy()
+        if fresh is not None:
+            self.warmup = self(fresh)
+        else:
+            # leave-one-out warm-up scores: an image is never scored against a template holding it
+            self.warmup = (e * _unit(total[None, :] - e)).sum(1).numpy()
 
     def __call__(self, feats: Mapping[str, torch.Tensor]) -> np.ndarray:
         if self.codeword is not None:
@@ -218,7 +224,8 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
                      "new": embed(spec, probes.new, dev, config.batch_size) if has_new else None}
             own_train = embed(spec, population.train_images(c), dev, config.batch_size)
             own_test = embed(spec, population.test_images(c), dev, config.batch_size)
-            scorer = _Scorer(spec, own_train)
+            fresh = population.warmup_images(c)
+            scorer = _Scorer(spec, own_train, None if fresh is None else embed(spec, fresh, dev, config.batch_size))
             genuine = scorer(own_test)
             impostor = scorer(_select(f["pool"], np.flatnonzero(probes.pool_owner != c)))
             ver.append((genuine, impostor))
@@ -234,8 +241,15 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
     result: dict[str, Any] = {"clients_evaluated": int(clients.size), "impostor_pool": int(probes.pool.shape[0]),
                               "new_user_images": int(probes.new.shape[0]), "q": config.q}
     v = M.per_client_verification(ver, config.fars)
+    pooled = v["pooled"] or {}
     result["verification"] = {"auroc": v["auroc"], "eer": v["eer"], "tar_at_far": _keys(v["tar_at_far"]),
-                              "per_client_auroc": [p.get("auroc", float("nan")) for p in v["per_client"]]}
+                              "per_client_auroc": [p.get("auroc", float("nan")) for p in v["per_client"]],
+                              # one global threshold over all clients' scores (FedFS does not say which it reports)
+                              "pooled": {"auroc": pooled.get("auroc"), "eer": pooled.get("eer"),
+                                         "tar_at_far": _keys(pooled.get("tar_at_far", {}))},
+                              # the coarsest client's 1/n_impostor: smaller FAR targets mean FAR 0
+                              "far_resolution": max((p["far_resolution"] for p in v["per_client"]
+                                                     if "far_resolution" in p), default=float("nan"))}
     fpr, tpr = M.mean_roc(ver)
     result["roc"] = {"fpr": fpr.tolist(), "tpr": tpr.tolist()}
     wp = M.per_user_warmup(warm_p, config.q)

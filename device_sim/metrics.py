@@ -190,7 +190,8 @@ def tpir_at_fpir(mated: Sequence[float] | np.ndarray, nonmated: Sequence[float] 
     if np.isnan(m).any() or (m == np.inf).any():
         raise InputError("mated scores contain NaN or +Inf")
     n = _scores(nonmated, "non-mated")
-    return {float(f): float(np.mean(m >= threshold_at_far(n, f))) for f in fpirs}
+    # a rank-1 failure (−inf) is never identified, even where the threshold is −inf (FPIR ≥ 1)
+    return {float(f): float(np.mean(np.isfinite(m) & (m >= threshold_at_far(n, f)))) for f in fpirs}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,6 +46,12 @@ class Population:
         u = self._user("clients", client)
         return self._load(self.dataset, u.identity, u.test, device)
 
+    def warmup_images(self, client: int, device: str | torch.device | None = None) -> torch.Tensor | None:
+        """Client ``client``'s fresh warm-up images (FedUV Alg. 2), or None when the split drew
+        none (the warm-up then scores the training images)."""
+        u = self._user("clients", client)
+        return self._load(self.dataset, u.identity, u.warmup, device) if u.warmup.size else None
+
     def new_user_images(self, user: int, part: str = "all", device: str | torch.device | None = None) -> torch.Tensor:
         """New user ``user``'s images: ``train`` (warm-up), ``test`` or ``all``."""
         u = self._user("new_users", user)

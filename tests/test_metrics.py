@@ -91,6 +91,8 @@ def test_identification_scores_rank1() -> None:
     assert np.array_equal(non, [0.6, 0.3])
     # FPIR 0.5 → one non-mated may pass → threshold just above 0.3 → probe 0 passes
     assert M.tpir_at_fpir(mated, non, fpirs=(0.5,)) == {0.5: 0.5}
+    # FPIR 1 → every non-mated passes (threshold −inf), but a rank-1 failure is still a miss
+    assert M.tpir_at_fpir(mated, non, fpirs=(1.0,)) == {1.0: 0.5}
 
 
 def test_tpir_one_identity_gallery_equals_tar() -> None:

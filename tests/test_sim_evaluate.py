@@ -74,3 +74,51 @@ def test_vmap_embedding_equals_loop(trained, pop) -> None:
     a = evaluate(trained.method, trained.global_weights, trained.private_weights, pop, EvalConfig(batched=True))
     b = evaluate(trained.method, trained.global_weights, trained.private_weights, pop, EvalConfig(batched=False))
     assert np.allclose(a["verification"]["per_client_auroc"], b["verification"]["per_client_auroc"])
+
+
+def _recording_scorer(monkeypatch) -> list[dict]:
+    """Replace evaluate's _Scorer with one that records how many images each role scores."""
+    import device_sim.evaluate as ev
+
+    calls: list[dict] = []
+
+    class Recording(ev._Scorer):
+        def __init__(self, spec, warm, fresh=None) -> None:
+            super().__init__(spec, warm, fresh)
+            calls.append({"enroll": len(warm["embedding"]), "fresh": None if fresh is None else len(fresh["embedding"]),
+                          "warmup": len(self.warmup), "scored": []})
+
+        def __call__(self, feats):
+            out = super().__call__(feats)
+            if calls:
+                calls[-1]["scored"].append(len(out))
+            return out
+
+    monkeypatch.setattr(ev, "_Scorer", Recording)
+    return calls
+
+
+def test_each_role_scores_the_right_images(trained, pop, monkeypatch) -> None:
+    """Per client: enrolled on its 10 train images, genuine = its 4 test images, impostors =
+    the 4 test images of each of the 4 other clients (never its own), non-mated = the 2 new
+    users' 14 images each; the warm-up scores the train images (leave-one-out)."""
+    calls = _recording_scorer(monkeypatch)
+    evaluate(trained.method, trained.global_weights, trained.private_weights, pop, EvalConfig(batch_size=64))
+    participants = calls[:5]                              # then one scorer per new user
+    for rec in participants:
+        assert rec["enroll"] == 10 and rec["fresh"] is None and rec["warmup"] == 10
+        assert rec["scored"][:3] == [4, 16, 28]           # genuine, impostors (others' tests), non-mated
+
+
+def test_fresh_warmup_images_set_the_threshold(xi, monkeypatch) -> None:
+    """A split with warm-up images: τ comes from those fresh captures, not the training images."""
+    ds = SynthDataset(SynthFaces(seed=0, image_size=32), images_per_identity=17, num_identities=8)
+    pop = Population(ds, make_splits(ds, num_public=0, num_clients=4, num_new=1, train_per_client=10,
+                                     test_per_client=4, warmup_per_user=3, seed=0))
+    assert pop.warmup_images(0).shape[0] == 3
+    f = Federation(parse_method("feduv"), pop, xi, FederationConfig(rounds=1, participation=1.0,
+                                                                     local=LocalConfig(batch_size=5)))
+    f.run()
+    calls = _recording_scorer(monkeypatch)
+    evaluate(f.method, f.global_weights, f.private_weights, pop, EvalConfig(batch_size=64, q=0.5))
+    assert all(rec["fresh"] == 3 and rec["warmup"] == 3 for rec in calls[:4])

@@ -62,7 +62,8 @@ def test_neg_codewords_are_other_participants(xi) -> None:
 def test_verifier_specs(xi) -> None:
     gw = {}
     for spec, mode, shared, head in [("pretrained", "template", "xi", False), ("fedfs", "template", None, False),
-                                     ("feduv", "codeword", "global", True), ("fedfs+feduv", "codeword", None, True)]:
+                                     ("feduv", "codeword", "global", True), ("fedfs+feduv", "codeword", None, True),
+                                     ("fedfs+feduv:verify=global", "codeword", "global", True)]:
         m = setup_method(spec, xi)
         gw = m.init_global()
         priv = m.init_private(gw) or None
@@ -75,6 +76,17 @@ def test_verifier_specs(xi) -> None:
         assert nu.shared_key in ("global", "xi")
         if spec in ("fedfs", "fedfs+feduv"):
             assert m.verifier(m.client_state_init(3), gw, None).shared_key == "init"   # never trained: θ_0
+    # verify=global scores σ(W r') with the shared model only: θ_c does not enter.
+    m = setup_method("fedfs+feduv:verify=global", xi)
+    gw = m.init_global()
+    priv = {g: {k: t + 1.0 for k, t in ws.items()} for g, ws in (m.init_private(gw) or {}).items()}
+    v = m.verifier(m.client_state_init(3), gw, priv)
+    assert all(torch.equal(v.weights[k], gw[k]) for k in v.weights) and "uv_head.weight" in v.weights
+    assert m.label == "fedfs+feduv (c=127, verify=global)"
+    with pytest.raises(InputError, match=r"fedfs\+feduv option"):
+        parse_method("feduv:verify=global")
+    with pytest.raises(InputError, match="personal' or 'global"):
+        parse_method("fedfs+feduv:verify=both")
 
 
 def test_fedfs_projection_matches_xi(xi) -> None:

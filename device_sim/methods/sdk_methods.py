@@ -68,6 +68,9 @@ class SDKMethod(FederatedMethod):
         neg_samples: how many other participants' codewords each client sees for
             ``ℓ_neg`` (simulation only: a real device never learns others' codewords).
         uv_weight: μ of the combined objective.
+        verify: ``fedfs+feduv`` only — ``personal`` (default, ambiguity 6 in docs/methods.md:
+            ``σ(W q')`` with the client's ``θ_c``) or ``global`` (``σ(W r')``, the shared model
+            alone, as FedUV verifies).
         fedfs_loss: FedFS loss options (``⊕``, logit mode, K, γ, λ); the keyword options
             ``combine``, ``logits``, ``logit_scale``, ``top_k``, ``gamma``, ``lam`` and
             ``soft_score`` override single fields (CLI: ``fedfs:soft_score=cosine,lam=0.5``).
@@ -77,7 +80,7 @@ class SDKMethod(FederatedMethod):
 
     def __init__(self, code_length: int = 127, neg: str = "none", neg_rounds: int = 5,
                  lambda_neg: float = 1.0, neg_samples: int = 64, uv_weight: float = 1.0,
-                 fedfs_loss: FedFSLossConfig | None = None, combine: str | None = None,
+                 verify: str = "personal", fedfs_loss: FedFSLossConfig | None = None, combine: str | None = None,
                  logits: str | None = None, logit_scale: float | None = None, top_k: float | None = None,
                  gamma: float | None = None, lam: float | None = None, soft_score: str | None = None) -> None:
         super().__init__()
@@ -89,6 +92,11 @@ class SDKMethod(FederatedMethod):
             raise InputError(f"ℓ_neg is a FedUV term; method {self.sdk_method!r} has no codewords")
         if neg_rounds < 0 or neg_samples < 1 or lambda_neg < 0:
             raise InputError("neg_rounds must be ≥ 0, neg_samples ≥ 1 and lambda_neg ≥ 0")
+        if verify not in ("personal", "global"):
+            raise InputError(f"verify must be 'personal' or 'global', got {verify!r}")
+        if verify != "personal" and self.sdk_method != "fedfs+feduv":
+            raise InputError(f"verify={verify!r} is a fedfs+feduv option")
+        self.verify = verify
         self.code_length = int(code_length) if uses_feduv(self.sdk_method) else None
         self.neg, self.neg_rounds, self.lambda_neg = neg, int(neg_rounds), float(lambda_neg)
         self.neg_samples, self.uv_weight = int(neg_samples), float(uv_weight)
@@ -104,6 +112,8 @@ class SDKMethod(FederatedMethod):
     @property
     def label(self) -> str:
         opts = [f"{k}={v}" for k, v in sorted(self._loss_overrides.items())]
+        if self.verify != "personal":
+            opts.append(f"verify={self.verify}")
         if self.code_length is not None:
             neg = {"none": [], "all": ["ℓ_neg"], "early": [f"ℓ_neg≤r{self.neg_rounds}"]}[self.neg]
             opts = [f"c={self.code_length}", *neg, *opts]
@@ -116,6 +126,7 @@ class SDKMethod(FederatedMethod):
                         lambda_neg=self.lambda_neg, neg_samples=self.neg_samples)
         if self.sdk_method == "fedfs+feduv":
             opts["uv_weight"] = self.uv_weight
+            opts["verify"] = self.verify
         return opts
 
     def default_lr(self) -> float:
@@ -239,7 +250,7 @@ class SDKMethod(FederatedMethod):
         return backbone_weights(self._init_private["personal"]), "init"
 
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
-        if self.sdk_method == "feduv":
+        if self.sdk_method == "feduv" or self.verify == "global":
             return VerifierSpec(self._global_vnet, self._global_head_weights(global_weights),
                                 state.codeword, shared_key="global")
         weights, key = self._personal_backbone(global_weights, private)

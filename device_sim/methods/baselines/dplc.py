@@ -19,20 +19,61 @@ from fedfs_sdk.errors import InputError
 from .common import unit
 
 
-def dplc_sigma(cluster_size: int, rho: float, epsilon: float, delta: float) -> float:
-    """Noise std of Theorem 2: ``σ = 2/(|S|ε) · √((1 − cos 2ρ) ln(1.25/δ))``.
+def mean_sensitivity(cluster_size: int, rho: float) -> float:
+    """``Δ₂`` of a cluster mean of unit vectors within angle ρ of a centre (Theorem 2):
+    ``√(2 − 2cos 2ρ)/|S|``. Two members are at most ``min(2ρ, π)`` apart — past ``ρ = π/2``
+    the paper's ``cos 2ρ`` would wrap around and understate the sensitivity."""
+    return math.sqrt(2.0 - 2.0 * math.cos(min(2.0 * rho, math.pi))) / cluster_size
 
-    Equals the Gaussian mechanism's ``Δ₂/ε · √(2 ln(1.25/δ))`` (Definition 3) for the
-    sensitivity ``Δ₂ = √(2 − 2cos 2ρ)/|S|`` of the cluster mean. ``ε = inf`` gives 0 (no
-    noise: PrivacyFace's non-private "φ + p" variant).
+
+def _log_phi(x: float) -> float:
+    """``log Φ(x)`` of the standard normal CDF, accurate in the far left tail."""
+    if x > -20.0:
+        return math.log(0.5 * math.erfc(-x / math.sqrt(2.0)))
+    t = -x   # Φ(−t) ≈ φ(t)/t · (1 − 1/t² + 3/t⁴) for large t
+    return -0.5 * t * t - math.log(t * math.sqrt(2.0 * math.pi)) + math.log1p(-1.0 / t**2 + 3.0 / t**4)
+
+
+def gaussian_delta(sigma: float, sensitivity: float, epsilon: float) -> float:
+    """Exact ``δ`` of the Gaussian mechanism with noise ``σ`` at ``ε`` (Balle & Wang 2018,
+    Thm. 8): ``Φ(Δ/2σ − εσ/Δ) − e^ε Φ(−Δ/2σ − εσ/Δ)``."""
+    a, b = sensitivity / (2.0 * sigma), epsilon * sigma / sensitivity
+    return max(0.0, math.exp(_log_phi(a - b)) - math.exp(epsilon + _log_phi(-a - b)))
+
+
+def analytic_gaussian_sigma(sensitivity: float, epsilon: float, delta: float) -> float:
+    """The smallest ``σ`` (to 1e-9 relative) with :func:`gaussian_delta` ``≤ δ``: valid for
+    every ``ε``, unlike the classical ``Δ/ε·√(2 ln(1.25/δ))``, which needs ``ε < 1``."""
+    lo, hi = 1e-12 * sensitivity, sensitivity
+    while gaussian_delta(hi, sensitivity, epsilon) > delta:
+        lo, hi = hi, hi * 2.0
+    while hi - lo > 1e-9 * hi:
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if gaussian_delta(mid, sensitivity, epsilon) > delta else (lo, mid)
+    return hi
+
+
+def dplc_sigma(cluster_size: int, rho: float, epsilon: float, delta: float) -> float:
+    """Noise std of a released cluster centre.
+
+    For ``ε ≤ 1``: Theorem 2 as printed, ``σ = 2/(|S|ε) · √((1 − cos 2ρ) ln(1.25/δ))`` —
+    the classical Gaussian mechanism ``Δ₂/ε · √(2 ln(1.25/δ))`` (Definition 3) for the
+    sensitivity :func:`mean_sensitivity`. That bound only holds for ``ε < 1`` (Dwork & Roth,
+    Thm. A.1; at ε = 1 its exact δ is still below target), so for ``ε > 1`` the σ of the
+    analytic Gaussian mechanism is used instead (:func:`analytic_gaussian_sigma`); with the
+    classical formula ε = 10 would leak δ ≈ 1.3e-4 > 5e-5 and ε = 100 would not be private
+    at all. ``ε = inf`` gives 0 (PrivacyFace's non-private "φ + p" variant).
     """
     if cluster_size < 1:
         raise InputError(f"cluster size must be ≥ 1, got {cluster_size}")
-    if not epsilon > 0 or not 0 < delta < 1 or not 0 <= rho <= math.pi:
-        raise InputError(f"need ε > 0, 0 < δ < 1 and ρ ∈ [0, π]; got ε={epsilon}, δ={delta}, ρ={rho}")
+    if not epsilon > 0 or not 0 < delta < 1 or not 0 < rho <= math.pi:
+        raise InputError(f"need ε > 0, 0 < δ < 1 and ρ ∈ (0, π]; got ε={epsilon}, δ={delta}, ρ={rho}")
     if math.isinf(epsilon):
         return 0.0
-    return 2.0 / (cluster_size * epsilon) * math.sqrt((1.0 - math.cos(2.0 * rho)) * math.log(1.25 / delta))
+    sens = mean_sensitivity(cluster_size, rho)
+    if epsilon <= 1.0:
+        return sens / epsilon * math.sqrt(2.0 * math.log(1.25 / delta))
+    return analytic_gaussian_sigma(sens, epsilon, delta)
 
 
 @dataclass(frozen=True)
@@ -89,4 +130,4 @@ def dplc(W: torch.Tensor, rho: float, min_cluster: int, queries: int, epsilon: f
     return DPLCResult(stack(centres), stack(clean), tuple(sizes), tuple(sigmas))
 
 
-__all__ = ["dplc", "dplc_sigma", "DPLCResult"]
+__all__ = ["dplc", "dplc_sigma", "DPLCResult", "mean_sensitivity", "gaussian_delta", "analytic_gaussian_sigma"]
