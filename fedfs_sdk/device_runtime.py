@@ -191,14 +191,11 @@ def ort_settings_for(task: Mapping[str, Any], info: Mapping[str, Any]) -> OrtTra
                             f"(head_lr {head_lr:g}, lr {lr:g}); export again with these --train settings")
     # The objective: what the task says, with the defaults filling what it leaves out.
     defaults = info.get("objective_defaults")
+    if defaults is None:
+        raise CheckpointError("artifact.json lacks objective_defaults (exported by an older fedfs): export again")
     artifact_obj = info.get("objective") or {}
-    if defaults is not None:
-        wanted = {**defaults, **obj, "fedfs": {**defaults.get("fedfs", {}), **fedfs}}
-        problems += [f"objective.{d}" for d in _differences(artifact_obj, wanted)]
-    else:  # older artifact.json: check what the task names
-        problems += [f"objective.{d}" for d in _differences({k: artifact_obj.get(k) for k in obj}, obj)]
-        problems += [f"objective.fedfs.{d}" for d in _differences(
-            {k: artifact_obj.get("fedfs", {}).get(k) for k in fedfs}, fedfs)]
+    wanted = {**defaults, **obj, "fedfs": {**defaults.get("fedfs", {}), **fedfs}}
+    problems += [f"objective.{d}" for d in _differences(artifact_obj, wanted)]
     if problems:
         raise InputError(f"the {method} ORT training artifact cannot run this round as the server asks: "
                          + "; ".join(problems))
