@@ -21,19 +21,21 @@ from torch import nn
 from torch.func import functional_call
 
 from .errors import InputError
-from .methods import METHODS, check_method, uses_fedfs, uses_feduv  # noqa: F401 (re-exported)
+from .methods import DEFAULT_UV_WEIGHT, METHODS, check_method, uses_fedfs, uses_feduv  # noqa: F401 (re-exported)
 from .losses.fedfs import FedFSLossConfig, f_total
 from .losses.feduv import feduv_neg_loss, feduv_pos_loss
 from .model import FaceOutputs, scale_to_sqrt_c
 
 Method = Literal["fedfs", "feduv", "fedfs+feduv"]
+
+
 @dataclass(frozen=True)
 class ObjectiveConfig:
     """Loss options of all methods. ``uv_weight`` is μ of the combined method;
     ``lambda_neg`` weighs FedUV's ``ℓ_neg`` (0 disables it)."""
 
     fedfs: FedFSLossConfig = FedFSLossConfig()
-    uv_weight: float = 1.0
+    uv_weight: float = DEFAULT_UV_WEIGHT
     lambda_neg: float = 0.0
 
 

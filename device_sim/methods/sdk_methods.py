@@ -27,6 +27,7 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.losses.fedfs import FedFSLossConfig
 from fedfs_sdk.model import FaceNet, ModelConfig, personal_config
 from fedfs_sdk.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
+from fedfs_sdk.methods import DEFAULT_UV_WEIGHT
 from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initial_global_weights
 
 from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, VerifierSpec, Weights,
@@ -79,7 +80,7 @@ class SDKMethod(FederatedMethod):
     sdk_method = "fedfs"
 
     def __init__(self, code_length: int = 127, neg: str = "none", neg_rounds: int = 5,
-                 lambda_neg: float = 1.0, neg_samples: int = 64, uv_weight: float = 1.0,
+                 lambda_neg: float = 1.0, neg_samples: int = 64, uv_weight: float = DEFAULT_UV_WEIGHT,
                  verify: str = "personal", fedfs_loss: FedFSLossConfig | None = None, combine: str | None = None,
                  logits: str | None = None, logit_scale: float | None = None, top_k: float | None = None,
                  gamma: float | None = None, lam: float | None = None, soft_score: str | None = None) -> None:
@@ -112,6 +113,8 @@ class SDKMethod(FederatedMethod):
     @property
     def label(self) -> str:
         opts = [f"{k}={v}" for k, v in sorted(self._loss_overrides.items())]
+        if self.sdk_method == "fedfs+feduv" and self.uv_weight != DEFAULT_UV_WEIGHT:
+            opts.append(f"μ={self.uv_weight:g}")
         if self.verify != "personal":
             opts.append(f"verify={self.verify}")
         if self.code_length is not None:
