@@ -260,7 +260,7 @@ class OrtRuntime:
         return LocalUpdate(body, up.num_samples, dict(up.metrics))
 
     def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int) -> "InferenceBackend":
-        from .onnx_backend import OnnxBackend
+        from .onnx_backend import OnnxBackend, with_weights
         from .ort_device import decode_model, verifier_weights
 
         onnx = self.root / "onnx" / "verifier.onnx"
@@ -273,7 +273,11 @@ class OrtRuntime:
             personal = agent.state.load_arrays("personal")
             if personal is None:
                 raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
-        backend = OnnxBackend(onnx, weights=verifier_weights(weights, personal), intra_op_threads=self.intra_op_threads)
+        # The device's own verifier (θ_c's backbone + W), kept in the state (0600) like the torch
+        # runtime's verifier.safetensors: what `fedfs verify --model` takes, with no torch.
+        model_bytes, _ = with_weights(onnx, verifier_weights(weights, personal))
+        path = agent.state.save_file("verifier.onnx", model_bytes)
+        backend = OnnxBackend(path, intra_op_threads=self.intra_op_threads)
         if uses_feduv(method) and "uv" not in backend.outputs:
             raise CheckpointError(f"{onnx} has no FedUV head output, but the server trains {method!r}")
         return backend

@@ -197,6 +197,11 @@ class DeviceState:
     def save_weights_bytes(self, name: str, data: bytes) -> None:
         self._write(f"{name}.safetensors", data)
 
+    def save_file(self, name: str, data: bytes) -> Path:
+        """Write ``name`` in the state atomically, mode 0600 (e.g. the device's ONNX verifier)."""
+        self._write(name, data)
+        return self.path / name
+
     def load_weights(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
         p = self.path / f"{name}.safetensors"
         if not p.is_file():

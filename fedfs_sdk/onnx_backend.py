@@ -74,6 +74,39 @@ def session_options(intra_op_threads: int | None = None):
     return so
 
 
+def with_weights(path: str | os.PathLike[str], weights: Mapping[str, np.ndarray]) -> tuple[bytes, str]:
+    """A fedfs ONNX verifier with its parameters (FaceNet state-dict names) replaced by
+    ``weights`` — e.g. a device's personalized backbone ``θ_c`` with the global head ``W`` —
+    as model bytes whose ``fedfs.model_id`` is the id of these weights, and that id. The bytes
+    are a complete verifier: save them, and an :class:`OnnxBackend` of the file verifies
+    against enrollments made with these weights."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    params = {i.name: i for i in model.graph.initializer if i.name.startswith(PARAM_PREFIXES)}
+    unknown = sorted(set(weights) - set(params))
+    if unknown:
+        raise InputError(f"weights {unknown[:5]} are not parameters of {Path(path).name}")
+    final: dict[str, np.ndarray] = {}
+    for name, init in params.items():
+        if name in weights:
+            arr = np.ascontiguousarray(weights[name], dtype=np.float32)
+            if arr.shape != tuple(init.dims):
+                raise InputError(f"weight {name} has shape {list(arr.shape)}, the model expects {list(init.dims)}")
+            if not np.isfinite(arr).all():
+                raise InputError(f"weight {name} contains NaN or Inf")
+            init.CopyFrom(numpy_helper.from_array(arr, name))
+            final[name] = arr
+        else:
+            final[name] = numpy_helper.to_array(init)
+    model_id = weights_id(final)
+    for prop in model.metadata_props:
+        if prop.key == "fedfs.model_id":
+            prop.value = model_id
+    return model.SerializeToString(), model_id
+
+
 class OnnxBackend:
     """Run a fedfs ONNX verifier with ONNX Runtime (CPU by default).
 
@@ -101,7 +134,7 @@ class OnnxBackend:
         source: str | bytes = str(p)
         override_id = None
         if weights:
-            source, override_id = self._with_weights(p, weights)
+            source, override_id = with_weights(p, weights)
         try:
             self.session = ort.InferenceSession(source, sess_options=session_options(intra_op_threads),
                                                 providers=providers or ["CPUExecutionProvider"])
@@ -136,33 +169,6 @@ class OnnxBackend:
         if missing:
             raise CheckpointError(f"{p} metadata lists outputs {missing} that the graph does not have")
         self.batch_size = int(batch_size)
-
-    @staticmethod
-    def _with_weights(path: Path, weights: Mapping[str, np.ndarray]) -> tuple[bytes, str]:
-        """The model bytes with graph initializers (FaceNet state-dict names) replaced by
-        ``weights`` — e.g. the device's personalized backbone ``θ_c`` with the global head
-        ``W`` — and the model id of the weights the session will run."""
-        import onnx
-        from onnx import numpy_helper
-
-        model = onnx.load(str(path))
-        params = {i.name: i for i in model.graph.initializer if i.name.startswith(PARAM_PREFIXES)}
-        unknown = sorted(set(weights) - set(params))
-        if unknown:
-            raise InputError(f"weights {unknown[:5]} are not parameters of {path.name}")
-        final: dict[str, np.ndarray] = {}
-        for name, init in params.items():
-            if name in weights:
-                arr = np.ascontiguousarray(weights[name], dtype=np.float32)
-                if arr.shape != tuple(init.dims):
-                    raise InputError(f"weight {name} has shape {list(arr.shape)}, the model expects {list(init.dims)}")
-                if not np.isfinite(arr).all():
-                    raise InputError(f"weight {name} contains NaN or Inf")
-                init.CopyFrom(numpy_helper.from_array(arr, name))
-                final[name] = arr
-            else:
-                final[name] = numpy_helper.to_array(init)
-        return model.SerializeToString(), weights_id(final)
 
     @property
     def embedding_dim(self) -> int:

@@ -95,6 +95,19 @@ def test_artifact_only_devices_run_rounds_over_http(tmp_path) -> None:
         for name, blob in secrets_.items():
             assert not any(blob in b for b in bodies), f"{name} went over the wire"
         assert not (state0 / "verifier.safetensors").exists()        # the ORT path enrolls via ONNX
+        assert (state0 / "verifier.onnx").stat().st_mode & 0o777 == 0o600
+
+        # The owner verifies with the device's own ONNX verifier (θ_c + W), still without torch.
+        probe = str(list_images(tmp_path / "img0")[0])
+        argv = ["verify", "--model", str(state0 / "verifier.onnx"), "--enrollment", str(state0 / "enrollment.fedfs"),
+                "--key-file", str(state0 / "enrollment.key"), probe]
+        r = subprocess.run([sys.executable, "-c", NO_TORCH_PRELUDE.format(root=str(ROOT)) + DEVICE_MAIN.format(argv=argv)],
+                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "ACCEPT" in (r.stdout + r.stderr).upper(), r.stdout + r.stderr
+        argv[2] = str(out / "onnx" / "verifier.onnx")                # the global model is another model:
+        r = subprocess.run([sys.executable, "-c", NO_TORCH_PRELUDE.format(root=str(ROOT)) + DEVICE_MAIN.format(argv=argv)],
+                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "model" in r.stderr, r.stderr          # the enrollment refuses it
     finally:
         srv.stop()
 
