@@ -24,6 +24,7 @@ record on the server; the device keeps only the registration it received.
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -211,14 +212,16 @@ def _error_of(r: httpx.Response) -> tuple[str, str]:
 def _retry_after(r: httpx.Response) -> float | None:
     v = r.headers.get("Retry-After")
     try:
-        return float(v) if v is not None else None
+        d = float(v) if v is not None else None
     except ValueError:
         return None
+    return d if d is not None and math.isfinite(d) and d >= 0 else None   # "nan", "-1": ignore the hint
 
 
 # ---- the device loop -------------------------------------------------------------------
 
-LOST_ROUND_CODES = {"round_closed", "deadline_passed", "stale_model_version", "already_uploaded", "not_selected"}
+LOST_ROUND_CODES = {"round_closed", "round_failed", "deadline_passed", "stale_model_version", "already_uploaded",
+                    "not_selected"}
 
 
 @dataclass

@@ -40,6 +40,21 @@ class ModelConfig:
     code_length: int | None = None
     width: int | None = None
 
+    def __post_init__(self) -> None:
+        # A config also arrives from files and the network (checkpoint headers): bound every
+        # size before a model of it is allocated.
+        from .codes import KNOWN_CODES
+
+        if not isinstance(self.backbone, str):
+            raise InputError(f"backbone must be a name, got {self.backbone!r}")
+        for name, hi in (("embedding_dim", 8192), ("input_size", 1024), ("proj_dim", 8192), ("width", 64)):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
+                raise InputError(f"{name} must be an integer in [1, {hi}] or null, got {v!r}")
+        if self.code_length is not None and (isinstance(self.code_length, bool) or self.code_length not in KNOWN_CODES):
+            raise InputError(f"code_length must be one of {sorted(KNOWN_CODES)} (FedUV Table 1) or null, "
+                             f"got {self.code_length!r}")
+
     def resolved(self) -> "ModelConfig":
         d = DEFAULTS.get(self.backbone)
         if d is None:
@@ -54,7 +69,12 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, text: str) -> "ModelConfig":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise InputError(f"model_config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise InputError(f"model_config must be a JSON object, got {type(data).__name__}")
         unknown = set(data) - set(cls.__dataclass_fields__)
         if unknown:
             raise InputError(f"unknown ModelConfig fields {sorted(unknown)}")

@@ -111,7 +111,8 @@ def update_norm(weights: Mapping[str, torch.Tensor], reference: Mapping[str, tor
     sq = 0.0
     for k, ref in reference.items():
         if ref.is_floating_point() and ref.numel():
-            sq += float(torch.linalg.vector_norm(weights[k] - ref, dtype=torch.float64)) ** 2
+            # subtract in float64: two finite float32 weights near ±3e38 overflow in float32
+            sq += float(torch.linalg.vector_norm(weights[k].double() - ref.double())) ** 2
     return math.sqrt(sq)
 
 

@@ -23,6 +23,9 @@ MEDIA_TYPE = "application/octet-stream"
 MAX_HEADER_BYTES = 8 << 20
 """Refuse safetensors headers larger than this before parsing their JSON."""
 
+MAX_ID = 2**63 - 1
+"""Largest round id, model version or sample count (SQLite INTEGER)."""
+
 SAFETENSORS_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL"})
 """dtype names a fedfs body may use."""
 
@@ -47,8 +50,8 @@ def read_header(data: bytes | memoryview) -> tuple[dict[str, dict[str, Any]], di
         raise InputError(f"truncated safetensors: header claims {n} bytes, body has {len(mv) - 8}")
     try:
         header = json.loads(bytes(mv[8:8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"safetensors header is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:   # bad JSON / UTF-8, 4300+-digit ints, deep nesting
+        raise InputError(f"safetensors header is not valid JSON: {str(e)[:200]}") from None
     if not isinstance(header, dict):
         raise InputError("safetensors header must be a JSON object")
     meta = header.pop("__metadata__", None) or {}
@@ -57,7 +60,7 @@ def read_header(data: bytes | memoryview) -> tuple[dict[str, dict[str, Any]], di
     payload = len(mv) - 8 - n
     end = 0
     for name, e in header.items():
-        if not isinstance(e, dict) or e.get("dtype") not in SAFETENSORS_DTYPES:
+        if not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or e["dtype"] not in SAFETENSORS_DTYPES:
             raise InputError(f"tensor {name!r}: unsupported or missing dtype {e.get('dtype') if isinstance(e, dict) else e!r}")
         shape, offs = e.get("shape"), e.get("data_offsets")
         if (not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape)
@@ -85,11 +88,11 @@ def _int_field(meta: Mapping[str, str], key: str, minimum: int) -> int:
     if raw is None:
         raise InputError(f"update metadata lacks {key!r}")
     try:
-        v = int(raw, 10)
+        v = int(raw[:40], 10) if len(raw) <= 40 else MAX_ID + 1
     except ValueError:
         raise InputError(f"update metadata {key}={raw!r} is not an integer") from None
-    if v < minimum:
-        raise InputError(f"update metadata {key}={v} must be ≥ {minimum}")
+    if not minimum <= v <= MAX_ID:
+        raise InputError(f"update metadata {key}={raw[:30]} must be in [{minimum}, {MAX_ID}]")
     return v
 
 
@@ -126,9 +129,7 @@ def split_train_json(train: Mapping[str, Any] | None) -> tuple[dict[str, Any], d
     if unknown:
         raise InputError(f"unknown training settings {unknown}; known: {list(TRAIN_KEYS)}")
     for k in ("lr", "head_lr", "momentum", "weight_decay"):
-        v = train.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0):
-            raise InputError(f"train.{k} must be a finite non-negative number, got {v!r}")
+        _check_non_negative(f"train.{k}", train.get(k))
     for k, lo in (("local_epochs", 1), ("batch_size", 1), ("seed", 0)):
         v = train.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
@@ -145,8 +146,25 @@ def split_train_json(train: Mapping[str, Any] | None) -> tuple[dict[str, Any], d
     if set(obj) - set(OBJECTIVE_KEYS):
         raise InputError(f"unknown objective settings {sorted(set(obj) - set(OBJECTIVE_KEYS))}; "
                          f"known: {sorted(OBJECTIVE_KEYS)}")
+    for k in OBJECTIVE_KEYS:
+        _check_non_negative(f"train.objective.{k}", obj.get(k))
     return train, obj, dict(raw_fedfs)
 
 
-__all__ = ["TRAIN_KEYS", "OBJECTIVE_KEYS", "split_train_json", "UPDATE_FORMAT", "MODEL_FORMAT", "MEDIA_TYPE", "MAX_HEADER_BYTES", "SAFETENSORS_DTYPES",
+def is_finite_number(v: Any) -> bool:
+    """A JSON number that is finite as a float (huge integers overflow ``math.isfinite``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def _check_non_negative(name: str, v: Any) -> None:
+    if v is not None and (not is_finite_number(v) or v < 0):
+        raise InputError(f"{name} must be a finite non-negative number, got {str(v)[:40]}")
+
+
+__all__ = ["TRAIN_KEYS", "OBJECTIVE_KEYS", "split_train_json", "is_finite_number", "MAX_ID", "UPDATE_FORMAT", "MODEL_FORMAT", "MEDIA_TYPE", "MAX_HEADER_BYTES", "SAFETENSORS_DTYPES",
            "UpdateMeta", "sha256_hex", "read_header", "update_metadata", "parse_update_metadata"]

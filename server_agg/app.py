@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fedfs_sdk.wire import MEDIA_TYPE
+from fedfs_sdk.wire_format import MAX_ID
 
 from .errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Unauthorized, UnsupportedMediaType
 from .rounds import Coordinator
@@ -259,7 +260,7 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
 
     @app.get("/v1/models/{version}", responses={200: {"content": {MEDIA_TYPE: {}}}, **_errors(401, 404, 422)}, tags=["models"],
              response_class=FileResponse)
-    def model_file(version: int = Path(ge=1), _: str = Security(device_or_admin)) -> FileResponse:
+    def model_file(version: int = Path(ge=1, le=MAX_ID), _: str = Security(device_or_admin)) -> FileResponse:
         """A published global version: a fedfs checkpoint in safetensors (``X-FedFS-SHA256`` header)."""
         path, sha = coord.model_file(version)
         return FileResponse(path, media_type=MEDIA_TYPE, headers={"X-FedFS-SHA256": sha, "ETag": f'"{sha}"'})
@@ -276,7 +277,7 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
     @app.put("/v1/rounds/{round_id}/update", response_model=Receipt,
              responses=_errors(400, 401, 403, 404, 409, 410, 413, 415, 422), tags=["rounds"],
              openapi_extra=_BINARY_BODY)
-    async def upload(request: Request, round_id: int = Path(ge=1), device_id: str = Security(device)) -> dict[str, Any]:
+    async def upload(request: Request, round_id: int = Path(ge=1, le=MAX_ID), device_id: str = Security(device)) -> dict[str, Any]:
         """Upload ``w_c`` + ``|D_c|`` (a ``fedfs-update/1`` safetensors body). Idempotent:
         the same body again returns the same receipt with ``duplicate: true``."""
         model = coord.model
@@ -289,7 +290,7 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
         return coord.status()
 
     @app.get("/v1/rounds/{round_id}", response_model=RoundStatus, responses=_errors(401, 404, 422), tags=["rounds"])
-    def round_status(round_id: int = Path(ge=1), _: str = Security(device_or_admin)) -> dict[str, Any]:
+    def round_status(round_id: int = Path(ge=1, le=MAX_ID), _: str = Security(device_or_admin)) -> dict[str, Any]:
         return coord.round_status(round_id)
 
     # ---- admin ----
@@ -315,7 +316,7 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
 
     @app.post("/v1/admin/rounds/{round_id}/close", response_model=RoundStatus,
               responses=_errors(401, 404, 409, 422), tags=["admin"])
-    def close_round(round_id: int = Path(ge=1), _: str = Security(admin)) -> dict[str, Any]:
+    def close_round(round_id: int = Path(ge=1, le=MAX_ID), _: str = Security(admin)) -> dict[str, Any]:
         """Close an open round now: aggregate if it has ``min_updates``, else mark it failed."""
         return coord.close_round(round_id)
 

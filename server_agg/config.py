@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from fedfs_sdk.errors import InputError
+from fedfs_sdk.wire_format import MAX_ID, is_finite_number
 from fedfs_sdk.objective import METHODS, uses_feduv
 
 
@@ -64,7 +65,8 @@ class RoundPolicy:
         _check_int("rounds", self.rounds, 0)
         if self.max_update_norm is not None:
             _check_number("max_update_norm", self.max_update_norm, positive=True)
-        _check_int("max_num_samples", self.max_num_samples, 1)
+        # |D_c| · weights summed in float64 over many devices: keep the claim far from overflow
+        _check_int("max_num_samples", self.max_num_samples, 1, 2**40)
         _check_int("seed", self.seed, 0)
         if not isinstance(self.train, Mapping):
             raise InputError("train must be an object")
@@ -102,14 +104,14 @@ class RoundPolicy:
             raise InputError(f"invalid policy: {e}") from None
 
 
-def _check_int(name: str, v: Any, minimum: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise InputError(f"{name} must be an integer ≥ {minimum}, got {v!r}")
+def _check_int(name: str, v: Any, minimum: int, maximum: int = MAX_ID) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+        raise InputError(f"{name} must be an integer in [{minimum}, {maximum}], got {str(v)[:40]}")
 
 
 def _check_number(name: str, v: Any, positive: bool = False) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
-        raise InputError(f"{name} must be a finite{' positive' if positive else ''} number, got {v!r}")
+    if not is_finite_number(v) or (positive and v <= 0):
+        raise InputError(f"{name} must be a finite{' positive' if positive else ''} number, got {str(v)[:40]}")
 
 
 def _check_fraction(name: str, v: Any) -> None:

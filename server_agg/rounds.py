@@ -162,8 +162,9 @@ class Coordinator:
             expected = FaceNet(config).state_dict()
             check_layout(weights, expected, "model")
             check_finite(weights, "model")
-        except (InputError, TypeError, ValueError, json.JSONDecodeError) as e:
-            raise Unprocessable(f"model rejected: {e}", code="invalid_model") from None
+        except (InputError, TypeError, ValueError, RuntimeError, RecursionError) as e:
+            # RuntimeError: torch refusing the architecture (ModelConfig bounds the sizes first)
+            raise Unprocessable(f"model rejected: {str(e)[:300]}", code="invalid_model") from None
         with self._lock:
             if self.round is not None:
                 raise Conflict(f"round {self.round.id} is open; close it before installing a model",
@@ -416,6 +417,10 @@ class Coordinator:
         u = self.db.one("SELECT * FROM updates WHERE round_id = ? AND device_id = ?", round_id, device_id)
         if u is None or u["body_sha256"] != body_sha:
             return None                            # → _upload_target says why it is refused
+        if self.db.scalar("SELECT state FROM rounds WHERE id = ?", round_id) == "failed":
+            # accepted once, but the round ended without aggregating: it did not count
+            raise Gone(f"round {round_id} failed (too few updates by its deadline); "
+                       "this update was received but not aggregated", code="round_failed")
         return dict(self._receipt(round_id, device_id, u["num_samples"], u["body_sha256"], u["norm"],
                                   bool(u["clipped"]), u["received_at"]), duplicate=True)
 

@@ -92,3 +92,17 @@ def test_vmap_over_clients_matches_loop() -> None:
     for i, s in enumerate(states):
         model.load_state_dict(s)
         assert torch.allclose(batched[i], model(x[i]).uv, atol=1e-5)
+
+
+def test_model_config_bounds_every_size() -> None:
+    """A config also comes from checkpoint headers: bad sizes are refused before allocation."""
+    from fedfs_sdk.errors import InputError
+    from fedfs_sdk.model import ModelConfig
+
+    for bad in (dict(embedding_dim=-1), dict(embedding_dim=10**6), dict(code_length=128), dict(code_length=True),
+                dict(width=0), dict(input_size=4096), dict(proj_dim="8"), dict(backbone=["tiny"])):
+        with pytest.raises(InputError):
+            ModelConfig(**bad)
+    with pytest.raises(InputError, match="JSON"):
+        ModelConfig.from_json("[" * 5000)
+    assert ModelConfig("mobilefacenet", code_length=511, proj_dim=64).resolved().embedding_dim == 128

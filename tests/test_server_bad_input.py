@@ -157,6 +157,12 @@ def test_garbage_and_hostile_headers(ctx, unchanged):
     refused(ctx.put(struct.pack("<Q", len(hdr)) + hdr + b"\0" * 16), 400, "malformed_update")  # offsets past the end
     # a model checkpoint (wrong format) is not an update
     refused(ctx.put(encode_weights(ctx.global_w, {"format": "fedfs-checkpoint/1"})), 400, "malformed_update")
+    # headers that crash naive parsers: unhashable dtype, deep nesting, a 5000-digit offset
+    for hdr in (json.dumps({"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}).encode(),
+                json.dumps({"x": {"dtype": {}, "shape": [1], "data_offsets": [0, 4]}}).encode(),
+                b"[" * 200_000 + b"]" * 200_000,
+                b'{"x": {"dtype": "F32", "shape": [1], "data_offsets": [0, ' + b"9" * 5000 + b"]}}"):
+        refused(ctx.put(struct.pack("<Q", len(hdr)) + hdr + b"\0" * 4), 400, "malformed_update")
 
 
 def test_bad_metadata(ctx, unchanged):
@@ -166,6 +172,9 @@ def test_bad_metadata(ctx, unchanged):
                                       "num_samples": "0"})
     refused(ctx.put(w), 400, "malformed_update")
     refused(ctx.put(ctx.update(n=10**9)), 422, "too_many_samples")
+    huge = encode_weights(ctx.global_w, {"format": "fedfs-update/1", "round_id": "2", "model_version": "2",
+                                         "num_samples": "9" * 30})
+    refused(ctx.put(huge), 400, "malformed_update")                      # beyond SQLite's INTEGER
 
 
 def test_wrong_content_type(ctx, unchanged):
@@ -205,6 +214,10 @@ def test_unknown_round_and_bad_path(ctx, unchanged):
     refused(ctx.put(ctx.update(round_id=99), round_id=99), 404, "unknown_round")
     refused(ctx.http.put("/v1/rounds/abc/update", headers={"Authorization": f"Bearer {ctx.tokens[0]}"}), 422)
     refused(ctx.http.get("/v1/models/77", headers={"Authorization": f"Bearer {ctx.tokens[0]}"}), 404)
+    big = 2**63                                                          # one past SQLite's INTEGER
+    refused(ctx.http.get(f"/v1/models/{big}", headers={"Authorization": f"Bearer {ctx.tokens[0]}"}), 422)
+    refused(ctx.http.get(f"/v1/rounds/{big}", headers={"Authorization": f"Bearer {ctx.tokens[0]}"}), 422)
+    refused(ctx.put(ctx.update(), round_id=big), 422)
     refused(ctx.http.get("/v1/nothing-here"), 404)
 
 
@@ -226,6 +239,11 @@ def test_invalid_admin_requests(ctx, unchanged):
         refused(a.post("/v1/admin/rounds"), 409, "round_open")
         refused(a.post("/v1/admin/rounds/1/close"), 409, "round_not_open")
         refused(a.post("/v1/admin/model", content=b"junk", headers={"Content-Type": "application/octet-stream"}), 422)
+        refused(a.put("/v1/admin/config", content=b'{"round_timeout_s": 1' + b"0" * 400 + b"}",
+                      headers={"Content-Type": "application/json"}), 422, "invalid_policy")   # overflows a float
+        refused(a.put("/v1/admin/config", json={"max_num_samples": 10**30}), 422, "invalid_policy")
+        refused(a.put("/v1/admin/config", json={"train": {"objective": {"uv_weight": "a"}}}), 422, "invalid_policy")
+        refused(a.put("/v1/admin/config", json={"train": {"objective": {"lambda_neg": -1}}}), 422, "invalid_policy")
 
 
 # ---- replays (these change state on purpose, so they run last) --------------------------

@@ -206,3 +206,15 @@ def test_agent_refuses_a_state_of_another_server(tmp_path):
         st.save_registration("http://other:1", "dabc", "dabc.t", 1)
         with pytest.raises(DeviceStateError, match="belongs to server"):
             DeviceAgent(_StubClient([]), st, ["x.png"]).ensure_registered()
+
+
+def test_retry_after_hint_must_be_a_finite_non_negative_number():
+    import httpx
+
+    from fedfs_sdk.client import _retry_after
+
+    def hint(v):
+        return _retry_after(httpx.Response(503, headers={"Retry-After": v}))
+
+    assert hint("2.5") == 2.5 and hint("0") == 0.0
+    assert hint("nan") is None and hint("inf") is None and hint("-1") is None and hint("soon") is None

@@ -128,6 +128,32 @@ def test_deadline_fails_without_updates_and_aggregates_with_enough(tmp_path):
     assert r2["state"] == "closed" and r2["accepted"] == 1 and r2["result_version"] == 2
 
 
+def test_retry_into_a_failed_round_is_not_reported_as_counted(tmp_path):
+    clock = Clock()
+    c = make(tmp_path, clock, round_timeout_s=10.0, min_updates=2)
+    a, _ = c.register(), c.register()
+    c.open_round()
+    body = body_for(c, 1, 4)
+    assert c.submit_update(a["device_id"], 1, body)["duplicate"] is False
+    clock.t += 11
+    c.tick()
+    assert c.round_status(1)["state"] == "failed"                   # 1 update < min_updates
+    with pytest.raises(Gone, match="not aggregated"):
+        c.submit_update(a["device_id"], 1, body)                      # the retry learns it did not count
+
+
+def test_install_model_refuses_hostile_configs(tmp_path):
+    from server_agg.errors import Unprocessable
+    c = make(tmp_path, model=False)
+    good = checkpoint_bytes(code_length=127)
+    w, meta = decode_weights(good)
+    for cfg in ({"backbone": "tiny", "embedding_dim": -1}, {"backbone": "tiny", "code_length": 4_000_000},
+                {"backbone": "tiny", "width": -1}, {"backbone": ["tiny"]}, "[" * 5000):
+        text = cfg if isinstance(cfg, str) else json.dumps(cfg)
+        with pytest.raises(Unprocessable, match="model rejected"):
+            c.install_model(encode_weights(w, {**meta, "model_config": text}))
+
+
 def test_automatic_rounds_then_done(tmp_path):
     c = make(tmp_path, rounds=2, min_participants=1)
     c.tick()
