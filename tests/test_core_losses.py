@@ -212,3 +212,21 @@ def test_mask_equals_dropping_padded_samples() -> None:
     s = scale_to_sqrt_c(torch.randn(6, 127, generator=g))
     code = _pm1(127, 1)
     assert feduv_pos_loss(s, code, mask).item() == pytest.approx(feduv_pos_loss(s[:4], code).item())
+
+
+@pytest.mark.parametrize("top_k", [0.5, 0.3, 4])
+def test_padding_does_not_change_soft_labels_or_k(top_k: float) -> None:
+    """The batched simulator pads a client's batch and passes a mask: α over the real rows
+    must be the unpadded α — in particular K < 1 is a ratio of the *real* batch."""
+    from fedfs_sdk.losses.fedfs import adaptive_soft_labels
+
+    g = torch.Generator().manual_seed(3)
+    z, v = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g)
+    pad = torch.randn(3, 16, generator=g)
+    mask = torch.tensor([1.0] * 5 + [0.0] * 3)
+    plain = adaptive_soft_labels(z, v, top_k)
+    padded = adaptive_soft_labels(torch.cat([z, pad]), torch.cat([v, pad]), top_k, mask=mask)
+    assert torch.allclose(padded[:5, :5], plain, atol=1e-6)
+    cfg = FedFSLossConfig(top_k=top_k)
+    assert float(f_insub(torch.cat([z, pad]), torch.cat([v, pad]), cfg, mask)) == pytest.approx(
+        float(f_insub(z, v, cfg)), rel=1e-5)

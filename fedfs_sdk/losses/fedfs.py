@@ -109,17 +109,18 @@ def adaptive_soft_labels(z: torch.Tensor, v: torch.Tensor, top_k: float = 4, gam
         ass = z @ v.t()                                           # [i, j]
         n = ass.shape[0]
         eye = torch.eye(n, dtype=torch.bool, device=ass.device)
-        valid = None
-        if mask is not None:
-            valid = mask.to(torch.bool)
-            ranked = ass.masked_fill(~valid[:, None], float("-inf"))
-        else:
-            ranked = ass
-        k = resolve_k(top_k, n)
-        kth = torch.topk(ranked, k, dim=0).values[-1:, :]          # K-th largest per column
-        in_top = ranked >= kth
+        valid = mask.to(torch.bool) if mask is not None else torch.ones(n, dtype=torch.bool, device=ass.device)
+        ranked = ass.masked_fill(~valid[:, None], float("-inf"))  # padded rows never rank
+        # Top-K of each column by counting the (real) entries strictly above: in the top K
+        # ⟺ fewer than K are larger (ties kept together, as ≥ the K-th largest). K is a count
+        # of the *real* batch — a ratio K < 1 is ⌈K·n_real⌉, as resolve_k — and no
+        # data-dependent shape appears, so this runs unchanged under vmap with padding.
+        n_real = valid.sum().to(torch.float64)
+        k = torch.ceil(n_real * top_k).clamp(min=1.0) if top_k < 1 else torch.full_like(n_real, int(top_k))
+        larger = (ranked.unsqueeze(0) > ranked.unsqueeze(1)).sum(1)    # [i, j] = #{l : ass_lj > ass_ij}
+        in_top = larger.to(torch.float64) < k
         beta = torch.where(eye, gamma * ass, torch.where(in_top, ass, torch.zeros_like(ass)))
-        if valid is not None:
+        if mask is not None:
             beta = beta.masked_fill(~valid[:, None], _NEG)       # padded i: no weight in column j
         alpha = torch.softmax(beta, dim=0).t()
     return alpha
