@@ -289,10 +289,7 @@ class Coordinator:
         with self._lock:
             r = self.round
             if r is None or r.id != round_id:
-                state = self.db.scalar("SELECT state FROM rounds WHERE id = ?", round_id)
-                if state is None:
-                    raise NotFound(f"round {round_id} does not exist", code="unknown_round")
-                raise Conflict(f"round {round_id} is already {state}", code="round_not_open")
+                raise Conflict(f"round {round_id} is already {self._past_state(round_id)}", code="round_not_open")
             self._close_locked(reason)
             return self._round_status(round_id)
 
@@ -387,13 +384,18 @@ class Coordinator:
         finally:
             tmp.unlink(missing_ok=True)
 
+    def _past_state(self, round_id: int) -> str:
+        """State of a round that is not the open one; 404 if it never existed."""
+        state = self.db.scalar("SELECT state FROM rounds WHERE id = ?", round_id)
+        if state is None:
+            raise NotFound(f"round {round_id} does not exist", code="unknown_round")
+        return str(state)
+
     def _upload_target(self, device_id: str, round_id: int) -> OpenRound:
         r = self.round
         if r is None or r.id != round_id:
-            state = self.db.scalar("SELECT state FROM rounds WHERE id = ?", round_id)
-            if state is None:
-                raise NotFound(f"round {round_id} does not exist", code="unknown_round")
-            raise Gone(f"round {round_id} is {state}; it accepts no more uploads", code="round_closed")
+            raise Gone(f"round {round_id} is {self._past_state(round_id)}; it accepts no more uploads",
+                       code="round_closed")
         if self.clock() >= r.deadline:
             self._close_locked("deadline")
             raise Gone(f"round {round_id} passed its deadline", code="deadline_passed")
