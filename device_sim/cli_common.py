@@ -13,7 +13,7 @@ import torch
 
 from fedfs_sdk.errors import CheckpointError, InputError
 
-from .datasets import IdentityDataset, ImageFolderDataset, SynthDataset
+from .datasets import IdentityDataset, ImageFolderDataset, SynthDataset, identity_names
 from .pretrain import PretrainConfig, load_xi, pretrain_cached
 from .splits import FaceSplits, make_splits
 from .synthfaces import SynthFaces
@@ -103,15 +103,33 @@ def run_pretrain(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSpli
     return res
 
 
-def check_xi_disjoint(xi_meta: dict[str, Any], splits: FaceSplits) -> None:
-    """Refuse a ξ pre-trained on identities that are clients or new users here."""
+def check_xi_disjoint(xi_meta: dict[str, Any], splits: FaceSplits, dataset: IdentityDataset | None = None) -> None:
+    """Refuse a ξ pre-trained on identities that are clients or new users here.
+
+    Compares identity *names* (``public_identity_names`` in ξ's metadata against the folder
+    names / ``synthfaces-<seed>/<index>`` of this split's clients and new users), so a
+    folder added or removed since pre-training — which shifts every position — neither
+    hides an overlap nor invents one. A ξ written before names were recorded has only the
+    positions (``public_identities``): those are compared as before, which is exact for
+    SynthFaces and for an unchanged folder (re-running ``fedfs pretrain`` records names).
+    A ξ with neither (not from ``fedfs pretrain``) is not checked.
+    """
+    users = np.r_[splits.identities("clients"), splits.identities("new_users")]
+    names = xi_meta.get("public_identity_names")
+    if names is not None and dataset is not None:
+        overlap = sorted(set(map(str, names)) & set(identity_names(dataset, users)))
+        if overlap:
+            raise CheckpointError(f"ξ was pre-trained on {len(overlap)} identities that are clients/new users in "
+                                  f"this split (e.g. {overlap[:3]}); pre-train on this split's public identities")
+        return
     public = xi_meta.get("public_identities")
     if public is None:
         return
-    overlap = np.intersect1d(np.asarray(public), np.r_[splits.identities("clients"), splits.identities("new_users")])
-    if overlap.size:
-        raise CheckpointError(f"ξ was pre-trained on {overlap.size} identities that are clients/new users in this "
-                              f"split (e.g. {overlap[:3].tolist()}); pre-train on this split's public identities")
+    overlap_pos = np.intersect1d(np.asarray(public), users)
+    if overlap_pos.size:
+        raise CheckpointError(f"ξ was pre-trained on {overlap_pos.size} identities that are clients/new users in "
+                              f"this split (dataset positions, e.g. {overlap_pos[:3].tolist()}; this ξ predates "
+                              f"identity names); pre-train on this split's public identities")
 
 
 def resolve_xi(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits, quiet: bool = False):
@@ -119,7 +137,7 @@ def resolve_xi(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits
     if getattr(args, "pretrained", None):
         from fedfs_sdk.checkpoint import read_checkpoint
         _, _, meta = read_checkpoint(args.pretrained)
-        check_xi_disjoint(meta, splits)
+        check_xi_disjoint(meta, splits, ds)
         xi = load_xi(args.pretrained)
         if xi.input_size != ds.image_size:
             raise InputError(f"ξ expects {xi.input_size}px inputs but --image-size is {ds.image_size}")

@@ -93,10 +93,11 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec.metrics.get('loss_mean', float('nan')):.4f}",
                                 upd_s=f"{rec.client_updates_per_s:.1f}")
-                if args.checkpoint_every and (f.round % args.checkpoint_every == 0 or f.round == cfg.rounds):
-                    f.save(checkpoint_path(ckdir, f.round))
+                # evaluate first, so a checkpoint of this round holds its eval in the history
                 if args.eval_every and f.round % args.eval_every == 0 and f.round < cfg.rounds:
                     rec.eval = _summary(_evaluate(f, pop, eval_cfg, args, quiet=True))
+                if args.checkpoint_every and (f.round % args.checkpoint_every == 0 or f.round == cfg.rounds):
+                    f.save(checkpoint_path(ckdir, f.round))
 
             fed.run(cfg.rounds, on_round=on_round)
     train_s = time.perf_counter() - t0

@@ -10,12 +10,15 @@ index per client) with three knobs:
   fits) or ``disk`` (a ``numpy.memmap`` file: only the OS page cache is used).
 * ``dtype`` — ``fp32``, ``fp16`` or ``bf16``. Half precision stores the *difference*
   ``θ_c − θ_0`` from the round-0 weights (``encoding="delta"``), whose magnitude is that
-  of the local updates, so rounding is relative to the update and not to the weight (an
+  of the training since round 0 (the client's local updates, plus the global model's drift
+  before its first round), so rounding is relative to that and not to the weight (an
   absolute fp16 weight would silently drop updates below 2⁻¹¹ of its magnitude).
-* regeneration on demand — a client that has never trained holds exactly ``θ_0``; no row
-  is allocated until it first trains, so memory grows with the number of *touched*
-  clients ``N·(1 − (1 − p)^T)`` for participation ``p`` after ``T`` rounds. (Codewords are
-  likewise regenerated from the seed, see ``methods.sdk_methods``.)
+* regeneration on demand — a client that has never trained has no row: :meth:`ClientStore.get`
+  gives it the ``fresh`` weights the caller passes (the federation passes the private weights
+  derived from the *current* global model, where a device starts ``θ_c`` on its first
+  participation) or ``θ_0``. No row is allocated until it first trains, so memory grows with
+  the number of *touched* clients ``N·(1 − (1 − p)^T)`` for participation ``p`` after ``T``
+  rounds. (Codewords are likewise regenerated from the seed, see ``methods.sdk_methods``.)
 
 :func:`estimate_memory` gives the numbers; ``docs/simulation.md`` tabulates them.
 """
@@ -81,7 +84,8 @@ class ClientStore:
     Args:
         num_clients: population size.
         template: the round-0 private weights ``θ_0`` (same for every client), as
-            ``{group: {name: tensor}}``.
+            ``{group: {name: tensor}}``: the base of the delta encoding and the default
+            weights of a client without a row.
         dtype: ``fp32`` | ``fp16`` | ``bf16`` storage precision.
         location: ``cpu`` | ``pinned`` | ``cuda`` | ``disk``.
         path: the memmap file for ``location="disk"``.
@@ -159,12 +163,19 @@ class ClientStore:
         """Clients with a stored row (they trained at least once)."""
         return np.flatnonzero(self.rows >= 0)
 
-    def get(self, ids: Sequence[int] | np.ndarray, device: str | torch.device = "cpu") -> Params:
-        """Stacked float32 weights ``{group: {name: [K, ...]}}`` of ``ids`` on ``device``;
-        clients without a row get ``θ_0``."""
+    def get(self, ids: Sequence[int] | np.ndarray, device: str | torch.device = "cpu",
+            fresh: Params | None = None) -> Params:
+        """Stacked float32 weights ``{group: {name: [K, ...]}}`` of ``ids`` on ``device``.
+
+        Clients without a row (never trained) get ``fresh`` — the private weights a client
+        starts from on its first participation, e.g. derived from the current global model
+        as a device does — or ``θ_0`` (the template) without it. ``fresh`` is one model
+        shared by every such client: no row or memory per client."""
         a = self._check_ids(ids)
         dev = torch.device(device)
-        flat = self._template.to(dev).unsqueeze(0).repeat(len(a), 1)
+        base = self._template if fresh is None else self._flatten(
+            {g: {k: v.unsqueeze(0) for k, v in w.items()} for g, w in fresh.items()}, 1)[0]
+        flat = base.to(dev).unsqueeze(0).repeat(len(a), 1)
         rows = self.rows[a]
         have = np.flatnonzero(rows >= 0)
         if have.size:
@@ -177,7 +188,7 @@ class ClientStore:
             else:
                 stored = self._data[r].to(dev).float()
             pos = torch.from_numpy(have).to(dev)
-            flat[pos] = stored + flat[pos] if self.encoding == "delta" else stored
+            flat[pos] = stored + self._template.to(dev).unsqueeze(0) if self.encoding == "delta" else stored
         return self._unflatten(flat)
 
     def get_one(self, client: int, device: str | torch.device = "cpu") -> Params | None:

@@ -9,6 +9,8 @@ Images are cached as uint8 (4× smaller than float32 and exact: every fedfs inpu
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -23,7 +25,8 @@ from fedfs_sdk.preprocess import IMAGE_EXTENSIONS, preprocess
 
 from .synthfaces import SynthFaces, broadcast_pairs
 
-__all__ = ["IdentityDataset", "SynthDataset", "ImageFolderDataset", "SkippedFile", "LRUImageCache"]
+__all__ = ["IdentityDataset", "SynthDataset", "ImageFolderDataset", "SkippedFile", "LRUImageCache",
+           "identity_names", "dataset_fingerprint"]
 
 IndexLike = int | Sequence[int] | np.ndarray | torch.Tensor
 
@@ -132,6 +135,17 @@ class SynthDataset:
     def __repr__(self) -> str:
         return (f"SynthDataset({self.faces!r}, images_per_identity={self.images_per_identity}, "
                 f"num_identities={self.num_identities})")
+
+    def identity_names(self, identities: IndexLike) -> list[str]:
+        """Stable names of ``identities``: ``synthfaces-<seed>/<index>`` (the same person at any
+        image size; another universe seed is another person)."""
+        ids = np.asarray(identities, dtype=np.int64).reshape(-1)
+        self._check_ids(ids)
+        return [f"synthfaces-{self.faces.seed}/{int(i)}" for i in ids]
+
+    def fingerprint(self) -> str:
+        """sha256 of what determines every image (the generator's settings and the universe)."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()
 
     def count(self, identity: int) -> int:
         self._check_ids(np.asarray([identity]))
@@ -246,6 +260,21 @@ class ImageFolderDataset:
         return (f"ImageFolderDataset({str(self.root)!r}, image_size={self.image_size}, "
                 f"identities={self.num_identities}, images={int(self._counts.sum())})")
 
+    def identity_names(self, identities: IndexLike) -> list[str]:
+        """The folder names of ``identities`` (positions shift when folders are added or
+        removed; names do not)."""
+        ids = np.asarray(identities, dtype=np.int64).reshape(-1)
+        self._check_ids(ids)
+        return [self.names[int(i)] for i in ids]
+
+    def fingerprint(self) -> str:
+        """sha256 of the identity folders, their image file names and the preprocessing
+        (not of the pixels: cheap for a million files; see ``Population.fingerprint``)."""
+        h = hashlib.sha256(json.dumps({"image_size": self.image_size, "detect_face": self.detect_face}).encode())
+        for name, files in zip(self.names, self.files):
+            h.update(json.dumps([name, [f.name for f in files]]).encode())
+        return h.hexdigest()
+
     @property
     def counts(self) -> np.ndarray:
         """Images per identity, ``[num_identities]``."""
@@ -293,3 +322,18 @@ class ImageFolderDataset:
                 j = int(np.argmax(bad))
                 raise InputError(f"image index {int(idx[j])} out of range for identity {int(ids[j])} "
                                  f"({self.names[ids[j]]!r} has {int(self._counts[ids[j]])} images)")
+
+
+def identity_names(dataset: IdentityDataset, identities: IndexLike) -> list[str]:
+    """Names of ``identities`` in ``dataset`` (its ``identity_names`` if it has one, else the
+    decimal index)."""
+    fn = getattr(dataset, "identity_names", None)
+    if callable(fn):
+        return list(fn(identities))
+    return [str(int(i)) for i in np.asarray(identities, dtype=np.int64).reshape(-1)]
+
+
+def dataset_fingerprint(dataset: IdentityDataset) -> str:
+    """``dataset.fingerprint()`` if it has one, else sha256 of its ``repr``."""
+    fn = getattr(dataset, "fingerprint", None)
+    return str(fn()) if callable(fn) else hashlib.sha256(repr(dataset).encode()).hexdigest()

@@ -92,7 +92,9 @@ class ChunkResult:
     """The trained weights of a chunk of clients, stacked ``[K, ...]`` per tensor.
 
     ``metrics`` maps ``<part>_first|_last|_mean`` to a ``[K]`` tensor (objective parts of
-    the client's first / last / all local steps).
+    the client's first / last / all local steps; 0 for a client that took no step).
+    ``client_steps`` ``[K]`` counts the SGD steps each client applied (0: too few images
+    for one batch, or every step skipped on fp16 overflow); ``None`` = unknown.
     """
 
     clients: list[int]
@@ -100,6 +102,7 @@ class ChunkResult:
     params: Params
     metrics: dict[str, torch.Tensor]
     steps: int
+    client_steps: torch.Tensor | None = None
 
 
 class Executor(Protocol):
@@ -191,6 +194,10 @@ class _Metrics:
         self.count += a.float()
         self.seen |= a
 
+    def steps(self) -> torch.Tensor:
+        """``[K]`` int64: the steps each client applied."""
+        return self.count.round().long().cpu()
+
     def result(self) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for name in self.sum:
@@ -243,7 +250,7 @@ class SequentialExecutor:
         stacked = {g: {k: torch.stack([p[g][k] for p in per_client]) for k in per_client[0][g]}
                    for g in per_client[0]}
         return ChunkResult([t.client for t in tasks], torch.tensor([t.num_samples for t in tasks]),
-                           stacked, metrics.result(), steps)
+                           stacked, metrics.result(), steps, metrics.steps())
 
     def _train_one(self, method: FederatedMethod, plan: RoundPlan, task: ClientTask,
                    cfg: LocalConfig) -> tuple[Params, list[dict[str, float]], int]:
@@ -361,7 +368,7 @@ class BatchedExecutor:
             who = [tasks[i].client for i in torch.nonzero(bad).flatten().tolist()][:10]
             raise FloatingPointError(f"clients {who}: weights became non-finite (lr={cfg.lr_for(method)} too high?)")
         return ChunkResult([t.client for t in tasks], torch.tensor(ns), params, metrics.result(),
-                           int(active.sum()))
+                           int(active.sum()), metrics.steps())
 
     def _calibrate(self, step_fn, params: Params, consts, x: torch.Tensor, mask: torch.Tensor) -> None:
         """Measure one step's peak CUDA memory for 2 clients and size chunks to fit."""

@@ -5,8 +5,9 @@ Each round ``t``:
 1. the server samples ``κ = max(round(p·N), 1)`` clients without replacement (its own
    ``numpy`` generator, whose state is checkpointed);
 2. the method configures the round (:meth:`FederatedMethod.configure_round`);
-3. participants train in chunks of the executor's size; each chunk's global weights are
-   averaged with ``server_agg.aggregate.fedavg_stacked`` and folded into one
+3. participants train in chunks of the executor's size (a first-time participant starts
+   ``θ_c`` from this round's global model, as a device does); each chunk's global weights
+   are averaged in float64 with ``server_agg.aggregate.fedavg_stacked`` and folded into one
    ``StreamingFedAvg`` — the same weighted FedAvg (FedFS Eq. 1) the HTTP server runs — and
    each chunk's private weights go back to the :class:`ClientStore`;
 4. ``method.server_update`` (FedAwS/FedGC-style server steps) gives the next global model.
@@ -17,8 +18,10 @@ from a checkpoint reproduces the next round bit for bit (tested).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,7 +42,12 @@ CHECKPOINT_FORMAT = "fedfs-federation/1"
 
 
 class ClientData(Protocol):
-    """What the loop needs from the data: one client's local training images."""
+    """What the loop needs from the data: one client's local training images.
+
+    Optionally ``fingerprint() -> dict[str, str]`` (digests of the dataset and the split,
+    as :meth:`device_sim.population.Population.fingerprint`): checkpoints record it, with a
+    digest of a few clients' training images, so a resume on other data is refused.
+    """
 
     num_clients: int
 
@@ -100,6 +108,46 @@ class RoundRecord:
     client_updates_per_s: float
     metrics: dict[str, float]
     eval: dict[str, Any] | None = None
+    clients_with_steps: int | None = None
+    """Participants that applied at least one local step; ``metrics`` average over them only
+    (a client with too few images for a batch trains nothing and reports no loss). Empty
+    ``metrics`` when none did. ``None`` in histories written before it was recorded."""
+
+
+IDENTITY_PARTS = {
+    "data.dataset": "the dataset (images, identities, preprocessing)",
+    "data.splits": "the public / client / new-user split",
+    "data.images": "the clients' training images",
+    "xi": "the pre-trained ξ weights",
+}
+
+
+def weights_fingerprint(weights: Any) -> str:
+    """sha256 over a state dict (or a module's): every tensor's name, dtype, shape and bytes,
+    in sorted key order."""
+    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+    h = hashlib.sha256()
+    for k in sorted(state):
+        t = state[k].detach().to("cpu").contiguous()
+        h.update(json.dumps([k, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def data_fingerprint(data: ClientData, sample_clients: int = 3) -> dict[str, str]:
+    """``data.fingerprint()`` (when it has one) plus ``images``: sha256 of the training images
+    of ``sample_clients`` clients spread over the population (first, middle, last) — a cheap
+    check that the client data themselves are the same."""
+    fp_fn = getattr(data, "fingerprint", None)
+    out = {str(k): str(v) for k, v in (fp_fn() if callable(fp_fn) else {}).items()}
+    n = int(data.num_clients)
+    h = hashlib.sha256(str(n).encode())
+    for c in sorted({round(i * (n - 1) / max(sample_clients - 1, 1)) for i in range(sample_clients)}) if n else []:
+        x = data.train_images(c).detach().to("cpu", torch.float32).contiguous()
+        h.update(json.dumps([c, list(x.shape)]).encode())
+        h.update(x.numpy().tobytes())
+    out["images"] = h.hexdigest()
+    return out
 
 
 def client_seed(seed: int, round_idx: int, client: int) -> int:
@@ -132,6 +180,8 @@ class Federation:
         self.sampler = np.random.default_rng([config.seed, 0x5A4D])
         self.history: list[RoundRecord] = []
         self._states: dict[int, Any] = {}
+        self._xi_fingerprint = weights_fingerprint(xi)
+        self._data_fingerprint: dict[str, str] | None = None   # computed on the first save/load
 
     # ---- one round ---------------------------------------------------------------------
     @property
@@ -160,13 +210,20 @@ class Federation:
         participants = self.sample_participants()
         plan = method.configure_round(r, participants)
         acc = StreamingFedAvg(self.global_weights)
+        # Each chunk's mean stays float64 until the end of the round: the result then does not
+        # depend on the chunking beyond float64 rounding (a float32 chunk mean would).
+        chunk_ref = {k: torch.empty(v.shape, dtype=torch.float64, device="meta") for k, v in self.global_weights.items()}
         global_dev = {k: v.to(ex.device) for k, v in self.global_weights.items()}
+        # A client's first participation starts θ_c from the global model it receives now,
+        # as a device does (LocalTrainer.train with personal_weights=None).
+        fresh = method.init_private(self.global_weights) if self.store is not None else None
         sums: dict[str, float] = {}
+        stepped = 0
         total_samples = 0
         start = 0
         while start < len(participants):
             chunk = participants[start:start + ex.chunk_size]
-            private = self.store.get(chunk, ex.device) if self.store is not None else {}
+            private = self.store.get(chunk, ex.device, fresh=fresh) if self.store is not None else {}
             tasks = []
             for i, c in enumerate(chunk.tolist()):
                 params: Params = {"global": global_dev, **unstack(private, i)}
@@ -176,11 +233,14 @@ class Federation:
             res = ex.train(method, plan, tasks, cfg.local)
             method.receive(plan, res.clients, res.params, res.num_samples)  # server-held class embeddings (FedAwS, FedGC, PrivacyFace)
             n_chunk = int(res.num_samples.sum())
-            acc.add(fedavg_stacked(res.params["global"], res.num_samples), n_chunk)
+            acc.add(fedavg_stacked(res.params["global"], res.num_samples, reference=chunk_ref), n_chunk)
             if self.store is not None:
                 self.store.put(res.clients, {g: res.params[g] for g in method.private_groups})
+            took = (res.client_steps > 0 if res.client_steps is not None
+                    else torch.ones(len(res.clients), dtype=torch.bool))
+            stepped += int(took.sum())
             for k, v in res.metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v.double().sum())
+                sums[k] = sums.get(k, 0.0) + float(v.double().cpu()[took].sum())
             total_samples += n_chunk
             start += len(chunk)
             # executor chunk size may be calibrated by the first call (CUDA)
@@ -189,7 +249,7 @@ class Federation:
         self.round = r
         dt = time.perf_counter() - t0
         rec = RoundRecord(r, int(len(participants)), total_samples, dt, len(participants) / max(dt, 1e-9),
-                          {k: v / len(participants) for k, v in sums.items()})
+                          {k: v / stepped for k, v in sums.items()} if stepped else {}, None, stepped)
         self.history.append(rec)
         return rec
 
@@ -214,8 +274,11 @@ class Federation:
         cfg = self.config.to_dict()
         for k in ("rounds", "executor", "chunk_size", "device"):  # may differ on resume
             cfg.pop(k)
+        if self._data_fingerprint is None:
+            self._data_fingerprint = data_fingerprint(self.data)
         return {"method": self.method.name, "options": self.method.options(), "config": cfg,
-                "num_clients": self.data.num_clients, "model_config": self.ctx.model_config.to_json()}
+                "num_clients": self.data.num_clients, "model_config": self.ctx.model_config.to_json(),
+                "data": self._data_fingerprint, "xi": self._xi_fingerprint}
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the whole federation state (global and server weights, client store, round,
@@ -237,9 +300,7 @@ class Federation:
         tensors, meta = read_safetensors(p, CHECKPOINT_FORMAT, "federation checkpoint")
         saved, mine = json.loads(meta["identity"]), json.loads(json.dumps(self._identity(), sort_keys=True))
         if saved != mine:
-            diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
-            raise CheckpointError(f"{p} was written by a different run (differs in {diff}); "
-                                  f"use the same method, data and settings to resume")
+            raise CheckpointError(_identity_mismatch(p, saved, mine))
         glob = {k[len("global/"):]: v for k, v in tensors.items() if k.startswith("global/")}
         if set(glob) != set(self.global_weights):
             raise CheckpointError(f"{p}: global weights do not match the method's model")
@@ -253,11 +314,40 @@ class Federation:
         self.history = [RoundRecord(**h) for h in json.loads(meta["history"])]
 
 
+def _identity_mismatch(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> str:
+    """Why a checkpoint's identity differs from this run's: the differing parts, by name."""
+    diff: list[str] = []
+    for k in sorted(set(saved) | set(mine)):
+        a, b = saved.get(k), mine.get(k)
+        if a == b:
+            continue
+        if k == "data" and isinstance(a, dict) and isinstance(b, dict):
+            diff += [f"data.{s}" for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)]
+        else:
+            diff.append(k)
+    if {"data", "xi"} & set(mine) and not {"data", "xi"} & set(saved) and diff == sorted(
+            {"data", "xi"} & set(mine)):
+        return (f"{path} has no data/ξ fingerprints (written by an older fedfs), so it cannot be checked "
+                f"against this run's data and ξ; start this run afresh (remove {path.parent})")
+    named = [f"{d} ({IDENTITY_PARTS[d]})" if d in IDENTITY_PARTS else d for d in diff]
+    return (f"{path} was written by a different run (differs in: {', '.join(named)}); "
+            f"use the same method, data, ξ and settings to resume")
+
+
+_ROUND_FILE = re.compile(r"round_(\d+)\.safetensors")
+
+
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The highest-round ``round_*.safetensors`` in ``directory`` (None if there is none)."""
+    """The highest-round ``round_<N>.safetensors`` in ``directory`` by the parsed round number
+    (names are zero-padded to 5 digits, so ≥ 100000 rounds would sort wrong as text);
+    None if there is none."""
     d = Path(directory)
-    files = sorted(d.glob("round_*.safetensors")) if d.is_dir() else []
-    return files[-1] if files else None
+    best: tuple[int, Path] | None = None
+    for f in (d.iterdir() if d.is_dir() else ()):
+        m = _ROUND_FILE.fullmatch(f.name)
+        if m and f.is_file() and (best is None or int(m.group(1)) > best[0]):
+            best = (int(m.group(1)), f)
+    return best[1] if best else None
 
 
 def checkpoint_path(directory: str | os.PathLike[str], round_idx: int) -> Path:
@@ -265,4 +355,4 @@ def checkpoint_path(directory: str | os.PathLike[str], round_idx: int) -> Path:
 
 
 __all__ = ["Federation", "FederationConfig", "RoundRecord", "ClientData", "client_seed",
-           "latest_checkpoint", "checkpoint_path", "CHECKPOINT_FORMAT"]
+           "latest_checkpoint", "checkpoint_path", "data_fingerprint", "weights_fingerprint", "CHECKPOINT_FORMAT"]

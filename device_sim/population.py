@@ -7,12 +7,14 @@ images. Client ``c`` is ``splits.clients[c]``; new user ``j`` is ``splits.new_us
 """
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import torch
 
 from fedfs_sdk.errors import InputError
 
-from .datasets import IdentityDataset
+from .datasets import IdentityDataset, dataset_fingerprint
 from .splits import FaceSplits
 
 
@@ -78,6 +80,13 @@ class Population:
             return torch.zeros(0, 3, self.image_size, self.image_size)
         x = self.dataset.batch(identities, indices)
         return x if device is None else x.to(device)
+
+    def fingerprint(self) -> dict[str, str]:
+        """sha256 digests of the dataset (:func:`~device_sim.datasets.dataset_fingerprint`)
+        and of the split (every identity and image index of every group): a federation
+        checkpoint records them so a resume on other data is refused."""
+        return {"dataset": dataset_fingerprint(self.dataset),
+                "splits": hashlib.sha256(self.splits.to_json().encode()).hexdigest()}
 
     def num_train(self, client: int) -> int:
         return int(self._user("clients", client).train.size)

@@ -31,7 +31,7 @@ from fedfs_sdk.checkpoint import load_checkpoint, save_checkpoint
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.model import FaceNet, ModelConfig
 
-from .datasets import IdentityDataset
+from .datasets import IdentityDataset, identity_names
 
 MARGINS = ("cosface", "arcface")
 
@@ -200,21 +200,27 @@ def pretrain_cached(dataset: IdentityDataset, identities: np.ndarray, indices: n
     """Pre-train ξ, or load it from the cache if the same config and data were trained before.
 
     The checkpoint is ``<cache_dir>/xi-<key>.safetensors`` (also copied to ``out`` if given);
-    its meta holds the config, the data key, the training stats and the public identities.
+    its meta holds the config, the data key, the training stats and the public identities —
+    as dataset positions (``public_identities``) and as names (``public_identity_names``:
+    folder names, ``synthfaces-<seed>/<index>``), which ``simulate --pretrained`` compares
+    with its clients' and new users' names to refuse a ξ that saw them.
     """
     dkey = data_key(dataset, identities, indices)
     key = cache_key(config, dkey)
     cdir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cdir / f"xi-{key}.safetensors"
+    public = np.unique(np.asarray(identities, dtype=np.int64))
+    names = identity_names(dataset, public)
     if path.is_file() and not force:
         model, meta = load_checkpoint(path)
         if out is not None and Path(out) != path:
-            save_checkpoint(out, model, model.config, meta)
+            # same data key ⇒ same identities: a ξ cached by an older version gets its names here
+            save_checkpoint(out, model, model.config, {**meta, "public_identity_names": names})
         return PretrainResult(model.requires_grad_(False), Path(out) if out else path, True, meta.get("stats", {}))
     model, stats = train_xi(dataset, identities, indices, labels, config, device, progress)
     meta = {"kind": "xi", "pretrain": asdict(config), "data_key": dkey, "cache_key": key, "stats": stats,
             # lets `simulate` refuse a ξ that saw its clients' identities
-            "public_identities": np.unique(np.asarray(identities, dtype=np.int64)).tolist()}
+            "public_identities": public.tolist(), "public_identity_names": names}
     save_checkpoint(path, model, model.config, meta)
     if out is not None:
         save_checkpoint(out, model, model.config, meta)

@@ -25,3 +25,29 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int | No
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_directory(path.parent)
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush a written file's data to disk (``fsync``; opened for writing, as Windows needs)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_directory(path: str | os.PathLike[str]) -> None:
+    """Make a rename in ``path`` durable (``fsync`` of the directory) where the platform
+    allows it (POSIX); a no-op where directories cannot be opened or synced (Windows, some
+    network file systems)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

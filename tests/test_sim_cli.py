@@ -77,3 +77,40 @@ def test_bench_in_process() -> None:
     assert {r["executor"] for r in res["rows"]} == {"sequential", "batched"}
     assert all(r["client_updates_per_s"] > 0 for r in res["rows"]) and res["winner"]["cpu"] in ("sequential", "batched")
     assert "winner on cpu" in format_table(res)
+
+
+def test_eval_every_survives_resume(tmp_path) -> None:
+    out = tmp_path / "run"
+    args = ["simulate", "--method", "feduv", *TINY_DATA, "--cache-dir", str(tmp_path / "c"), "--rounds", "3",
+            "--participation", "0.5", "--eval-every", "1", "--checkpoint-every", "1", "--out", str(out), "--quiet"]
+    assert main(args) == 0
+    full = json.loads((out / "results.json").read_text())["methods"][0]["history"]
+    assert [h["eval"] is not None for h in full] == [True, True, False]   # the last round gets the full eval
+    (out / "checkpoints" / "feduv-c-127" / "round_00003.safetensors").unlink(missing_ok=False)  # "crash" after round 2
+    assert main([*args, "--resume"]) == 0
+    resumed = json.loads((out / "results.json").read_text())["methods"][0]["history"]
+    assert [h["eval"] for h in resumed[:2]] == [h["eval"] for h in full[:2]]   # round 2's eval was in its checkpoint
+    assert [h["metrics"] for h in resumed] == [h["metrics"] for h in full]
+
+
+def test_xi_overlap_compares_identity_names_not_positions(tmp_path) -> None:
+    import pytest
+
+    from device_sim.cli_common import check_xi_disjoint
+    from fedfs_sdk.errors import CheckpointError
+
+    root = write_image_folder(SynthFaces(seed=3, image_size=32), tmp_path / "faces", range(6), 2)
+    ds = ImageFolderDataset(root, 32)
+    splits = make_splits(ds, 2, 3, 1, None, None, seed=0)
+    public, clients = splits.identities("public"), splits.identities("clients")
+    # ξ saw a client by name, although its recorded positions (another folder listing) are public here
+    with pytest.raises(CheckpointError, match="pre-trained on 1 identities"):
+        check_xi_disjoint({"public_identities": public.tolist(),
+                           "public_identity_names": ds.identity_names(clients[:1])}, splits, ds)
+    # ξ's positions hit clients here, but its identities (names) are this split's public ones: fine
+    check_xi_disjoint({"public_identities": clients.tolist(), "public_identity_names": ds.identity_names(public)},
+                      splits, ds)
+    # a ξ written before names were recorded: positions, as before
+    with pytest.raises(CheckpointError, match="predates identity names"):
+        check_xi_disjoint({"public_identities": clients[:1].tolist()}, splits, ds)
+    check_xi_disjoint({"public_identities": public.tolist()}, splits, ds)

@@ -44,7 +44,8 @@ def test_batched_equals_sequential_on_uneven_clients(spec: str, xi, data) -> Non
     seq = SequentialExecutor().train(m, plan, tasks, cfg)
     bat = BatchedExecutor("cpu").train(m, plan, tasks, cfg)
     assert seq.clients == bat.clients and torch.equal(seq.num_samples, bat.num_samples)
-    assert seq.steps == bat.steps
+    assert seq.steps == bat.steps and torch.equal(seq.client_steps, bat.client_steps)
+    assert int(seq.client_steps.sum()) == seq.steps
     assert max_diff(seq.params, bat.params) < 1e-5
     # the weights did move, so the equality above is not trivial
     start = {g: {k: torch.stack([t.params[g][k] for t in tasks]) for k in w} for g, w in tasks[0].params.items()}

@@ -1,6 +1,8 @@
 """The round loop: FedAvg through server_agg, loss goes down, exact resume, chunk invariance."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -115,3 +117,121 @@ def test_cuda_round_with_half_precision_store_matches_cpu(location: str, xi, dat
     for k, v in cpu.global_weights.items():
         assert torch.allclose(v, gpu.global_weights[k], atol=5e-2), k
     assert gpu.store.touched().tolist() == cpu.store.touched().tolist()
+
+
+# ---- review fixes -----------------------------------------------------------------------------
+
+def _saved(f: Federation, path):
+    f.run(1)
+    return f.save(path)
+
+
+def test_resume_refuses_other_data_split_or_xi(xi, data, tmp_path) -> None:
+    import copy
+
+    from device_sim.datasets import SynthDataset
+    from device_sim.population import Population
+    from device_sim.splits import make_splits
+    from device_sim.synthfaces import SynthFaces
+    from fedfs_sdk.checkpoint import read_safetensors, write_safetensors_atomic
+
+    ck = _saved(fed("feduv", xi, data), tmp_path / "a.safetensors")
+    fed("feduv", xi, data).load(ck)                                         # same everything: fine
+    with pytest.raises(CheckpointError, match=r"data\.images"):            # same count, other images
+        fed("feduv", xi, RandomClients(seed=1)).load(ck)
+    xi2 = copy.deepcopy(xi)
+    with torch.no_grad():
+        next(xi2.parameters()).add_(1e-3)
+    with pytest.raises(CheckpointError, match=r"differs in: xi \(the pre-trained ξ weights\)$|differs in: xi "):
+        fed("feduv", xi2, data).load(ck)
+    # a Population: another split of the same dataset is named as such
+    ds = SynthDataset(SynthFaces(0, 32), images_per_identity=5, num_identities=20, cache_bytes=0)
+    pops = [Population(ds, make_splits(20, 2, 6, 1, 4, 1, seed=s)) for s in (0, 1)]
+    ck2 = _saved(fed("feduv", xi, pops[0]), tmp_path / "b.safetensors")
+    with pytest.raises(CheckpointError, match=r"data\.splits \(the public / client / new-user split\)"):
+        fed("feduv", xi, pops[1]).load(ck2)
+    # a checkpoint from before the fingerprints is refused with its own message
+    tensors, meta = read_safetensors(ck, "fedfs-federation/1", "federation checkpoint")
+    ident = json.loads(meta["identity"])
+    meta["identity"] = json.dumps({k: v for k, v in ident.items() if k not in ("data", "xi")}, sort_keys=True)
+    write_safetensors_atomic(tmp_path / "old.safetensors", tensors, meta)
+    with pytest.raises(CheckpointError, match="no data/ξ fingerprints"):
+        fed("feduv", xi, data).load(tmp_path / "old.safetensors")
+
+
+def test_first_participation_starts_theta_c_from_the_current_global(xi, data) -> None:
+    from fedfs_sdk.trainer import LocalTrainer, TrainConfig
+
+    lc = LocalConfig(batch_size=4, lr=0.05)
+    seed = next(s for s in range(20) if set(_rounds(fed("fedfs", xi, data, seed=s), 2)[1])
+                - set(_rounds(fed("fedfs", xi, data, seed=s), 2)[0]))
+    r1, r2 = _rounds(fed("fedfs", xi, data, seed=seed), 2)
+    c = sorted(set(r2) - set(r1))[0]                         # trains for the first time in round 2
+    f = fed("fedfs", xi, data, seed=seed, local=lc)
+    theta0 = {k: v.clone() for k, v in f.global_weights.items()}
+    f.run(1)
+    g2 = {k: v.clone() for k, v in f.global_weights.items()}
+    assert f.private_weights(c) is None
+    assert max(float((g2[k] - theta0[k]).abs().max()) for k in g2) > 1e-3   # the global model moved
+    f.run(2)
+    ref = LocalTrainer(f.method.model_config, TrainConfig(method="fedfs", batch_size=4, lr=0.05), xi=xi).train(
+        g2, data.train_images(c), personal_weights=None, seed=client_seed(seed, 2, c))
+    got = f.private_weights(c)["personal"]
+    assert max(float((ref.personal_weights[k] - got[k]).abs().max()) for k in got) < 1e-6
+
+
+def _rounds(f: Federation, n: int) -> list[list[int]]:
+    return [f.sample_participants().tolist() for _ in range(n)]
+
+
+def test_chunked_fedavg_does_not_round_chunk_means_to_float32(xi, data) -> None:
+    ref = fed("fedfs", xi, data, participation=1.0, chunk_size=64, executor="sequential")
+    ref.run(1)
+    for chunk in (1, 4):                                    # 6 clients: chunks of 1, and of 4 + 2
+        other = fed("fedfs", xi, data, participation=1.0, chunk_size=chunk, executor="sequential")
+        other.run(1)
+        for k, v in ref.global_weights.items():
+            assert torch.equal(v, other.global_weights[k]), (chunk, k, float((v - other.global_weights[k]).abs().max()))
+
+
+def test_round_metrics_skip_clients_without_steps(xi) -> None:
+    from device_sim.executors import ClientTask, SequentialExecutor
+
+    d = RandomClients(num_clients=4, sizes=(1, 8, 6, 9))    # client 0: one image, FedFS needs batches of 2
+    f = fed("fedfs", xi, d, participation=1.0)
+    g0, priv = f.global_weights, f.method.init_private(f.global_weights)
+    rec = f.run_round()
+    plan = f.method.configure_round(1, np.arange(4))
+    tasks = [ClientTask(c, d.train_images(c), {"global": g0, **priv}, {}, client_seed(1, 1, c)) for c in range(4)]
+    res = SequentialExecutor().train(f.method, plan, tasks, LocalConfig(batch_size=4))
+    for k, v in res.metrics.items():                        # the mean over the 3 clients that trained
+        assert float(v[0]) == 0 and rec.metrics[k] == pytest.approx(float(v[1:].double().mean()), rel=1e-9), k
+    assert rec.metrics["loss_mean"] > 0
+    assert res.client_steps.tolist()[0] == 0 and min(res.client_steps.tolist()[1:]) > 0
+    assert rec.participants == 4 and rec.clients_with_steps == 3
+    lone = fed("fedfs", xi, RandomClients(num_clients=2, sizes=(1,)), participation=1.0).run_round()
+    assert lone.clients_with_steps == 0 and lone.metrics == {}
+
+
+def test_latest_checkpoint_orders_by_round_number(tmp_path) -> None:
+    for name in ("round_99999.safetensors", "round_100000.safetensors", "round_00007.safetensors",
+                 "round_x.safetensors", "round_200000.safetensors.tmp"):
+        (tmp_path / name).write_bytes(b"")
+    assert latest_checkpoint(tmp_path).name == "round_100000.safetensors"
+    assert checkpoint_path(tmp_path, 123456).name == "round_123456.safetensors"
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_checkpoint_is_fsynced_before_the_rename(xi, data, tmp_path, monkeypatch) -> None:
+    import os
+
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append("replace"), real_replace(a, b))[1])
+    f = fed("feduv", xi, data)
+    f.save(tmp_path / "c.safetensors")
+    assert events[:2] == ["fsync", "replace"] and events.count("fsync") >= 1
+    if os.name == "posix":
+        assert events[2:] == ["fsync"]                       # and the folder, so the rename is durable
+    f.load(tmp_path / "c.safetensors")

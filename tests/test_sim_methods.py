@@ -75,7 +75,12 @@ def test_verifier_specs(xi) -> None:
         nu = m.new_user_verifier(m.client_state_init(99), gw)
         assert nu.shared_key in ("global", "xi")
         if spec in ("fedfs", "fedfs+feduv"):
-            assert m.verifier(m.client_state_init(3), gw, None).shared_key == "init"   # never trained: θ_0
+            # never trained: the current global backbone (the θ_c it would start from), not θ_0
+            later = {k: t + 0.5 for k, t in gw.items()}
+            nt, nu_later = m.verifier(m.client_state_init(3), later, None), m.new_user_verifier(m.client_state_init(3), later)
+            assert nt.shared_key == "global" and nt.net is nu_later.net and nt.mode == mode
+            assert set(nt.weights) == set(nu_later.weights)
+            assert all(torch.equal(nt.weights[k], later[k]) for k in nt.weights)
     # verify=global scores σ(W r') with the shared model only: θ_c does not enter.
     m = setup_method("fedfs+feduv:verify=global", xi)
     gw = m.init_global()

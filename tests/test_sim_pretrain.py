@@ -10,6 +10,7 @@ import torch
 from device_sim.datasets import SynthDataset
 from device_sim.pretrain import MarginHead, PretrainConfig, cache_key, data_key, load_xi, pretrain_cached
 from device_sim.synthfaces import SynthFaces
+from fedfs_sdk.checkpoint import read_checkpoint
 from fedfs_sdk.errors import InputError
 
 CFG = PretrainConfig(width=4, embedding_dim=16, epochs=3, batch_size=16)
@@ -42,6 +43,9 @@ def test_pretrain_learns_and_is_cached(tmp_path) -> None:
     again = pretrain_cached(ds, ids, idx, ids, CFG, cache_dir=tmp_path)
     assert again.cached
     assert all(torch.equal(a, b) for a, b in zip(res.model.state_dict().values(), again.model.state_dict().values()))
+    _, _, meta = read_checkpoint(tmp_path / "xi.safetensors")
+    assert meta["public_identities"] == list(range(6))
+    assert meta["public_identity_names"] == [f"synthfaces-0/{i}" for i in range(6)] == ds.identity_names(range(6))
     xi = load_xi(tmp_path / "xi.safetensors")
     assert xi.config.proj_dim is None and xi.input_size == 32 and not any(p.requires_grad for p in xi.parameters())
     # another config or other images → another key

@@ -160,16 +160,18 @@ class SDKMethod(FederatedMethod):
         self.xi = frozen(ctx.xi).to(dev) if uses_fedfs(self.sdk_method) else None
         self._personal_vnet = verifier_net(personal_config(self.model_config), with_head=False)
         self._global_vnet = verifier_net(self.model_config, with_head=self.code_length is not None)
-        self._init_private: Params | None = None
 
     def init_global(self) -> Weights:
         ctx = self.context
         return initial_global_weights(self.model_config, ctx.xi, seed=ctx.seed)
 
     def init_private(self, global_weights: Weights) -> Params:
+        """``θ_c`` of a client's first participation: the global weights it receives in that
+        round without ``uv_head.*`` — what a device does (``LocalTrainer.train`` with
+        ``personal_weights=None``). The federation calls it with the current global model
+        every round (and with the round-0 one for the client store's delta base)."""
         if not uses_fedfs(self.sdk_method):
             return {}
-        # θ_c starts from the round-0 global model (FedFS: both start from the pre-trained ξ).
         return {"personal": {k: v.detach().clone() for k, v in global_weights.items() if not k.startswith("uv_head.")}}
 
     @property
@@ -244,23 +246,19 @@ class SDKMethod(FederatedMethod):
         return base_lr
 
     # ---- evaluation --------------------------------------------------------------------
-    def _personal_backbone(self, global_weights: Weights, private: Params | None) -> tuple[Weights, str | None]:
-        if private is not None and "personal" in private:
-            return backbone_weights(private["personal"]), None
-        if self._init_private is None:
-            # A client that never trained still holds its round-0 θ_c.
-            self._init_private = self.init_private(self.init_global())
-        return backbone_weights(self._init_private["personal"]), "init"
-
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
-        if self.sdk_method == "feduv" or self.verify == "global":
-            return VerifierSpec(self._global_vnet, self._global_head_weights(global_weights),
-                                state.codeword, shared_key="global")
-        weights, key = self._personal_backbone(global_weights, private)
+        """A trained client verifies with its ``θ_c`` backbone (FedFS) or the global model
+        (FedUV, ``verify=global``). A client that never trained has no ``θ_c``: it verifies
+        with the current global backbone — the ``θ_c`` it would start from, the model a new
+        user gets (:meth:`new_user_verifier`). (A real device refuses to verify before it has
+        trained θ_c; the simulator scores such clients like new users instead of dropping them.)"""
+        if self.sdk_method == "feduv" or self.verify == "global" or private is None or "personal" not in private:
+            return self.new_user_verifier(state, global_weights)
+        weights = backbone_weights(private["personal"])
         if self.sdk_method == "fedfs":
-            return VerifierSpec(self._personal_vnet, weights, None, shared_key=key)
+            return VerifierSpec(self._personal_vnet, weights, None)
         weights = {**weights, "uv_head.weight": global_weights["uv_head.weight"]}
-        return VerifierSpec(self._global_vnet, weights, state.codeword, shared_key=key)
+        return VerifierSpec(self._global_vnet, weights, state.codeword)
 
     def new_user_verifier(self, state: ClientState, global_weights: Weights) -> VerifierSpec:
         """A new user starts from the shipped global model: ``r'`` template for FedFS,
