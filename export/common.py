@@ -83,13 +83,25 @@ def sha256_tree(path: str | os.PathLike[str]) -> dict[str, str]:
     return {str(f.relative_to(p)): sha256_file(f) for f in sorted(p.rglob("*")) if f.is_file()}
 
 
-def load_for_export(path: str | os.PathLike[str]):
-    """``(FaceNet, meta)`` of a fedfs checkpoint, with errors that say what to fix.
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A checkpoint read once: the model built from exactly the bytes ``sha256`` hashes."""
 
+    model: Any           # FaceNet, eval mode
+    meta: dict[str, Any]
+    sha256: str
+    name: str
+
+
+def load_for_export(path: str | os.PathLike[str]) -> LoadedCheckpoint:
+    """A fedfs checkpoint for export, with errors that say what to fix.
+
+    The file is read once; the model is built from those bytes and ``sha256`` is their hash,
+    so what the manifest records is what was built even if the file changes meanwhile.
     :class:`CheckpointError` when the file is missing, is not a fedfs checkpoint, or its
     tensors do not fit the architecture its header declares.
     """
-    from fedfs_sdk.checkpoint import load_checkpoint
+    from fedfs_sdk.checkpoint import checkpoint_from_bytes
 
     p = Path(path)
     if not p.exists():
@@ -97,12 +109,11 @@ def load_for_export(path: str | os.PathLike[str]):
     if p.is_dir():
         raise CheckpointError(f"checkpoint must be a .safetensors file, got a folder: {p}")
     try:
-        model, meta = load_checkpoint(p)
-    except CheckpointError:
-        raise
-    except (ValueError, KeyError, TypeError) as e:  # header names an unknown backbone / bad JSON
-        raise CheckpointError(f"{p} cannot be rebuilt from its header: {e}") from e
-    return model.eval(), meta
+        data = p.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {p} cannot be read: {e}") from e
+    model, meta = checkpoint_from_bytes(data, p)
+    return LoadedCheckpoint(model.eval(), meta, hashlib.sha256(data).hexdigest(), p.name)
 
 
 def model_version(meta: dict[str, Any]) -> str:

@@ -35,7 +35,7 @@ def file_entries(root: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"sha256", "bytes"}}`` for every file below ``root`` but the manifest."""
     out: dict[str, dict[str, Any]] = {}
     for f in sorted(root.rglob("*")):
-        if f.is_file() and f.name != MANIFEST_NAME:
+        if f.is_file() and f != root / MANIFEST_NAME:
             out[f.relative_to(root).as_posix()] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
     return out
 
@@ -75,12 +75,23 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> Path:
 
 
 def verify_manifest(root: str | Path) -> list[str]:
-    """Files whose sha256 or size no longer match the manifest (missing ones included)."""
+    """Paths (relative to ``root``) that do not match the manifest: listed files whose sha256 or
+    size changed or that are missing, and anything present that the manifest does not list
+    (an extra file, link or other entry could be picked up by an app). Empty when the folder
+    is exactly what was exported."""
     root = Path(root)
     manifest = json.loads((root / MANIFEST_NAME).read_text())
+    listed = manifest["files"]
     bad = []
-    for rel, entry in manifest["files"].items():
+    for rel, entry in listed.items():
         f = root / rel
-        if not f.is_file() or f.stat().st_size != entry["bytes"] or sha256_file(f) != entry["sha256"]:
+        if (f.is_symlink() or not f.is_file() or f.stat().st_size != entry["bytes"]
+                or sha256_file(f) != entry["sha256"]):
             bad.append(rel)
-    return bad
+    for f in sorted(root.rglob("*")):
+        rel = f.relative_to(root).as_posix()
+        if f.is_dir() and not f.is_symlink():
+            continue
+        if rel != MANIFEST_NAME and rel not in listed:
+            bad.append(rel)
+    return sorted(bad)

@@ -118,6 +118,10 @@ def build_step(method: str, global_model: FaceNet, *, xi: nn.Module | None = Non
         raise ExportError(f"unknown method {method!r}; choose from {METHODS}")
     eff_lr = lr if lr is not None else DEFAULT_LR[method]
     eff_head_lr = head_lr if head_lr is not None else DEFAULT_HEAD_LR
+    if objective.lambda_neg > 0 and method == "fedfs+feduv":
+        raise ExportError(f"λ_neg (objective.lambda_neg={objective.lambda_neg:g}) is exported only for the feduv "
+                          "method: fedfs+feduv artifacts cannot train ℓ_neg; set lambda_neg to 0 or leave "
+                          "fedfs+feduv out (e.g. --methods feduv,fedfs)")
     if method == "feduv":
         if global_model.uv_head is None:
             raise ExportError("feduv artifacts need a checkpoint with a FedUV head (code_length)")
@@ -235,6 +239,13 @@ def export_training_artifacts(method: str, global_model: FaceNet, out_dir: str |
         "prefixes": {"global": PREFIX_GLOBAL, "personal": PREFIX_PERSONAL, "xi": PREFIX_XI},
         "trainable": {"global": keys(PREFIX_GLOBAL, trainable), "personal": keys(PREFIX_PERSONAL, trainable)},
         "frozen": {"xi": keys(PREFIX_XI, frozen)},
+        # every state-dict key (trained or not) and its shape: a device refuses weights that
+        # do not fit this model exactly (missing, unexpected or reshaped keys)
+        "state_shapes": {
+            "global": {k: list(t.shape) for k, t in global_model.state_dict().items()},
+            **({"personal": {k: list(t.shape) for k, t in global_model.state_dict().items()
+                             if not k.startswith("uv_head.")}} if uses_fedfs(method) else {}),
+        },
         "xi_sha256": xi_sha256 if uses_fedfs(method) else None,
         "param_scales": {f"{PREFIX_GLOBAL}uv_head.weight": scale} if scale != 1.0 else {},
         "optimizer": "sgd",

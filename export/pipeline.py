@@ -1,8 +1,10 @@
 """``run_export``: one checkpoint → a folder of phone artifacts + ``manifest.json``.
 
 Everything is validated before any work starts (formats, checkpoint, ξ, training
-methods, the output folder), then written into a hidden sibling folder and renamed onto
-``out`` only when complete: an interrupted or failed export leaves ``out`` as it was.
+methods, the output folder, inputs that replacing it would delete), then written into a
+hidden sibling folder and swapped with ``out`` only when complete (:func:`_publish`): an
+interrupted or failed export leaves ``out`` as it was. Input files are read once; the
+manifest hashes the bytes the export was built from.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any, Callable, Mapping
 from fedfs_sdk.errors import CheckpointError, InputError
 from fedfs_sdk.ort_device import artifact_subdir
 
-from .common import ExportError, load_for_export, model_version, sha256_file
+from .common import ExportError, load_for_export, model_version
 
 FORMATS = ("onnx", "onnx-int8", "coreml", "ort-training")
 """Export formats in the order they are produced."""
@@ -68,11 +70,37 @@ class ExportOptions:
     overwrite: bool = False
 
 
-def _check_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise InputError(f"--out {out} already exists and is not empty; pass --overwrite to replace it")
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _check_out(out: Path, overwrite: bool, inputs: Mapping[str, str | os.PathLike[str] | None]) -> Path:
+    """The resolved output folder, after refusing what publishing into it would break:
+    a file in its place, a non-empty folder without ``overwrite``, the current folder or one
+    of its ancestors, and a folder holding one of the ``inputs`` (``{flag: path}``), which
+    replacing it would delete."""
+    try:
+        target = out.resolve()
+        cwd = Path.cwd().resolve()
+    except (OSError, RuntimeError) as e:
+        raise ExportError(f"--out {out} cannot be resolved: {e}") from None
+    if _inside(cwd, target):
+        raise ExportError(f"--out {out} is the current folder or one of its parents; the export replaces "
+                          "--out as a whole, so name a new subfolder (e.g. --out phone-export)")
+    if target.exists() and not target.is_dir():
+        raise ExportError(f"--out {out} exists and is not a folder")
+    if target.is_dir():
+        outs = {target, Path(os.path.abspath(out))}
+        for flag, path in inputs.items():
+            if path is None:
+                continue
+            src = Path(path)
+            if any(_inside(s, o) for s in {Path(os.path.abspath(src)), src.resolve()} for o in outs):
+                raise ExportError(f"{flag} {path} is inside --out {out}; the export replaces --out as a whole "
+                                  "and would delete it: move the input or choose another --out")
+        if any(target.iterdir()) and not overwrite:
+            raise ExportError(f"--out {out} already exists and is not empty; pass --overwrite to replace it")
+    return target
 
 
 def _train_configs(methods: list[str], train: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -88,9 +116,70 @@ def _train_configs(methods: list[str], train: Mapping[str, Any] | None) -> dict[
     return out
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the directory entries ``a`` and ``b`` in one atomic step (Linux ``renameat2``
+    ``RENAME_EXCHANGE``, macOS ``renamex_np`` ``RENAME_SWAP``). False where the system or the
+    file system cannot; then nothing was changed."""
+    import ctypes
+    import errno
+    import sys
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if sys.platform.startswith("linux"):
+            fn = libc.renameat2
+            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+            args: tuple = (-100, os.fsencode(a), -100, os.fsencode(b), 2)   # AT_FDCWD, RENAME_EXCHANGE
+        elif sys.platform == "darwin":
+            fn = libc.renamex_np
+            fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint]
+            args = (os.fsencode(a), os.fsencode(b), 2)                        # RENAME_SWAP
+        else:
+            return False
+    except (OSError, AttributeError):   # no libc symbol (old glibc, other platforms)
+        return False
+    fn.restype = ctypes.c_int
+    if fn(*args) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False                     # not supported here: fall back to two renames
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _sync(path: Path) -> None:
+    """fsync ``path`` (file or folder) where the platform allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if path.is_dir() else os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _publish(tmp: Path, out: Path) -> None:
-    """Move the finished ``tmp`` folder onto ``out``; the old ``out`` is removed only after."""
-    if out.exists():
+    """Put the finished ``tmp`` folder at ``out``, replacing an existing ``out``.
+
+    Everything is flushed to disk first, then the two folders are exchanged in one atomic
+    step where the system can (:func:`_exchange`), so ``out`` is at every moment either the
+    complete old export or the complete new one. Elsewhere ``out`` is moved to a hidden
+    sibling ``.NAME.old-*``, ``tmp`` renamed onto ``out`` and the old one put back if that
+    fails; a crash between those two renames leaves the old export in ``.NAME.old-*``. The
+    old export is deleted only once the new one is in place.
+    """
+    for f in sorted(tmp.rglob("*"), reverse=True):     # files before the folders holding them
+        if not f.is_symlink():
+            _sync(f)
+    _sync(tmp)
+    if out.exists() or out.is_symlink():
+        if _exchange(tmp, out):
+            _sync(out.parent)
+            shutil.rmtree(tmp, ignore_errors=True)     # tmp now holds the old export
+            return
         backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
         backup.rmdir()
         os.replace(out, backup)
@@ -99,9 +188,11 @@ def _publish(tmp: Path, out: Path) -> None:
         except BaseException:
             os.replace(backup, out)
             raise
+        _sync(out.parent)
         shutil.rmtree(backup, ignore_errors=True)
     else:
         os.replace(tmp, out)
+        _sync(out.parent)
 
 
 def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], options: ExportOptions,
@@ -111,24 +202,25 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
     from .ort_training import supported_methods
 
     step = progress or (lambda _msg: None)
-    out = Path(out)
     formats = parse_formats(options.formats)
-    _check_out(out, options.overwrite)
+    out = _check_out(Path(out), options.overwrite, {"--checkpoint": checkpoint, "--xi": options.xi,
+                                                     "--calibration": options.calibration})
     bad_prec = [p for p in options.coreml_precisions if p not in ("fp16", "fp32")]
     if "coreml" in formats and (bad_prec or not options.coreml_precisions):
         raise InputError(f"Core ML precisions must be fp16 and/or fp32, got {list(options.coreml_precisions)}")
     if options.calibration is not None and not Path(options.calibration).is_dir():
         raise InputError(f"calibration folder not found: {options.calibration}")
     step("loading checkpoint")
-    model, meta = load_for_export(checkpoint)
-    xi = None
-    if options.xi is not None:
-        xi, _ = load_for_export(options.xi)
-    from fedfs_sdk.checkpoint import model_id_of
+    # each input file is read once: what is built and what the manifest hashes are the same bytes
+    source_ckpt = load_for_export(checkpoint)
+    model, meta = source_ckpt.model, source_ckpt.meta
+    xi_ckpt = load_for_export(options.xi) if options.xi is not None else None
+    xi = xi_ckpt.model if xi_ckpt is not None else None
+    from fedfs_sdk.checkpoint import verified_model_id
     from fedfs_sdk.model import VerifierNet
 
     verifier = VerifierNet(model.backbone, model.uv_head).eval()
-    mid = meta.get("model_id") or model_id_of({k: v for k, v in model.state_dict().items() if not k.startswith("proj.")})
+    mid = verified_model_id(model, meta, checkpoint)   # a model_id in meta must match the weights
     version = model_version(meta)
     methods: list[str] = []
     train_cfgs: dict[str, Any] = {}
@@ -188,7 +280,7 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
                     calib, src = synthetic_calibration(s), "SynthFaces"
                 (tmp / INT8_FILE).parent.mkdir(parents=True, exist_ok=True)
                 info = quantize_int8(fp32_path, tmp / INT8_FILE, calib, calibration_source=src)
-                entry = {"file": INT8_FILE, "model_id": mid + "-int8", "precision": "int8", **info,
+                entry = {"file": INT8_FILE, "precision": "int8", **info,
                          "bytes_fp32": fp32_path.stat().st_size, "bytes_int8": (tmp / INT8_FILE).stat().st_size}
                 if options.evaluate_int8:
                     imgs, labels = synthetic_eval_set(s)
@@ -228,17 +320,16 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
                     m, model, tmp / rel, xi=xi, objective=cfg.objective, lr=cfg.effective_lr,
                     head_lr=cfg.head_lr, local_epochs=cfg.effective_epochs, batch_size=cfg.batch_size,
                     model_id=mid, model_version=version,
-                    xi_sha256=sha256_file(options.xi) if options.xi is not None else None)
+                    xi_sha256=xi_ckpt.sha256 if xi_ckpt is not None else None)
                 per_method[m] = {"folder": rel, "inputs": info["inputs"], "outputs": info["outputs"],
                                  "lr": info["lr"], "head_lr": info["head_lr"], "local_epochs": info["local_epochs"],
                                  "batch_size": info["batch_size"], "soft_labels": info["soft_labels"]}
             artifacts["ort-training"] = {"methods": per_method, "runtime": "onnxruntime-training 1.19.2 C API "
                                          "(fedfs_sdk.ort_device.OrtDeviceTrainer)"}
         step("manifest")
-        ckpt = Path(checkpoint)
-        source = {"file": ckpt.name, "sha256": sha256_file(ckpt), "meta": meta}
-        if options.xi is not None:
-            source["xi"] = {"file": Path(options.xi).name, "sha256": sha256_file(options.xi)}
+        source = {"file": source_ckpt.name, "sha256": source_ckpt.sha256, "meta": meta}
+        if xi_ckpt is not None:
+            source["xi"] = {"file": xi_ckpt.name, "sha256": xi_ckpt.sha256}
         cfg = model.config
         model_info = {"backbone": cfg.backbone, "input_size": int(cfg.input_size),
                       "embedding_dim": int(cfg.embedding_dim), "code_length": int(cfg.code_length or 0),

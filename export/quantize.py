@@ -14,10 +14,14 @@ Two choices, both measured (``docs/export.md``):
   at run time, so an image's embedding would depend on the other images batched with it,
   and ORT's CPU ``ConvInteger`` has no int8-weight kernel.
 
-The int8 model gets its own ``model_id`` (``<fp32 id>-int8``): thresholds never carry over.
+The int8 model gets its own ``model_id``, ``<fp32 id>-int8-<16 hex>``: the suffix is the
+sha256 of what the int8 graph computes with (every initializer — int8 weights, scales, zero
+points — and every node), the way the fp32 id hashes the fp32 weights. Two quantizations
+of one model with different calibration images get different ids; thresholds never carry over.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -54,6 +58,26 @@ def folder_calibration(folder: str | os.PathLike[str], input_size: int, limit: i
 
     files = list_images(folder)[:limit]
     return preprocess([str(f) for f in files], input_size)
+
+
+def int8_model_id(model: onnx.ModelProto, fp32_id: str) -> str:
+    """``<fp32_id>-int8-<16 hex>``: the hex is the sha256 of the quantized graph's initializers
+    (name, dtype, shape, bytes — sorted by name, as :func:`fedfs_sdk.checkpoint.model_id_of`
+    hashes weights) and nodes (op, inputs, outputs, attributes); metadata is not hashed."""
+    from onnx import numpy_helper
+
+    h = hashlib.sha256()
+    for init in sorted(model.graph.initializer, key=lambda t: t.name):
+        arr = np.ascontiguousarray(numpy_helper.to_array(init))
+        h.update(init.name.encode())
+        h.update(str(arr.dtype).encode())
+        h.update(str(tuple(arr.shape)).encode())
+        h.update(arr.tobytes())
+    for node in model.graph.node:
+        h.update(f"{node.domain}:{node.op_type}({','.join(node.input)})->({','.join(node.output)})".encode())
+        for attr in sorted(node.attribute, key=lambda a: a.name):
+            h.update(attr.SerializeToString(deterministic=True))
+    return f"{fp32_id}{INT8_SUFFIX}-{h.hexdigest()[:16]}"
 
 
 def _first_conv(model: onnx.ModelProto) -> str | None:
@@ -95,11 +119,11 @@ def quantize_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str], cali
         model = onnx.load(str(out))
     description = ("static QDQ: per-channel int8 Conv weights, uint8 activations (MinMax calibration on "
                    f"{len(calib)} {calibration_source} images); first Conv and all non-Conv ops in fp32")
-    set_metadata(model, {**meta, "fedfs.precision": "int8",
-                         "fedfs.model_id": meta["fedfs.model_id"] + INT8_SUFFIX,
+    model_id = int8_model_id(model, meta["fedfs.model_id"])
+    set_metadata(model, {**meta, "fedfs.precision": "int8", "fedfs.model_id": model_id,
                          "fedfs.quantization": description})
     onnx.save(model, str(dst))
-    return {"method": "static-qdq", "calibration_images": int(len(calib)),
+    return {"model_id": model_id, "method": "static-qdq", "calibration_images": int(len(calib)),
             "calibration_source": calibration_source, "excluded_nodes": [first] if first else [],
             "description": description}
 

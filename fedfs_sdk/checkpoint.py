@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .errors import CheckpointError
-from .fileio import atomic_write_bytes  # noqa: F401  (re-exported)
+from .fileio import atomic_write_bytes, fsync_directory, fsync_file  # noqa: F401  (atomic_write_bytes re-exported)
 from .model import FaceNet, ModelConfig
 
 FORMAT = "fedfs-checkpoint/1"
@@ -24,18 +24,21 @@ FORMAT = "fedfs-checkpoint/1"
 
 def write_safetensors_atomic(path: str | os.PathLike[str], tensors: dict[str, torch.Tensor],
                              metadata: dict[str, str]) -> Path:
-    """Write ``tensors`` + string ``metadata`` to ``path`` via a temporary file and a rename,
-    so a crash leaves either the old file or the new one, never half of one."""
+    """Write ``tensors`` + string ``metadata`` to ``path`` via a temporary file, ``fsync`` and a
+    rename (then ``fsync`` of the folder where supported), so a crash — power loss included —
+    leaves either the old file or the new one, never half of one."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata=metadata)
+        fsync_file(tmp)
         os.replace(tmp, p)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_directory(p.parent)
     return p
 
 
@@ -84,6 +87,50 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[FaceNet, dict[str, An
     return model.eval(), meta
 
 
+def checkpoint_from_bytes(data: bytes, name: str | os.PathLike[str] = "<bytes>") -> tuple[FaceNet, dict[str, Any]]:
+    """:func:`load_checkpoint` of a checkpoint file's bytes (``name`` only labels errors).
+
+    Lets a caller hash exactly the bytes it builds from (read the file once)."""
+    from safetensors.torch import load as load_bytes
+
+    from .errors import InputError
+    from .wire_format import read_header
+
+    try:
+        _, header = read_header(data)
+        state = load_bytes(bytes(data))
+    except (InputError, SafetensorError, ValueError) as e:
+        raise CheckpointError(f"not a readable fedfs checkpoint: {name} ({e})") from e
+    if header.get("format") != FORMAT:
+        raise CheckpointError(f"{name} is not a fedfs checkpoint (format={header.get('format')!r})")
+    try:
+        config = ModelConfig.from_json(header["model_config"])
+        meta = json.loads(header.get("meta", "{}"))
+        model = FaceNet(config)
+    except (KeyError, ValueError, TypeError) as e:   # unknown backbone, bad JSON
+        raise CheckpointError(f"{name} cannot be rebuilt from its header: {e}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{name}: checkpoint meta must be a JSON object")
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"checkpoint {name} does not match its own architecture: {e}") from e
+    return model.eval(), meta
+
+
+def verified_model_id(model: FaceNet, meta: dict[str, Any], name: str | os.PathLike[str] = "checkpoint") -> str:
+    """The model id of ``model``'s verifier weights (everything but ``proj.*``), computed from the
+    weights. A ``model_id`` recorded in the checkpoint's ``meta`` is never trusted on its own:
+    :class:`CheckpointError` if it differs from the weights' id (an enrollment bound to it would
+    otherwise carry over to other weights)."""
+    mid = model_id_of({k: v for k, v in model.state_dict().items() if not k.startswith("proj.")})
+    recorded = meta.get("model_id")
+    if recorded is not None and recorded != mid:
+        raise CheckpointError(f"{name} records model_id {recorded!r} but its weights hash to {mid!r} "
+                              "(tampered or mislabelled checkpoint)")
+    return mid
+
+
 def model_id_of(state: dict[str, torch.Tensor]) -> str:
     """Content hash of a set of weights: enrollments and thresholds are bound to it."""
     import hashlib
@@ -118,6 +165,5 @@ def load_verifier(path: str | os.PathLike[str]):
     from .model import VerifierNet
 
     model, meta = load_checkpoint(path)
-    mid = meta.get("model_id") or model_id_of({k: v for k, v in model.state_dict().items()
-                                               if not k.startswith("proj.")})
+    mid = verified_model_id(model, meta, path)
     return VerifierNet(model.backbone, model.uv_head).eval(), mid

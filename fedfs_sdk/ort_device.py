@@ -126,6 +126,12 @@ class OrtDeviceTrainer:
             raise InputError(f"need local_epochs ≥ 1 and batch_size ≥ {info['min_batch']}, got "
                              f"{self.local_epochs} and {self.batch_size}")
         self._prefix = info["prefixes"]
+        shapes = info.get("state_shapes")
+        roles = ("global", "personal") if self.artifact.uses_soft_labels else ("global",)
+        if not isinstance(shapes, dict) or not all(isinstance(shapes.get(r), dict) for r in roles):
+            raise CheckpointError(f"{self.artifact.path / 'artifact.json'} lacks the model's state_shapes "
+                                  "(exported by an older fedfs): re-export the artifacts")
+        self._shapes: dict[str, dict[str, list[int]]] = {r: shapes[r] for r in roles}
         self._scales = {k: float(v) for k, v in info.get("param_scales", {}).items()}
         self._inputs: list[str] = list(info["inputs"])
         self._outputs: list[str] = list(info["outputs"])
@@ -158,21 +164,39 @@ class OrtDeviceTrainer:
         self._state.copy_parameter_from(name, self._ortvalue.ortvalue_from_numpy(
             np.ascontiguousarray(value, dtype=np.float32))._ortvalue)
 
-    def _load(self, role: str, weights: Mapping[str, Any], what: str) -> None:
-        prefix = self._prefix[role]
-        arrays: dict[str, np.ndarray] = {}
-        for key in self.artifact.info["trainable"][role]:       # validate everything first …
-            if key not in weights:
-                raise InputError(f"{what} lack {key!r} (the {self.method} artifact trains it)")
-            arr = np.asarray(weights[key], dtype=np.float32)
-            want = self._param(prefix + key).shape
-            if arr.shape != want:
+    def _checked(self, role: str, weights: Mapping[str, Any], what: str) -> Weights:
+        """``weights`` as float32 arrays after checking them against the model the artifact was
+        exported for: exactly its state-dict keys (missing and unexpected ones named), each
+        key's shape, finite values. Nothing is written here."""
+        expected: dict[str, list[int]] = self._shapes[role]
+        if not isinstance(weights, Mapping):
+            raise InputError(f"{what} must be a mapping of state-dict keys to arrays, got {type(weights).__name__}")
+        missing = sorted(set(expected) - set(weights))
+        unexpected = sorted(str(k) for k in set(weights) - set(expected))
+        if missing or unexpected:
+            def listed(keys: list[str]) -> str:
+                return repr(keys[:8]) + (f" and {len(keys) - 8} more" if len(keys) > 8 else "")
+            parts = ([f"missing {listed(missing)}"] if missing else []) + \
+                    ([f"unexpected {listed(unexpected)}"] if unexpected else [])
+            raise InputError(f"{what} do not fit the {self.method} artifact's model: {'; '.join(parts)}")
+        out: Weights = {}
+        for key, want in expected.items():
+            try:
+                arr = np.asarray(weights[key], dtype=np.float32)
+            except (TypeError, ValueError) as e:
+                raise InputError(f"{what}: {key} is not a numeric array ({e})") from None
+            if list(arr.shape) != list(want):
                 raise InputError(f"{what}: {key} has shape {list(arr.shape)}, the artifact expects {list(want)}")
             if not np.isfinite(arr).all():
                 raise InputError(f"{what}: {key} contains NaN or Inf")
-            arrays[prefix + key] = arr
-        for name, arr in arrays.items():                          # … then change the state
-            self._set_param(name, arr / self._scales.get(name, 1.0))
+            out[key] = arr
+        return out
+
+    def _write(self, role: str, weights: Weights) -> None:
+        prefix = self._prefix[role]
+        for key in self.artifact.info["trainable"][role]:
+            name = prefix + key
+            self._set_param(name, weights[key] / self._scales.get(name, 1.0))
 
     def _read(self, role: str, base: Mapping[str, Any]) -> Weights:
         prefix = self._prefix[role]
@@ -183,14 +207,19 @@ class OrtDeviceTrainer:
         return out
 
     def load_weights(self, global_weights: Mapping[str, Any], personal_weights: Mapping[str, Any] | None = None) -> None:
-        """Put ``w`` (and ``θ_c``; from ``w`` without the head when None) into the training state."""
-        self._global_base = {k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()}
-        self._load("global", global_weights, "global weights")
+        """Put ``w`` (and ``θ_c``; from ``w`` without the head when None) into the training state.
+
+        Both are checked in full first (:meth:`_checked`); on bad input nothing changes."""
+        g = self._checked("global", global_weights, "global weights")
+        personal = None
         if self.artifact.uses_soft_labels:
             src = personal_weights if personal_weights is not None else {
-                k: v for k, v in global_weights.items() if not k.startswith("uv_head.")}
-            self._personal_base = {k: np.asarray(v, dtype=np.float32) for k, v in src.items()}
-            self._load("personal", src, "personalized weights")
+                k: v for k, v in g.items() if not k.startswith("uv_head.")}
+            personal = self._checked("personal", src, "personalized weights")
+        self._write("global", g)
+        if personal is not None:
+            self._write("personal", personal)
+        self._global_base, self._personal_base = g, personal
 
     def global_weights(self) -> Weights:
         """``w_c``: all keys of the server's model; the ones this method trains, updated."""
@@ -265,9 +294,18 @@ class OrtDeviceTrainer:
             return None
         if neg_codewords is None:
             raise InputError("this artifact was exported with λ_neg > 0 and needs neg_codewords [U, c]")
-        n = np.asarray(neg_codewords, dtype=np.float32)
+        try:
+            n = np.asarray(neg_codewords, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise InputError(f"neg_codewords must be a numeric [U, {self.artifact.code_length}] array ({e})") from None
         if n.ndim != 2 or n.shape[1] != self.artifact.code_length or n.shape[0] < 1:
             raise InputError(f"neg_codewords must have shape [U, {self.artifact.code_length}], got {list(n.shape)}")
+        bad = ~np.isin(n, (-1.0, 1.0))
+        if bad.any():
+            rows = sorted({int(r) for r in np.nonzero(bad)[0]})
+            kind = "NaN or Inf" if not np.isfinite(n).all() else "values other than ±1"
+            raise InputError(f"neg_codewords must be ±1 codewords: row(s) {rows[:8]} contain {kind} "
+                             f"(e.g. {n[bad][0]!r})")
         return n
 
     def train(self, global_weights: Mapping[str, Any], images: np.ndarray, *,

@@ -7,8 +7,10 @@ by > 1e-3 — so the comparison is not vacuous.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,13 +176,20 @@ def test_graph_soft_labels_equal_torch_soft_labels() -> None:
                                        adaptive_soft_labels(z, v, top_k, cfg.gamma, score), atol=1e-6, rtol=1e-6)
 
 
-def test_feduv_negative_term_trains_on_device() -> None:
-    """ℓ_neg (FedUV Eq. 4) exports too: its max is a gather at argmax (ReduceMax has no ORT gradient)."""
+@functools.lru_cache(maxsize=None)
+def _feduv_neg_artifact() -> tuple[Path, dict]:
+    """feduv artifacts exported with λ_neg = 0.5 (ℓ_neg, neg_codewords input)."""
     model = FaceNet(TINY)
     model.load_state_dict(tiny_weights())
     art = TMP / "feduv-neg"
-    obj = ObjectiveConfig(lambda_neg=0.5)
-    info = export_training_artifacts("feduv", model, art, objective=obj, lr=LR, local_epochs=2, batch_size=16)
+    info = export_training_artifacts("feduv", model, art, objective=ObjectiveConfig(lambda_neg=0.5), lr=LR,
+                                     local_epochs=2, batch_size=16)
+    return art, info
+
+
+def test_feduv_negative_term_trains_on_device() -> None:
+    """ℓ_neg (FedUV Eq. 4) exports too: its max is a gather at argmax (ReduceMax has no ORT gradient)."""
+    art, info = _feduv_neg_artifact()
     assert info["inputs"] == ["x", "codeword", "neg_codewords"]
     x, _ = faces(1, 6, seed=8)
     neg = random_codewords(5, 127, np.random.default_rng(1))
@@ -203,7 +212,7 @@ def test_device_trainer_rejects_bad_input(tmp_path) -> None:
         dev.train(w, x)
     with pytest.raises(InputError, match="±1 vector of length 127"):
         dev.train(w, x, codeword=np.ones(64))
-    with pytest.raises(InputError, match="lack 'backbone.embed.weight'"):
+    with pytest.raises(InputError, match=r"global weights do not fit .*missing \['backbone.embed.weight'\]"):
         dev.train({k: v for k, v in w.items() if k != "backbone.embed.weight"}, x, codeword=CODEWORD)
     with pytest.raises(InputError, match="shape"):
         dev.train({**w, "proj.weight": np.zeros((3, 3), np.float32)}, x, codeword=CODEWORD)
@@ -242,3 +251,54 @@ def test_mobilefacenet_trains_on_device_like_torch() -> None:
     assert size > 1e-4
     assert (err / size) ** 0.5 <= 2e-2
     assert got.metrics["loss_first"] == pytest.approx(ref.metrics["loss_first"], rel=1e-5)
+
+
+def test_device_trainer_checks_every_key_before_writing() -> None:
+    """Weights must be exactly the exported model's state dict — untrained keys included
+    (feduv does not train proj.*) — with its shapes and finite values; a refused call leaves
+    the trainer's weights as they were."""
+    out, _ = full_export()
+    dev = OrtDeviceTrainer(out / "ort-training" / "feduv")
+    w = _np(tiny_weights())
+    dev.load_weights(w)
+    before = dev.global_weights()
+    bad_cases = {
+        "unexpected \\['extra.weight'\\]": {**w, "extra.weight": np.zeros(3, np.float32)},
+        "missing \\['proj.weight'\\]": {k: v for k, v in w.items() if k != "proj.weight"},
+        "missing \\['proj.weight'\\]; unexpected \\['proj.w'\\]":
+            {**{k: v for k, v in w.items() if k != "proj.weight"}, "proj.w": w["proj.weight"]},
+        "proj.weight has shape \\[3, 3\\]": {**w, "proj.weight": np.zeros((3, 3), np.float32)},
+        "proj.weight contains NaN or Inf": {**w, "proj.weight": np.full_like(w["proj.weight"], np.nan)},
+        "uv_head.weight contains NaN": {**w, "uv_head.weight": np.where(np.eye(*w["uv_head.weight"].shape) > 0,
+                                                                         np.inf, w["uv_head.weight"])},
+    }
+    for pattern, weights in bad_cases.items():
+        with pytest.raises(InputError, match=pattern):
+            dev.load_weights({k: v + 1 if k.startswith("backbone.") else v for k, v in weights.items()})
+        after = dev.global_weights()
+        assert set(after) == set(before) and all(np.array_equal(after[k], before[k]) for k in before)
+        np.testing.assert_array_equal(dev._param("global_model.backbone.embed.weight"),
+                                      before["backbone.embed.weight"])
+    fedfs = OrtDeviceTrainer(out / "ort-training" / "fedfs")
+    personal = {k: v for k, v in w.items() if not k.startswith("uv_head.")}
+    with pytest.raises(InputError, match=r"personalized weights do not fit .*unexpected \['uv_head.weight'\]"):
+        fedfs.load_weights(w, {**personal, "uv_head.weight": w["uv_head.weight"]})
+    with pytest.raises(InputError, match="no weights loaded yet"):
+        fedfs.global_weights()                        # the refused call stored nothing
+
+
+def test_neg_codewords_must_be_pm1_codewords() -> None:
+    art, _ = _feduv_neg_artifact()
+    dev = OrtDeviceTrainer(art)
+    x, _ = faces(1, 3, seed=8)
+    neg = random_codewords(3, 127, np.random.default_rng(1)).astype(np.float32)
+    half = neg.copy()
+    half[1, :5] = 0.5
+    with pytest.raises(InputError, match=r"±1 codewords: row\(s\) \[1\] contain values other than ±1"):
+        dev.train(_np(tiny_weights()), x, codeword=CODEWORD, neg_codewords=half)
+    nan = neg.copy()
+    nan[2, 0] = np.nan
+    with pytest.raises(InputError, match=r"row\(s\) \[2\] contain NaN or Inf"):
+        dev.train(_np(tiny_weights()), x, codeword=CODEWORD, neg_codewords=nan)
+    with pytest.raises(InputError, match="numeric"):
+        dev.train(_np(tiny_weights()), x, codeword=CODEWORD, neg_codewords=[["a"] * 127])
