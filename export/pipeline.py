@@ -149,16 +149,12 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def _sync(path: Path) -> None:
     """fsync ``path`` (file or folder) where the platform allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) if path.is_dir() else os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    from fedfs_sdk.fileio import fsync_directory, fsync_file
+
+    if path.is_dir():
+        fsync_directory(path)
+    else:
+        fsync_file(path)
 
 
 def _publish(tmp: Path, out: Path) -> None:
