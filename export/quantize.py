@@ -21,7 +21,6 @@ of one model with different calibration images get different ids; thresholds nev
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -61,23 +60,12 @@ def folder_calibration(folder: str | os.PathLike[str], input_size: int, limit: i
 
 
 def int8_model_id(model: onnx.ModelProto, fp32_id: str) -> str:
-    """``<fp32_id>-int8-<16 hex>``: the hex is the sha256 of the quantized graph's initializers
-    (name, dtype, shape, bytes — sorted by name, as :func:`fedfs_sdk.checkpoint.model_id_of`
-    hashes weights) and nodes (op, inputs, outputs, attributes); metadata is not hashed."""
-    from onnx import numpy_helper
+    """``<fp32_id>-int8-<16 hex>``: the hex is :func:`fedfs_sdk.onnx_backend.graph_digest` of the
+    quantized graph (initializers and nodes; metadata is not hashed), which
+    :class:`~fedfs_sdk.onnx_backend.OnnxBackend` recomputes on load."""
+    from fedfs_sdk.onnx_backend import graph_digest
 
-    h = hashlib.sha256()
-    for init in sorted(model.graph.initializer, key=lambda t: t.name):
-        arr = np.ascontiguousarray(numpy_helper.to_array(init))
-        h.update(init.name.encode())
-        h.update(str(arr.dtype).encode())
-        h.update(str(tuple(arr.shape)).encode())
-        h.update(arr.tobytes())
-    for node in model.graph.node:
-        h.update(f"{node.domain}:{node.op_type}({','.join(node.input)})->({','.join(node.output)})".encode())
-        for attr in sorted(node.attribute, key=lambda a: a.name):
-            h.update(attr.SerializeToString(deterministic=True))
-    return f"{fp32_id}{INT8_SUFFIX}-{h.hexdigest()[:16]}"
+    return f"{fp32_id}{INT8_SUFFIX}-{graph_digest(model)}"
 
 
 def _first_conv(model: onnx.ModelProto) -> str | None:

@@ -61,6 +61,44 @@ def weights_id(weights: Mapping[str, np.ndarray]) -> str:
     return h.hexdigest()[:16]
 
 
+def graph_digest(model) -> str:
+    """16 hex of the sha256 of an ONNX graph's initializers (name, dtype, shape, bytes, sorted
+    by name) and nodes (op, inputs, outputs, attributes); metadata is not hashed. The int8
+    model id is ``<fp32 id>-int8-<graph_digest>`` (quantization rewrites the weights, so the
+    fp32 weights id no longer applies)."""
+    from onnx import numpy_helper
+
+    h = hashlib.sha256()
+    for init in sorted(model.graph.initializer, key=lambda t: t.name):
+        arr = np.ascontiguousarray(numpy_helper.to_array(init))
+        h.update(init.name.encode())
+        h.update(str(arr.dtype).encode())
+        h.update(str(tuple(arr.shape)).encode())
+        h.update(arr.tobytes())
+    for node in model.graph.node:
+        h.update(f"{node.domain}:{node.op_type}({','.join(node.input)})->({','.join(node.output)})".encode())
+        for attr in sorted(node.attribute, key=lambda a: a.name):
+            h.update(attr.SerializeToString(deterministic=True))
+    return h.hexdigest()[:16]
+
+
+def content_model_id(model) -> str | None:
+    """The model id an ONNX verifier's *content* implies: :func:`weights_id` of its parameters
+    for fp32, the ``-int8-<graph_digest>`` suffix for int8 (None when the file declares
+    neither). Enrollments and thresholds are bound to the id, so it is recomputed rather than
+    read from the (editable) metadata."""
+    from onnx import numpy_helper
+
+    meta = {p.key: p.value for p in model.metadata_props}
+    precision = meta.get("fedfs.precision", "fp32")
+    if precision == "int8":
+        return f"-int8-{graph_digest(model)}"
+    if precision == "fp32":
+        return weights_id({i.name: numpy_helper.to_array(i) for i in model.graph.initializer
+                           if i.name.startswith(PARAM_PREFIXES)})
+    return None
+
+
 def session_options(intra_op_threads: int | None = None):
     """``SessionOptions`` with all graph optimizations; ``intra_op_threads`` pins the
     thread count (1 = the single-core figure a benchmark reports)."""
@@ -135,6 +173,8 @@ class OnnxBackend:
         override_id = None
         if weights:
             source, override_id = with_weights(p, weights)
+        else:
+            source = self._checked_bytes(p)
         try:
             self.session = ort.InferenceSession(source, sess_options=session_options(intra_op_threads),
                                                 providers=providers or ["CPUExecutionProvider"])
@@ -169,6 +209,25 @@ class OnnxBackend:
         if missing:
             raise CheckpointError(f"{p} metadata lists outputs {missing} that the graph does not have")
         self.batch_size = int(batch_size)
+
+    @staticmethod
+    def _checked_bytes(p: Path) -> bytes:
+        """The file's bytes, after checking that its recorded ``fedfs.model_id`` is the one its
+        weights imply (a file whose weights were changed must not inherit enrollments)."""
+        import onnx
+
+        data = p.read_bytes()
+        try:
+            model = onnx.load_from_string(data)
+        except Exception as e:  # DecodeError and friends
+            raise CheckpointError(f"cannot load {p}: not a readable ONNX model ({e})") from e
+        recorded = next((q.value for q in model.metadata_props if q.key == "fedfs.model_id"), None)
+        implied = content_model_id(model)
+        if recorded is not None and implied is not None and not (
+                recorded == implied or (implied.startswith("-int8-") and recorded.endswith(implied))):
+            raise CheckpointError(f"{p} records fedfs.model_id {recorded!r} but its weights imply "
+                                  f"{implied.lstrip('-')!r} (tampered or mislabelled model)")
+        return data
 
     @property
     def embedding_dim(self) -> int:

@@ -26,7 +26,7 @@ def _verifier(cfg: ModelConfig, seed: int = 0) -> VerifierNet:
                          ids=["tiny", "mobilefacenet"])
 def test_onnx_fp32_matches_torch(cfg: ModelConfig) -> None:
     v = _verifier(cfg)
-    path = export_onnx(v, TMP / f"parity-{cfg.backbone}.onnx", model_id="m1")
+    path = export_onnx(v, TMP / f"parity-{cfg.backbone}.onnx")
     s = v.input_size
     batch = np.random.default_rng(1).uniform(-1, 1, size=(3, 3, s, s)).astype(np.float32)
     diff = onnx_vs_torch(v, path, batch)
@@ -39,14 +39,15 @@ def test_onnx_fp32_matches_torch(cfg: ModelConfig) -> None:
 
 def test_dynamic_batch_and_metadata_contract() -> None:
     v = _verifier(ModelConfig("tiny", code_length=127), seed=3)
-    path = export_onnx(v, TMP / "meta.onnx", model_id="abc123", model_version="7")
+    path = export_onnx(v, TMP / "meta.onnx", model_version="7")
     meta = read_metadata(path)
     assert meta["fedfs.input_normalization"] == "(x - 127.5) / 127.5"
     assert (meta["fedfs.input_layout"], meta["fedfs.input_dtype"], meta["fedfs.input_color"]) == ("NCHW", "float32", "RGB")
     assert (meta["fedfs.embedding_dim"], meta["fedfs.code_length"], meta["fedfs.input_size"]) == ("64", "127", "32")
-    assert (meta["fedfs.model_id"], meta["fedfs.model_version"]) == ("abc123", "7")
+    mid = model_id_of(v.state_dict())
+    assert (meta["fedfs.model_id"], meta["fedfs.model_version"]) == (mid, "7")
     b = OnnxBackend(path)
-    assert (b.input_size, b.model_id, b.outputs) == (32, "abc123", ("embedding", "uv"))
+    assert (b.input_size, b.model_id, b.outputs) == (32, mid, ("embedding", "uv"))
     x, _ = faces(2, 3)
     one = b.run(x[:1])
     five = b.run(x[:5])
@@ -59,7 +60,7 @@ def test_weights_override_is_a_personalized_verifier() -> None:
     """A device swaps its own θ_c into the exported graph: same numbers as torch with θ_c,
     and the model id is the checkpoint hash of those weights."""
     base = _verifier(ModelConfig("tiny", code_length=127), seed=4)
-    path = export_onnx(base, TMP / "override.onnx", model_id="base")
+    path = export_onnx(base, TMP / "override.onnx")
     personal = _verifier(ModelConfig("tiny", code_length=127), seed=5)
     weights = {k: t.detach().numpy() for k, t in personal.state_dict().items()}
     b = OnnxBackend(path, weights=weights)
@@ -68,7 +69,7 @@ def test_weights_override_is_a_personalized_verifier() -> None:
         ref = personal(torch.from_numpy(x))
     np.testing.assert_allclose(b.run(x)["embedding"], ref[0].numpy(), atol=1e-4)
     assert b.model_id == weights_id(weights) == model_id_of(personal.state_dict())
-    assert b.model_id != "base"
+    assert b.model_id != model_id_of(base.state_dict())
     with pytest.raises(InputError, match="not parameters"):
         OnnxBackend(path, weights={"proj.weight": np.zeros((32, 64), np.float32)})
     with pytest.raises(InputError, match="shape"):
@@ -88,9 +89,44 @@ def test_backend_refuses_what_it_cannot_run(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="not a fedfs ONNX verifier"):
         OnnxBackend(plain)
     v = _verifier(ModelConfig("tiny"), seed=6)
-    b = OnnxBackend(export_onnx(v, tmp_path / "v.onnx", model_id="x"))
+    b = OnnxBackend(export_onnx(v, tmp_path / "v.onnx"))
     assert b.outputs == ("embedding",)
     with pytest.raises(InputError, match=r"shape \[N, 3, 32, 32\]"):
         b.run(np.zeros((1, 3, 16, 16), np.float32))
     with pytest.raises(InputError, match="float32"):
         b.run(np.zeros((1, 3, 32, 32), np.float64))
+
+
+def test_backend_recomputes_the_model_id_from_the_weights(tmp_path) -> None:
+    """Enrollments are bound to the model id: a file whose weights changed while its
+    metadata kept the old id is refused (fp32 and int8), and export refuses a wrong id."""
+    from onnx import numpy_helper
+
+    from export.quantize import quantize_int8
+
+    v = _verifier(ModelConfig("tiny", code_length=127), seed=7)
+    path = export_onnx(v, tmp_path / "v.onnx")
+    assert OnnxBackend(path).model_id == model_id_of(v.state_dict())
+    with pytest.raises(InputError, match="not the id of the verifier's weights"):
+        export_onnx(v, tmp_path / "w.onnx", model_id="0123456789abcdef")
+
+    def tamper(src, dst, pick):
+        model = onnx.load(str(src))
+        init = next(i for i in model.graph.initializer if pick(i))
+        arr = numpy_helper.to_array(init).copy()
+        arr.flat[0] = arr.flat[0] + 1 if arr.dtype.kind == "f" else arr.flat[0] ^ 1
+        init.CopyFrom(numpy_helper.from_array(arr, init.name))
+        onnx.save(model, str(dst))
+        return dst
+
+    bad = tamper(path, tmp_path / "bad.onnx", lambda i: i.name.startswith("backbone."))
+    with pytest.raises(CheckpointError, match="tampered or mislabelled"):
+        OnnxBackend(bad)
+
+    x, _ = faces(1, 8)
+    int8 = tmp_path / "v.int8.onnx"
+    quantize_int8(path, int8, x)
+    assert OnnxBackend(int8).model_id == read_metadata(int8)["fedfs.model_id"]
+    bad8 = tamper(int8, tmp_path / "bad.int8.onnx", lambda i: numpy_helper.to_array(i).dtype == np.int8)
+    with pytest.raises(CheckpointError, match="tampered or mislabelled"):
+        OnnxBackend(bad8)
