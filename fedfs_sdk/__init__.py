@@ -16,7 +16,7 @@ _LAZY: dict[str, str] = {
     "FedFSError": "fedfs_sdk.errors", "InputError": "fedfs_sdk.errors",
     "ImageDecodeError": "fedfs_sdk.errors", "NoFaceError": "fedfs_sdk.errors",
     "InsufficientWarmupError": "fedfs_sdk.errors", "EnrollmentError": "fedfs_sdk.errors",
-    "CodeError": "fedfs_sdk.errors", "CheckpointError": "fedfs_sdk.errors",
+    "CodeError": "fedfs_sdk.errors", "CheckpointError": "fedfs_sdk.errors", "TrainingError": "fedfs_sdk.errors",
     # numpy-only
     "preprocess": "fedfs_sdk.preprocess", "load_image": "fedfs_sdk.preprocess",
     "make_codeword": "fedfs_sdk.codes", "get_code": "fedfs_sdk.codes",

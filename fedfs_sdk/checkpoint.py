@@ -72,19 +72,36 @@ def save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, config
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
     """Return ``(state_dict, config, meta)``; :class:`CheckpointError` if unusable."""
     state, header = read_safetensors(path, FORMAT, "fedfs checkpoint")
-    config = ModelConfig.from_json(header["model_config"])
-    return state, config, json.loads(header.get("meta", "{}"))
+    config, meta = _config_and_meta(header, path)
+    return state, config, meta
+
+
+def _config_and_meta(header: dict[str, str], name: str | os.PathLike[str]) -> tuple[ModelConfig, dict[str, Any]]:
+    if "model_config" not in header:
+        raise CheckpointError(f"{name} cannot be rebuilt from its header: it has no model_config")
+    try:
+        config = ModelConfig.from_json(header["model_config"])
+        meta = json.loads(header.get("meta", "{}"))
+    except (KeyError, ValueError, TypeError) as e:   # bad JSON, unknown fields / backbone
+        raise CheckpointError(f"{name} cannot be rebuilt from its header: {e}") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{name}: checkpoint meta must be a JSON object")
+    return config, meta
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[FaceNet, dict[str, Any]]:
-    """Build the :class:`FaceNet` described in the checkpoint and load its weights."""
-    state, config, meta = read_checkpoint(path)
-    model = FaceNet(config)
+    """Build the :class:`FaceNet` described in the checkpoint file and load its weights.
+
+    Reads the file and hands its bytes to :func:`checkpoint_from_bytes` (one implementation);
+    :class:`CheckpointError` if the file is missing, unreadable or unusable."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"fedfs checkpoint not found: {p}")
     try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"checkpoint {path} does not match its own architecture: {e}") from e
-    return model.eval(), meta
+        data = p.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"not a readable fedfs checkpoint: {p} ({e})") from e
+    return checkpoint_from_bytes(data, p)
 
 
 def checkpoint_from_bytes(data: bytes, name: str | os.PathLike[str] = "<bytes>") -> tuple[FaceNet, dict[str, Any]]:
@@ -103,14 +120,11 @@ def checkpoint_from_bytes(data: bytes, name: str | os.PathLike[str] = "<bytes>")
         raise CheckpointError(f"not a readable fedfs checkpoint: {name} ({e})") from e
     if header.get("format") != FORMAT:
         raise CheckpointError(f"{name} is not a fedfs checkpoint (format={header.get('format')!r})")
+    config, meta = _config_and_meta(header, name)
     try:
-        config = ModelConfig.from_json(header["model_config"])
-        meta = json.loads(header.get("meta", "{}"))
         model = FaceNet(config)
-    except (KeyError, ValueError, TypeError) as e:   # unknown backbone, bad JSON
+    except (KeyError, ValueError, TypeError) as e:   # unknown backbone, out-of-range sizes
         raise CheckpointError(f"{name} cannot be rebuilt from its header: {e}") from e
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{name}: checkpoint meta must be a JSON object")
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as e:

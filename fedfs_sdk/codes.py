@@ -13,6 +13,7 @@ one GF(2) matrix product in numpy, which is also all a phone needs.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import secrets
 from dataclasses import dataclass
@@ -30,6 +31,20 @@ KNOWN_CODES: dict[int, int] = {127: 64, 255: 71, 511: 67}
 
 DESIGN_DISTANCE: dict[int, int] = {127: 21, 255: 59, 511: 175}
 """Minimum distance ``d_min`` of each code in FedUV Table 1."""
+
+GENERATOR_SHA256: dict[int, str] = {
+    127: "db2a329a274e57e92825c49220596e23bc2cfc5070c0a00342fb185a9c872322",
+    255: "e3e9b72557702c2a9120fe5a74f52c414b493182b250b86b701be2a3c1f6a36d",
+    511: "3ce074a54b28a409b89933569935e27fa4f0e965aef15222f25af5d1811a153d",
+}
+"""sha256 of each systematic generator matrix ``G`` as ``k × n`` uint8 0/1 bytes in C order
+(computed from ``galois.BCH(n, k).G``, galois 0.4). A cached ``G`` is used only if it hashes
+to this; a fresh galois build that does not is refused (:class:`CodeError`)."""
+
+
+def generator_sha256(g: np.ndarray) -> str:
+    """The :data:`GENERATOR_SHA256` digest of a generator matrix."""
+    return hashlib.sha256(np.ascontiguousarray(g, dtype=np.uint8).tobytes()).hexdigest()
 
 
 def _cache_dir() -> Path:
@@ -62,22 +77,35 @@ def _build_with_galois(n: int, k: int) -> tuple[np.ndarray, int]:
     return np.asarray(code.G, dtype=np.uint8), int(code.d)
 
 
+def _valid(g: np.ndarray, d: int, n: int, k: int) -> bool:
+    return g.shape == (k, n) and d == DESIGN_DISTANCE[n] and generator_sha256(g) == GENERATOR_SHA256[n]
+
+
 @functools.lru_cache(maxsize=None)
 def get_code(n: int) -> BCHCode:
-    """The BCH code of length ``n`` ∈ {127, 255, 511} from FedUV Table 1."""
+    """The BCH code of length ``n`` ∈ {127, 255, 511} from FedUV Table 1.
+
+    The generator comes from the disk cache if it hashes to :data:`GENERATOR_SHA256`
+    (a corrupt or tampered cache file is rebuilt), else from galois."""
     if n not in KNOWN_CODES:
         raise CodeError(f"no BCH code of length {n}; FedUV Table 1 provides lengths {sorted(KNOWN_CODES)}")
     k = KNOWN_CODES[n]
     path = _cache_dir() / f"bch_{n}_{k}.npz"
     if path.is_file():
         try:
-            data = np.load(path)
-            g, d = data["G"].astype(np.uint8), int(data["d"])
-            if g.shape == (k, n):
-                return BCHCode(n, k, d, g)
-        except (OSError, ValueError, KeyError):
-            pass  # a corrupt cache is rebuilt below
+            with np.load(path) as data:
+                raw, d = data["G"], int(data["d"])
+            if raw.shape == (k, n) and np.isin(raw, (0, 1)).all():
+                g = raw.astype(np.uint8)
+                if _valid(g, d, n, k):
+                    return _code(n, k, d, g)
+        except Exception:  # noqa: BLE001 - any unreadable cache (bad zip, pickle, truncation) is rebuilt below
+            pass
     g, d = _build_with_galois(n, k)
+    if not _valid(g, d, n, k):
+        raise CodeError(f"galois built a BCH({n},{k}) generator (d_min {d}, sha256 {generator_sha256(g)[:16]}…) "
+                        f"that is not the pinned one (d_min {DESIGN_DISTANCE[n]}, sha256 {GENERATOR_SHA256[n][:16]}…); "
+                        "codewords would not match other devices' — check the galois version")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
@@ -85,6 +113,12 @@ def get_code(n: int) -> BCHCode:
         os.replace(tmp, path)
     except OSError:
         pass  # read-only home: the in-memory cache still applies
+    return _code(n, k, d, g)
+
+
+def _code(n: int, k: int, d: int, g: np.ndarray) -> BCHCode:
+    g = np.ascontiguousarray(g, dtype=np.uint8)
+    g.setflags(write=False)      # shared by every caller through the lru_cache
     return BCHCode(n, k, d, g)
 
 

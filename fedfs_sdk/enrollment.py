@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import (EnrollmentError, EnrollmentExistsError, InputError, InsufficientWarmupError)
+from .exact import as_written
 from .inference import InferenceBackend
 
 _MAGIC = b"FEDFSENR"
@@ -39,11 +40,17 @@ _VERSION = 1
 _NONCE = 12
 
 
-def _fraction(q: float) -> Fraction:
-    if not 0.0 < float(q) < 1.0:
+def _fraction(q: Any) -> Fraction:
+    """``q`` as the exact decimal the user wrote, ``Fraction(str(q))`` (0.9 → 9/10,
+    ``np.float32(0.8)`` → 4/5 because it prints as ``0.8``; see :mod:`fedfs_sdk.exact`); no
+    rounding, so ``q = 0.9999999999`` stays below 1. Checks ``0 < q < 1`` exactly."""
+    try:
+        f = as_written(q, "target TPR q")
+    except InputError:
+        raise InputError(f"target TPR q must be a number in (0, 1), got {q!r}") from None
+    if not (0 < f < 1 and 1 - f > 0):
         raise InputError(f"target TPR q must be in (0, 1), got {q}")
-    # q as the user wrote it (0.9 → 9/10), so ⌊n(1−q)⌋ is not fooled by 0.1 ≠ 1−0.9 in floats.
-    return Fraction(repr(float(q))).limit_denominator(10**9)
+    return f
 
 
 def min_warmup_images(q: float) -> int:
@@ -147,6 +154,7 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
     With ``codeword`` the FedUV score is used, else a cosine template.
     """
     n = len(images)
+    q_stored = float(_fraction(q))     # validated; a plain float (np.float32 is not JSON)
     min_n = min_warmup_images(q)
     if n < min_n:
         raise InsufficientWarmupError(f"{n} warm-up image(s) are too few for target TPR q={q}; "
@@ -158,14 +166,14 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
         if out["uv"].shape[1] != v.size:
             raise InputError(f"codeword has {v.size} bits but the model's head outputs {out['uv'].shape[1]}")
         scores = uv_scores(out["uv"], v)
-        return Enrollment(backend.model_id, "codeword", warmup_threshold(scores, q), q, n,
+        return Enrollment(backend.model_id, "codeword", warmup_threshold(scores, q), q_stored, n,
                           codeword=v, meta=dict(meta or {}))
     emb = _unit(out["embedding"].astype(np.float64))
     total = emb.sum(0)
     loo = _unit(total[None, :] - emb)                 # template without image j
     scores = (emb * loo).sum(1)
     template = _unit(total).astype(np.float32)
-    return Enrollment(backend.model_id, "template", warmup_threshold(scores, q), q, n,
+    return Enrollment(backend.model_id, "template", warmup_threshold(scores, q), q_stored, n,
                       template=template, meta=dict(meta or {}))
 
 

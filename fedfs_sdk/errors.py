@@ -34,6 +34,12 @@ class CodeError(InputError):
     """A BCH code length/message length that the library does not provide."""
 
 
+class TrainingError(FedFSError, FloatingPointError):
+    """Local training diverged: the loss or the weights became NaN/Inf (learning rate too high?).
+
+    Also a :class:`FloatingPointError`, which is what it was before it had its own type."""
+
+
 class EnrollmentError(FedFSError):
     """An enrollment file could not be read: tampered, wrong key, wrong format."""
 

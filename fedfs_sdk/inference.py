@@ -48,12 +48,21 @@ def check_batch(batch: np.ndarray, input_size: int) -> np.ndarray:
 
 
 class TorchBackend:
-    """Runs a :class:`fedfs_sdk.model.VerifierNet` (or any module returning
-    ``(embedding,)`` / ``(embedding, uv)``) with torch on CPU or CUDA."""
+    """Runs a :class:`fedfs_sdk.model.VerifierNet` or :class:`fedfs_sdk.model.FaceNet` with
+    torch on CPU or CUDA.
+
+    Outputs are taken by name: a ``FaceOutputs`` (FaceNet) gives ``embedding`` and ``uv``
+    (its ``projection`` is a training head and is ignored); a tuple (VerifierNet, or any
+    module returning ``(embedding,)`` / ``(embedding, uv)``) is read by position; a dict by
+    key. ``outputs`` holds ``"uv"`` when the module has a ``uv_head``."""
 
     def __init__(self, verifier, model_id: str, device: str = "cpu", batch_size: int = 256) -> None:
         import torch
 
+        from .errors import InputError
+
+        if not isinstance(verifier, torch.nn.Module):
+            raise InputError(f"TorchBackend needs a torch module (VerifierNet or FaceNet), got {type(verifier).__name__}")
         self._torch = torch
         self.verifier = verifier.to(device).eval()
         self.device = device
@@ -62,6 +71,29 @@ class TorchBackend:
         self.batch_size = batch_size
         self.outputs = ("embedding", "uv") if getattr(verifier, "uv_head", None) is not None else ("embedding",)
 
+    def _named(self, out) -> dict:
+        from .errors import InputError
+
+        torch = self._torch
+        if isinstance(out, torch.Tensor):
+            named = {"embedding": out}
+        elif isinstance(out, tuple) and hasattr(out, "_fields"):          # FaceOutputs and other named tuples
+            named = out._asdict()
+        elif isinstance(out, dict):
+            named = dict(out)
+        elif isinstance(out, (tuple, list)):
+            if len(out) not in (1, 2):
+                raise InputError(f"{type(self.verifier).__name__} returned {len(out)} outputs; a verifier returns "
+                                 "(embedding,) or (embedding, uv)")
+            named = dict(zip(("embedding", "uv"), out))
+        else:
+            raise InputError(f"{type(self.verifier).__name__} returned {type(out).__name__}; expected a tensor, "
+                             "a tuple (embedding[, uv]), a dict or FaceOutputs")
+        for name in self.outputs:
+            if named.get(name) is None:
+                raise InputError(f"{type(self.verifier).__name__} returned no {name!r} output")
+        return {k: named[k] for k in self.outputs}
+
     def run(self, batch: np.ndarray) -> dict[str, np.ndarray]:
         torch = self._torch
         check_batch(batch, self.input_size)
@@ -69,6 +101,6 @@ class TorchBackend:
         with torch.inference_mode():
             for s in range(0, batch.shape[0], self.batch_size):
                 x = torch.from_numpy(batch[s:s + self.batch_size]).to(self.device)
-                for name, t in zip(self.outputs, self.verifier(x)):
+                for name, t in self._named(self.verifier(x)).items():
                     chunks[name].append(t.float().cpu().numpy())
         return {k: np.concatenate(v) for k, v in chunks.items()}

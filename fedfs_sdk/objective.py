@@ -21,6 +21,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .errors import InputError
+from .exact import as_written
 from .methods import DEFAULT_UV_WEIGHT, METHODS, check_method, uses_fedfs, uses_feduv  # noqa: F401 (re-exported)
 from .losses.fedfs import FedFSLossConfig, f_total
 from .losses.feduv import feduv_neg_loss, feduv_pos_loss
@@ -37,6 +38,13 @@ class ObjectiveConfig:
     fedfs: FedFSLossConfig = FedFSLossConfig()
     uv_weight: float = DEFAULT_UV_WEIGHT
     lambda_neg: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fedfs, FedFSLossConfig):
+            raise InputError(f"fedfs must be a FedFSLossConfig, got {type(self.fedfs).__name__}")
+        for name in ("uv_weight", "lambda_neg"):
+            if not as_written(getattr(self, name), name) >= 0:
+                raise InputError(f"{name} must be a finite number ≥ 0, got {getattr(self, name)!r}")
 
 
 def _call(model: nn.Module, params: Mapping[str, torch.Tensor] | None, x: torch.Tensor):

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from .errors import CheckpointError, InputError
+from .errors import CheckpointError, InputError, TrainingError
 from .inference import check_batch
 from .onnx_backend import import_onnxruntime
 from .wire_format import MODEL_FORMAT, UPDATE_FORMAT, read_header, update_metadata  # noqa: F401 (re-exported)
@@ -274,7 +274,7 @@ class OrtDeviceTrainer:
         self._module.train_step(self._feeds(x, alpha, codeword, neg_codewords), fetches)
         parts = {name: float(fetches[i].numpy()) for i, name in enumerate(self._outputs) if name != "alpha_next"}
         if not math.isfinite(parts["loss"]):
-            raise FloatingPointError(f"local loss became {parts['loss']} (lr={self.lr} too high?)")
+            raise TrainingError(f"local loss became {parts['loss']} (lr={self.lr} too high?)")
         self._optimizer.optimizer_step()
         return parts
 

@@ -2,14 +2,16 @@
 
 Contract of every fedfs model input (insightface convention): RGB, float32 NCHW,
 ``(x − 127.5) / 127.5`` so pixels lie in [−1, 1], square ``input_size`` (112 for
-MobileFaceNet). Grayscale images are repeated to 3 channels; RGBA drops alpha. With
-``detect_face=True`` the largest face found by OpenCV's bundled Haar cascade is cropped
-(with a margin) before resizing; no face → :class:`NoFaceError`.
+MobileFaceNet). Encoded images are decoded upright (EXIF orientation applied), 8- or 16-bit
+only, at most :data:`MAX_IMAGE_PIXELS`. Grayscale images are repeated to 3 channels; RGBA
+drops alpha. With ``detect_face=True`` the largest face found by OpenCV's bundled Haar
+cascade is cropped (with a margin) before resizing; no face → :class:`NoFaceError`.
 """
 from __future__ import annotations
 
 import functools
 import os
+import struct
 from pathlib import Path
 from typing import Sequence, Union
 
@@ -25,21 +27,40 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".pgm", ".bmp", ".webp")
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, np.ndarray]
 
 
+MAX_IMAGE_PIXELS = 1 << 26
+"""Largest encoded image (width × height) :func:`load_image` decodes: 2²⁶ ≈ 67.1 megapixels.
+
+Enough for the full-resolution output of 48/50/64 MP phone sensors (9248 × 6936 = 64.1 MP),
+while a decompression bomb (a few KB of PNG claiming 100 000 × 100 000 pixels) is refused
+from its header before OpenCV allocates anything. OpenCV's own limit
+(``OPENCV_IO_MAX_IMAGE_PIXELS``, 2³⁰ by default) is read once when ``cv2`` is imported, so a
+library cannot set it; this check is fedfs's own. An app may change the value (e.g.
+``fedfs_sdk.preprocess.MAX_IMAGE_PIXELS = 2**27``); downscale larger photos before passing
+them in — a face model looks at 112 × 112 pixels."""
+
+# Decode flags: keep the bit depth (so unsupported depths are refused by name, not silently
+# rescaled), 1 or 3 channels (alpha dropped), and — unlike IMREAD_UNCHANGED — apply the EXIF
+# orientation, so a portrait phone JPEG (Orientation = 6) comes in upright.
+_DECODE_FLAGS = cv2.IMREAD_ANYDEPTH | cv2.IMREAD_ANYCOLOR
+
+
 def load_image(src: ImageSource) -> np.ndarray:
     """Decode a path, encoded bytes or an array into an RGB ``uint8`` ``[H, W, 3]`` array.
 
     Arrays are taken as RGB (``[H,W]``, ``[H,W,1]``, ``[H,W,3]`` or ``[H,W,4]``, uint8).
+    Encoded images are decoded with their EXIF orientation applied; 8-bit and 16-bit images
+    are accepted (16-bit keeps the high byte), other pixel types (float HDR/TIFF, 32-bit
+    integer TIFF) raise :class:`ImageDecodeError` naming the type. Images larger than
+    :data:`MAX_IMAGE_PIXELS` are refused — from the header, before decoding, for PNG, JPEG,
+    BMP, WebP, PNM, TIFF and Radiance HDR; after decoding for other formats OpenCV reads.
     """
     if isinstance(src, np.ndarray):
         return _as_rgb(src, "array")
     if isinstance(src, (bytes, bytearray, memoryview)):
-        buf = np.frombuffer(bytes(src), dtype=np.uint8)
-        if buf.size == 0:
+        data = bytes(src)
+        if not data:
             raise ImageDecodeError("empty image bytes")
-        img = cv2.imdecode(buf, cv2.IMREAD_UNCHANGED)
-        if img is None:
-            raise ImageDecodeError(f"could not decode {buf.size} bytes as an image")
-        return _bgr_to_rgb(img)
+        return _decode(data, f"{len(data)} bytes")
     if isinstance(src, (str, os.PathLike)):
         p = Path(src)
         if not p.is_file():
@@ -47,21 +68,146 @@ def load_image(src: ImageSource) -> np.ndarray:
         data = p.read_bytes()
         if not data:
             raise ImageDecodeError(f"empty image file: {p}")
-        img = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
-        if img is None:
-            raise ImageDecodeError(f"could not decode image file: {p}")
-        return _bgr_to_rgb(img)
+        return _decode(data, f"image file {p}")
     raise InputError(f"unsupported image source type {type(src).__name__}")
 
 
-def _bgr_to_rgb(img: np.ndarray) -> np.ndarray:
-    if img.dtype == np.uint16:  # 16-bit PNG: keep the high byte
+def _decode(data: bytes, what: str) -> np.ndarray:
+    size = image_header_size(data)
+    if size is not None:
+        _check_pixels(size[0], size[1], what)
+    try:
+        img = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), _DECODE_FLAGS)
+    except cv2.error as e:  # pragma: no cover - imdecode reports failures as None
+        raise ImageDecodeError(f"could not decode {what} as an image ({e})") from None
+    if img is None or img.size == 0:
+        raise ImageDecodeError(f"could not decode {what} as an image")
+    _check_pixels(img.shape[1], img.shape[0], what)
+    if img.dtype == np.uint16:  # 16-bit PNG/TIFF: keep the high byte
         img = (img >> 8).astype(np.uint8)
+    elif img.dtype != np.uint8:
+        raise ImageDecodeError(f"{what} decodes to {img.dtype} pixels; only 8-bit and 16-bit images are "
+                               "supported (convert HDR / floating-point / 32-bit images to 8-bit first)")
     if img.ndim == 2:
         return cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
-    if img.shape[2] == 4:
+    if img.shape[2] == 4:  # not produced by _DECODE_FLAGS; kept for safety
         return cv2.cvtColor(img, cv2.COLOR_BGRA2RGB)
     return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+
+
+def _check_pixels(width: int, height: int, what: str) -> None:
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ImageDecodeError(
+            f"{what} is {width}×{height} pixels, over the limit of {MAX_IMAGE_PIXELS / 1e6:.1f} megapixels "
+            f"(fedfs_sdk.preprocess.MAX_IMAGE_PIXELS); downscale it first")
+
+
+def image_header_size(data: bytes) -> tuple[int, int] | None:
+    """``(width, height)`` read from the header of a PNG, JPEG, BMP, WebP, PNM, TIFF or
+    Radiance HDR image without decoding it; ``None`` for other or unparsable data (EXIF
+    rotation is ignored: it does not change the pixel count)."""
+    try:
+        return _header_size(data)
+    except (IndexError, ValueError, struct.error):
+        return None
+
+
+def _header_size(d: bytes) -> tuple[int, int] | None:
+    if d[:8] == b"\x89PNG\r\n\x1a\n" and d[12:16] == b"IHDR":
+        w, h = struct.unpack(">II", d[16:24])
+        return w, h
+    if d[:2] == b"\xff\xd8":
+        return _jpeg_size(d)
+    if d[:2] == b"BM":
+        (hdr,) = struct.unpack("<I", d[14:18])
+        if hdr == 12:
+            w, h = struct.unpack("<HH", d[18:22])
+        else:
+            w, h = struct.unpack("<ii", d[18:26])
+        return abs(w), abs(h)
+    if d[:4] == b"RIFF" and d[8:12] == b"WEBP":
+        chunk = d[12:16]
+        if chunk == b"VP8 ":
+            w, h = struct.unpack("<HH", d[26:30])
+            return w & 0x3FFF, h & 0x3FFF
+        if chunk == b"VP8L":
+            (b,) = struct.unpack("<I", d[21:25])
+            return (b & 0x3FFF) + 1, ((b >> 14) & 0x3FFF) + 1
+        if chunk == b"VP8X":
+            return int.from_bytes(d[24:27], "little") + 1, int.from_bytes(d[27:30], "little") + 1
+        return None
+    if d[:1] == b"P" and d[1:2] in b"123456":
+        return _pnm_size(d)
+    if d[:4] in (b"II*\x00", b"MM\x00*"):
+        return _tiff_size(d)
+    if d[:2] == b"#?":
+        return _hdr_size(d)
+    return None
+
+
+def _jpeg_size(d: bytes) -> tuple[int, int] | None:
+    i = 2
+    while i + 4 <= len(d):
+        if d[i] != 0xFF:
+            return None
+        marker = d[i + 1]
+        if marker == 0xFF:               # fill byte
+            i += 1
+            continue
+        if marker in (0x01, *range(0xD0, 0xD8)):   # TEM, RSTn: no length
+            i += 2
+            continue
+        (length,) = struct.unpack(">H", d[i + 2:i + 4])
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):   # SOFn
+            h, w = struct.unpack(">HH", d[i + 5:i + 9])
+            return w, h
+        if marker in (0xD9, 0xDA):       # EOI / SOS before any SOF
+            return None
+        i += 2 + length
+    return None
+
+
+def _pnm_size(d: bytes) -> tuple[int, int] | None:
+    fields: list[int] = []
+    i = 2
+    while len(fields) < 2 and i < min(len(d), 4096):
+        c = d[i:i + 1]
+        if c == b"#":
+            while i < len(d) and d[i:i + 1] not in (b"\n", b"\r"):
+                i += 1
+        elif c.isdigit():
+            j = i
+            while j < len(d) and d[j:j + 1].isdigit():
+                j += 1
+            fields.append(int(d[i:j]))
+            i = j
+            continue
+        elif not c.isspace():
+            return None
+        i += 1
+    return (fields[0], fields[1]) if len(fields) == 2 else None
+
+
+def _tiff_size(d: bytes) -> tuple[int, int] | None:
+    e = "<" if d[:2] == b"II" else ">"
+    (off,) = struct.unpack(e + "I", d[4:8])
+    (count,) = struct.unpack(e + "H", d[off:off + 2])
+    found: dict[int, int] = {}
+    for k in range(count):
+        tag, typ, _n = struct.unpack(e + "HHI", d[off + 2 + 12 * k:off + 10 + 12 * k])
+        if tag in (256, 257):
+            val = d[off + 10 + 12 * k:off + 14 + 12 * k]
+            found[tag] = struct.unpack(e + "H", val[:2])[0] if typ == 3 else struct.unpack(e + "I", val)[0]
+    return (found[256], found[257]) if len(found) == 2 else None
+
+
+def _hdr_size(d: bytes) -> tuple[int, int] | None:
+    for line in d[:4096].split(b"\n")[1:]:
+        parts = line.split()
+        if len(parts) == 4 and parts[0] in (b"-Y", b"+Y", b"-X", b"+X"):
+            a, b = int(parts[1]), int(parts[3])
+            return (b, a) if parts[0].endswith(b"Y") else (a, b)
+    return None
 
 
 def _as_rgb(a: np.ndarray, what: str) -> np.ndarray:

@@ -7,6 +7,7 @@ personalized weights ``θ_c`` and the codeword stay in the device's state.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from typing import Mapping
 
@@ -14,13 +15,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from .errors import InputError
+from .errors import InputError, TrainingError
 from .model import FaceNet, ModelConfig, personal_config
 from .methods import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR  # noqa: F401 (re-exported)
 from .objective import ObjectiveConfig, check_method, local_objective, uses_fedfs, uses_feduv
 
 Weights = dict[str, torch.Tensor]
 
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -44,12 +52,24 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_method(self.method)
+        for name in ("lr", "head_lr"):
+            v = getattr(self, name)
+            if v is not None and not (_is_real(v) and math.isfinite(v) and v > 0):
+                raise InputError(f"{name} must be a finite number > 0 (or None for the default), got {v!r}")
+        if self.local_epochs is not None and not (_is_int(self.local_epochs) and self.local_epochs >= 1):
+            raise InputError(f"local_epochs must be an integer ≥ 1 (or None for the default), got {self.local_epochs!r}")
+        if not (_is_int(self.batch_size) and self.batch_size >= 1):
+            raise InputError(f"batch_size must be an integer ≥ 1, got {self.batch_size!r}")
         if self.batch_size < 2 and uses_fedfs(self.method):
             raise InputError("FedFS needs batches of ≥ 2 images (F_insub contrasts within the batch)")
-        if self.lr is not None and not self.lr > 0:
-            raise InputError(f"lr must be > 0, got {self.lr}")
-        if self.head_lr is not None and not self.head_lr > 0:
-            raise InputError(f"head_lr must be > 0, got {self.head_lr}")
+        if not (_is_real(self.momentum) and 0 <= self.momentum < 1):
+            raise InputError(f"momentum must be a number in [0, 1), got {self.momentum!r}")
+        if not (_is_real(self.weight_decay) and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise InputError(f"weight_decay must be a finite number ≥ 0, got {self.weight_decay!r}")
+        if not _is_int(self.seed):
+            raise InputError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.objective, ObjectiveConfig):
+            raise InputError(f"objective must be an ObjectiveConfig, got {type(self.objective).__name__}")
 
     @property
     def effective_lr(self) -> float:
@@ -102,6 +122,21 @@ def codeword_tensor(codeword: torch.Tensor | np.ndarray | None, code_length: int
     return v
 
 
+def neg_codeword_tensor(neg_codewords: torch.Tensor | np.ndarray, code_length: int | None) -> torch.Tensor:
+    """Validate the other users' codewords of FedUV's ``ℓ_neg``: ``[m, c]``, ``m ≥ 1``, ±1."""
+    try:
+        v = torch.as_tensor(np.asarray(neg_codewords, dtype=np.float64), dtype=torch.float32)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"neg_codewords must be a numeric [m, {code_length}] array: {e}") from None
+    if v.dim() != 2 or v.shape[0] < 1 or code_length is None or v.shape[1] != code_length:
+        raise InputError(f"neg_codewords must have shape [m, {code_length}] with m ≥ 1, got {list(v.shape)}")
+    if not torch.isfinite(v).all():
+        raise InputError("neg_codewords contain NaN or Inf")
+    if not torch.all((v == 1) | (v == -1)):
+        raise InputError("neg_codewords entries must be ±1")
+    return v
+
+
 class LocalTrainer:
     """Runs the local epochs of one device for ``config.method``.
 
@@ -138,7 +173,11 @@ class LocalTrainer:
         v = codeword_tensor(codeword, self.model_config.code_length) if uses_feduv(cfg.method) else None
         if uses_feduv(cfg.method) and v is None:
             raise InputError(f"method {cfg.method!r} needs the device's codeword")
-        neg = None if neg_codewords is None else torch.as_tensor(np.asarray(neg_codewords), dtype=torch.float32).to(self.device)
+        neg = None if neg_codewords is None else neg_codeword_tensor(neg_codewords, self.model_config.code_length).to(self.device)
+        n = x_all.shape[0]
+        if uses_fedfs(cfg.method) and n < 2:
+            raise InputError(f"FedFS needs at least 2 images per batch/device (F_insub contrasts images "
+                             f"within a batch), got {n}")
         self._load(self.global_model, global_weights, "global weights")
         if self.personal_model is not None:
             src = personal_weights if personal_weights is not None else {
@@ -147,7 +186,6 @@ class LocalTrainer:
         params = self._param_groups()
         opt = torch.optim.SGD(params, lr=cfg.effective_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
-        n = x_all.shape[0]
         bs = min(cfg.batch_size, n)
         metrics: dict[str, list[float]] = {}
         self.global_model.train()
@@ -165,12 +203,17 @@ class LocalTrainer:
                                               personal_model=self.personal_model, xi=self.xi,
                                               codeword=vd, neg_codewords=neg)
                 if not torch.isfinite(loss):
-                    raise FloatingPointError(f"local loss became {loss.item()} (lr={cfg.effective_lr} too high?)")
+                    raise TrainingError(f"local loss became {loss.item()} (lr={cfg.effective_lr} too high?)")
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 for k, t in parts.items():
                     metrics.setdefault(k, []).append(float(t.detach()))
+        for what, model in (("global", self.global_model), ("personalized", self.personal_model)):
+            bad = [] if model is None else [k for k, t in model.state_dict().items() if not torch.isfinite(t).all()]
+            if bad:
+                raise TrainingError(f"local training made the {what} weights non-finite ({bad[:3]}; "
+                                    f"lr={cfg.effective_lr} too high?)")
         summary = {f"{k}_first": vals[0] for k, vals in metrics.items()}
         summary.update({f"{k}_last": vals[-1] for k, vals in metrics.items()})
         summary.update({f"{k}_mean": float(np.mean(vals)) for k, vals in metrics.items()})
@@ -202,6 +245,9 @@ class LocalTrainer:
         for k, t in expected.items():
             if tuple(weights[k].shape) != tuple(t.shape):
                 raise InputError(f"{what}: {k} has shape {list(weights[k].shape)}, model expects {list(t.shape)}")
+            w = torch.as_tensor(weights[k])
+            if w.is_floating_point() and not torch.isfinite(w).all():
+                raise InputError(f"{what}: {k} contains NaN or Inf")
         model.load_state_dict({k: torch.as_tensor(w) for k, w in weights.items()}, strict=True)
 
 
@@ -223,5 +269,5 @@ def initial_global_weights(model_config: ModelConfig, xi: nn.Module | None = Non
     return _cpu_state(model)
 
 
-__all__ = ["TrainConfig", "LocalTrainer", "LocalResult", "initial_global_weights", "as_image_batch",
+__all__ = ["TrainConfig", "LocalTrainer", "LocalResult", "initial_global_weights", "as_image_batch", "neg_codeword_tensor",
            "DEFAULT_LR", "DEFAULT_EPOCHS", "replace"]

@@ -70,22 +70,27 @@ def test_enroll_then_verify_exit_codes(workspace: Path) -> None:
 
 def test_cli_errors_are_clear_and_keep_state(workspace: Path) -> None:
     d = workspace
-    before = (d / "owner.enr").read_bytes() if (d / "owner.enr").exists() else None
+    key = d / "errors.key"
+    r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
+              "--out", str(d / "errors.enr"), "--key-file", str(key))
+    assert r.returncode == 0, r.stderr                      # this test's own enrollment and key
+    before = (d / "errors.enr").read_bytes()
     r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "other"),
-              "--out", str(d / "x.enr"), "--key-file", str(d / "key"))
+              "--out", str(d / "x.enr"), "--key-file", str(key))
     assert r.returncode == 2 and "at least 10" in r.stderr and "Traceback" not in r.stderr
     assert not (d / "x.enr").exists()
-    r = fedfs("verify", "--enrollment", str(d / "owner.enr"), "--key-file", str(d / "key"), str(d / "missing.png"))
-    assert r.returncode == 2 and "image not found" in r.stderr
+    r = fedfs("verify", "--enrollment", str(d / "errors.enr"), "--key-file", str(key), str(d / "missing.png"))
+    assert r.returncode == 2 and "image not found" in r.stderr and "Traceback" not in r.stderr
     (d / "wrong.key").write_bytes(os.urandom(32))
-    r = fedfs("verify", "--enrollment", str(d / "owner.enr"), "--key-file", str(d / "wrong.key"),
+    r = fedfs("verify", "--enrollment", str(d / "errors.enr"), "--key-file", str(d / "wrong.key"),
               str(d / "owner" / "00.png"))
     assert r.returncode == 2 and "tampered with or the key is wrong" in r.stderr
     r = fedfs("enroll", "--model", str(d / "nope.safetensors"), "--images", str(d / "owner"),
-              "--out", str(d / "y.enr"), "--key-file", str(d / "key"))
+              "--out", str(d / "y.enr"), "--key-file", str(key))
     assert r.returncode == 2 and "model not found" in r.stderr
-    if before is not None:
-        r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
-                  "--out", str(d / "owner.enr"), "--key-file", str(d / "key"))
-        assert r.returncode == 2 and "overwrite" in r.stderr
-        assert (d / "owner.enr").read_bytes() == before
+    r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
+              "--out", str(d / "errors.enr"), "--key-file", str(key))
+    assert r.returncode == 2 and "overwrite" in r.stderr and "Traceback" not in r.stderr
+    assert (d / "errors.enr").read_bytes() == before       # refused, untouched
+    assert fedfs("verify", "--enrollment", str(d / "errors.enr"), "--key-file", str(key),
+                 str(d / "owner" / "00.png")).returncode == 0

@@ -6,8 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
-from fedfs_sdk.codes import (BASE_BITS, DESIGN_DISTANCE, KNOWN_CODES, bits_from_int, get_code,
-                             make_codeword, random_codewords)
+import fedfs_sdk.codes as codes
+from fedfs_sdk.codes import (BASE_BITS, DESIGN_DISTANCE, GENERATOR_SHA256, KNOWN_CODES, bits_from_int, get_code,
+                             generator_sha256, make_codeword, random_codewords, to_pm1)
 from fedfs_sdk.errors import CodeError, InputError
 
 
@@ -64,3 +65,93 @@ def test_bad_base_and_r_bits() -> None:
         bits_from_int(1 << 32)
     with pytest.raises(InputError, match="r_u must have 32 bits"):
         make_codeword(1, 127, r_bits=np.zeros(5, dtype=np.uint8))
+
+
+def _min_weight_checks(code: codes.BCHCode, rng: np.random.Generator, samples: int = 3000) -> int:
+    """Smallest weight among the low-weight candidates: every row of G (a systematic row has
+    a single message bit), every sum of two rows, and random nonzero codewords."""
+    g = code.generator.astype(np.int64)
+    w_rows = g.sum(1)
+    pairs = (g[:, None, :] + g[None, :, :]) % 2
+    iu = np.triu_indices(code.k, 1)
+    w_pairs = pairs.sum(-1)[iu]
+    msgs = rng.integers(0, 2, size=(samples, code.k), dtype=np.uint8)
+    msgs = msgs[msgs.any(1)]
+    w_rand = code.encode(msgs).sum(1)
+    return int(min(w_rows.min(), w_pairs.min(), w_rand.min()))
+
+
+@pytest.mark.parametrize("n", [127, 255, 511])
+def test_low_weight_codewords_respect_dmin(n: int) -> None:
+    """A linear code's d_min is its minimum nonzero codeword weight: rows of G and sums of two
+    rows are the likeliest low-weight words, so a code with a small true d_min fails here."""
+    code = get_code(n)
+    assert _min_weight_checks(code, np.random.default_rng(n)) >= DESIGN_DISTANCE[n]
+
+
+def test_low_weight_check_catches_a_weak_code() -> None:
+    good = get_code(127)
+    g = good.generator.copy()
+    g[5] = 0
+    g[5, 5] = 1                               # C(e_5) now has weight 1: true d_min = 1
+    assert _min_weight_checks(codes.BCHCode(127, 64, 21, g), np.random.default_rng(0)) == 1
+    g = good.generator.copy()
+    g[7] = g[3].copy()
+    g[7, [3, 7]] = g[7, [7, 3]]               # rows 3 and 7 differ in 2 bits: their sum has weight 2
+    assert _min_weight_checks(codes.BCHCode(127, 64, 21, g), np.random.default_rng(0)) <= 2
+
+
+def test_generators_match_the_pinned_hashes() -> None:
+    for n in KNOWN_CODES:
+        assert generator_sha256(get_code(n).generator) == GENERATOR_SHA256[n]
+    assert not get_code(127).generator.flags.writeable      # shared: callers cannot corrupt it
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FEDFS_CACHE_DIR", str(tmp_path))
+    get_code.cache_clear()
+    yield tmp_path
+    get_code.cache_clear()
+
+
+@pytest.mark.parametrize("corrupt", ["zeros", "one_bit", "wrong_d", "pickle", "garbage"])
+def test_corrupt_cache_with_the_right_shape_is_rebuilt(fresh_cache, corrupt: str) -> None:
+    path = fresh_cache / "bch_127_64.npz"
+    g = get_code(127).generator.copy()       # builds and caches in the temp folder
+    assert path.is_file()
+    get_code.cache_clear()
+    if corrupt == "zeros":
+        np.savez(path, G=np.zeros((64, 127), np.uint8), d=21)        # right shape, all codewords +1
+    elif corrupt == "one_bit":
+        bad = g.copy()
+        bad[10, 100] ^= 1
+        np.savez(path, G=bad, d=21)
+    elif corrupt == "wrong_d":
+        np.savez(path, G=g, d=3)
+    elif corrupt == "pickle":
+        np.savez(path, G=np.array([object()] * 3), d=21)
+    else:
+        path.write_bytes(b"PK\x03\x04 not really a zip")
+    code = get_code(127)
+    assert generator_sha256(code.generator) == GENERATOR_SHA256[127] and code.d_min == 21
+    v1, _ = make_codeword(1, 127, r_bits=np.zeros(32, np.uint8))
+    v2, _ = make_codeword(2, 127, r_bits=np.zeros(32, np.uint8))
+    assert int((v1 != v2).sum()) >= 21
+    with np.load(path) as data:                                     # the cache file was repaired
+        assert generator_sha256(data["G"]) == GENERATOR_SHA256[127]
+
+
+def test_galois_build_that_differs_from_the_pin_is_refused(fresh_cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = codes._build_with_galois
+
+    def other_generator(n: int, k: int):
+        g, d = real(n, k)
+        g = g.copy()
+        g[[0, 1]] = g[[1, 0]]                 # same code, other basis: other codewords per message
+        return g, d
+
+    monkeypatch.setattr(codes, "_build_with_galois", other_generator)
+    with pytest.raises(CodeError, match=r"not the pinned one.*check the galois version"):
+        get_code(127)
+    assert not (fresh_cache / "bch_127_64.npz").exists()           # nothing wrong was cached

@@ -69,21 +69,100 @@ def _faces(n: int, seed: int) -> list[np.ndarray]:
     return [np.clip(base + rng.normal(0, 12, base.shape), 0, 255).astype(np.uint8) for _ in range(n)]
 
 
+def _embeddings_and_uv(backend: TorchBackend, images: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The model's outputs computed here with torch directly (not through enroll/score)."""
+    from fedfs_sdk.preprocess import preprocess
+
+    x = torch.from_numpy(preprocess(images, backend.input_size))
+    with torch.no_grad():
+        emb, uv = backend.verifier(x)
+    return emb.double().numpy(), uv.double().numpy()
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
 def test_enroll_template_and_codeword_and_verify(backend: TorchBackend) -> None:
     owner, other = _faces(12, 1), _faces(12, 2)
+    emb, uv = _embeddings_and_uv(backend, owner)
     e = enroll(backend, owner, q=0.9)
     assert e.mode == "template" and e.n_warmup == 12
-    assert np.linalg.norm(e.template) == pytest.approx(1.0, abs=1e-5)
+    unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    template = unit.mean(0) / np.linalg.norm(unit.mean(0))
+    np.testing.assert_allclose(e.template, template, atol=1e-6)
+    loo = sorted(_cos(unit[j], np.delete(unit, j, 0).mean(0)) for j in range(12))
+    assert e.threshold == pytest.approx(loo[0], abs=1e-7)          # i = ⌊12·0.1⌋ = 1 → smallest
     own = score(backend, e, owner)
-    assert (own >= e.threshold).mean() >= 0.9         # τ was chosen on (leave-one-out) warm-up
+    np.testing.assert_allclose(own, [_cos(u, template) for u in unit], atol=1e-6)
+    assert (own >= e.threshold).all()           # each image is closer to the full template than to its LOO one
     assert score(backend, e, owner).mean() > score(backend, e, other).mean()
     v, _ = make_codeword(5, 127)
     ec = enroll(backend, owner, q=0.9, codeword=v)
     assert ec.mode == "codeword" and np.array_equal(ec.codeword, v)
+    code_scores = np.array([sum(float(v[k]) * uv[j, k] for k in range(127)) / 127 for j in range(12)])
+    assert ec.threshold == pytest.approx(np.sort(code_scores)[0], abs=1e-7)
     s = score(backend, ec, owner)
-    assert (s >= ec.threshold).mean() >= 0.9
-    r = verify(backend, ec, owner[0])
-    assert r.accepted == (r.score >= ec.threshold)
+    np.testing.assert_allclose(s, code_scores, atol=1e-6)
+    impostor = _embeddings_and_uv(backend, other)[1] @ v.astype(np.float64) / 127
+    # images clearly on either side of τ (the warm-up image AT τ may score a few 1e-8 lower when
+    # run alone instead of in the warm-up batch: float noise, not a decision to test)
+    for img, ind in [(owner[j], code_scores[j]) for j in range(12)] + [(other[j], impostor[j]) for j in range(12)]:
+        if abs(ind - ec.threshold) < 1e-6:
+            continue
+        r = verify(backend, ec, img)
+        assert r.score == pytest.approx(ind, abs=1e-6) and r.threshold == ec.threshold
+        assert r.accepted == bool(ind > ec.threshold)
+
+
+def test_warmup_scores_are_leave_one_out(backend: TorchBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The template-mode warm-up scores handed to the threshold rule are cos(x_j, template of
+    the OTHER images); scoring against a template that contains x_j would inflate them."""
+    import fedfs_sdk.enrollment as enr
+
+    seen: list[np.ndarray] = []
+    real = enr.warmup_threshold
+    monkeypatch.setattr(enr, "warmup_threshold", lambda sc, q: (seen.append(np.asarray(sc)), real(sc, q))[1])
+    owner = _faces(10, 7)
+    enroll(backend, owner, q=0.9)
+    (got,) = seen
+    emb, uv = _embeddings_and_uv(backend, owner)
+    unit = emb / np.linalg.norm(emb, axis=1, keepdims=True)
+    loo = np.array([_cos(unit[j], unit[[i for i in range(10) if i != j]].sum(0)) for j in range(10)])
+    with_self = np.array([_cos(unit[j], unit.sum(0)) for j in range(10)])
+    assert np.abs(loo - with_self).min() > 1e-4            # the test can tell the two apart
+    np.testing.assert_allclose(got, loo, rtol=0, atol=1e-7)
+    seen.clear()
+    v, _ = make_codeword(11, 127)
+    enroll(backend, owner, q=0.9, codeword=v)              # codeword mode: no template, plain Eq. 5
+    np.testing.assert_allclose(seen[0], (uv * v).mean(1), rtol=0, atol=1e-7)
+
+
+def test_q_is_the_decimal_written() -> None:
+    scores = np.arange(10.0)
+    # np.float32(0.8) is 0.800000011920929: read naively, n(1−q) = 1.99999988 and i = 1
+    assert warmup_threshold(scores, np.float32(0.8)) == 1.0            # i = ⌊10·0.2⌋ = 2
+    assert warmup_threshold(scores, np.float64(0.8)) == 1.0
+    assert min_warmup_images(np.float32(0.8)) == 5 and min_warmup_images(np.float32(0.95)) == 20
+    from decimal import Decimal
+    from fractions import Fraction
+    assert min_warmup_images(Fraction(9, 10)) == 10 and min_warmup_images(Decimal("0.9")) == 10
+    # close to 1: exact, no rounding to 1 (which divided by zero)
+    assert min_warmup_images(0.9999999999) == 10_000_000_000
+    with pytest.raises(InsufficientWarmupError, match="at least 10000000000 images"):
+        warmup_threshold(scores, 0.9999999999)
+    for bad in (1.0, 0.0, -0.5, 1.5, float("nan"), float("inf"), 0.99999999999999999, np.float32(1.0)):
+        with pytest.raises(InputError, match=r"q must be (a number )?in \(0, 1\), got"):
+            min_warmup_images(bad)
+    for bad in ("0.9", None, True):
+        with pytest.raises(InputError, match="must be a number"):
+            warmup_threshold(scores, bad)
+
+
+def test_enroll_with_numpy_q_stores_a_plain_float(backend: TorchBackend) -> None:
+    e = enroll(backend, _faces(10, 4), q=np.float32(0.8))
+    assert type(e.q) is float and e.q == 0.8
+    assert Enrollment.from_json(e.to_json()).q == 0.8
 
 
 def test_enroll_bad_input(backend: TorchBackend) -> None:
@@ -154,3 +233,51 @@ def test_tampered_or_wrong_key_and_nothing_overwritten(tmp_path: Path) -> None:
     assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []   # no temp leftovers
     save_enrollment(p, _enrollment(), key, overwrite=True)
     assert p.read_bytes() != original
+
+
+# ---- TorchBackend output mapping -------------------------------------------------------------
+
+@pytest.mark.parametrize("proj_dim,code_length", [(32, 127), (None, 127), (32, None), (None, None)])
+def test_torch_backend_maps_facenet_outputs_by_name(proj_dim, code_length) -> None:
+    torch.manual_seed(1)
+    net = FaceNet(ModelConfig("tiny", proj_dim=proj_dim, code_length=code_length)).eval()
+    x = np.random.default_rng(0).uniform(-1, 1, (3, 3, 32, 32)).astype(np.float32)
+    out = TorchBackend(net, "m").run(x)
+    ref = TorchBackend(VerifierNet(net.backbone, net.uv_head), "m").run(x)
+    assert set(out) == set(ref) == ({"embedding", "uv"} if code_length else {"embedding"})
+    with torch.no_grad():
+        direct = net(torch.from_numpy(x))
+    np.testing.assert_allclose(out["embedding"], direct.embedding.numpy(), rtol=0, atol=0)
+    if code_length:
+        np.testing.assert_allclose(out["uv"], direct.uv.numpy(), rtol=0, atol=0)
+        np.testing.assert_allclose(out["uv"], ref["uv"], rtol=0, atol=0)
+        assert out["uv"].shape == (3, 127)                 # not the projection [3, 32]
+    v, _ = make_codeword(5, 127)
+    faces = _faces(10, 5)
+    if code_length:
+        assert enroll(TorchBackend(net, "m"), faces, codeword=v).threshold == pytest.approx(
+            enroll(TorchBackend(VerifierNet(net.backbone, net.uv_head), "m"), faces, codeword=v).threshold, abs=1e-7)
+
+
+def test_torch_backend_rejects_unexpected_outputs() -> None:
+    class Three(torch.nn.Module):
+        input_size = 32
+
+        def forward(self, x):
+            e = x.flatten(1)[:, :8]
+            return e, e, e
+
+    class NoUV(torch.nn.Module):
+        input_size = 32
+        uv_head = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return {"embedding": x.flatten(1)[:, :8], "uv": None}
+
+    x = np.zeros((1, 3, 32, 32), np.float32)
+    with pytest.raises(InputError, match="returned 3 outputs"):
+        TorchBackend(Three(), "m").run(x)
+    with pytest.raises(InputError, match="returned no 'uv' output"):
+        TorchBackend(NoUV(), "m").run(x)
+    with pytest.raises(InputError, match="needs a torch module"):
+        TorchBackend(object(), "m")

@@ -83,6 +83,33 @@ def test_resolve_k_ratio_and_count() -> None:
     assert resolve_k(4, 3) == 3           # never more than the batch
 
 
+@pytest.mark.parametrize("top_k,n,k", [(0.28, 25, 7), (0.07, 100, 7), (0.14, 50, 7), (0.7, 10, 7),
+                                       (0.3, 10, 3), (0.29, 25, 8), (0.999, 1000, 999)])
+def test_resolve_k_ratio_is_exact(top_k: float, n: int, k: int) -> None:
+    """⌈K·N⌉ of the decimal written: 0.28·25 is 7.000000000000001 in floats (ceil → 8)."""
+    assert resolve_k(top_k, n) == k
+    assert resolve_k(np.float32(top_k), n) == k and resolve_k(np.float64(top_k), n) == k
+
+
+@pytest.mark.parametrize("top_k,n", [(0.28, 25), (0.07, 100), (0.14, 50), (0.3, 7), (0.5, 9)])
+def test_tensor_k_agrees_with_resolve_k_padded_or_not(top_k: float, n: int) -> None:
+    """The in-graph K (counting, per-client n_real under padding) is resolve_k's: α equals the
+    loop reference with K = resolve_k(K, N), with and without padding."""
+    rng = np.random.default_rng(n)
+    z, v = rng.normal(size=(n, 6)), rng.normal(size=(n, 6))
+    k = resolve_k(top_k, n)
+    ref = _soft_labels_reference(z, v, k, 2.0)
+    plain = adaptive_soft_labels(torch.from_numpy(z), torch.from_numpy(v), top_k, 2.0)
+    np.testing.assert_allclose(plain.numpy(), ref, rtol=1e-12)
+    if (top_k, n) in ((0.28, 25), (0.07, 100)):          # K = 8 would be a different α
+        assert not np.allclose(_soft_labels_reference(z, v, k + 1, 2.0), ref)
+    pad = rng.normal(size=(5, 6))
+    mask = torch.tensor([True] * n + [False] * 5)
+    padded = adaptive_soft_labels(torch.from_numpy(np.concatenate([z, pad])),
+                                  torch.from_numpy(np.concatenate([v, pad])), top_k, 2.0, mask=mask)
+    np.testing.assert_allclose(padded[:n, :n].numpy(), ref, rtol=1e-12, atol=1e-15)
+
+
 def test_soft_labels_rows_sum_to_one_and_gamma_raises_diagonal() -> None:
     g = torch.Generator().manual_seed(1)
     z, v = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
@@ -144,7 +171,12 @@ def test_f_insub_hand_computed_3x3() -> None:
     cfg = FedFSLossConfig(logits="similarity", logit_scale=1.0, top_k=1, gamma=2.0)
     expected = math.log(math.e + 2) - math.e**2 / (math.e**2 + 2)
     assert f_insub(eye, eye, cfg).item() == pytest.approx(expected, rel=1e-12)
-    assert expected == pytest.approx(0.764459, abs=1e-6)
+    # the pieces: α by Eq. 5–6 (top-1 of each column is the diagonal itself, others get β = 0)
+    e2 = math.e ** 2
+    alpha_hand = torch.full((3, 3), 1 / (e2 + 2), dtype=torch.float64).fill_diagonal_(e2 / (e2 + 2))
+    assert torch.allclose(adaptive_soft_labels(eye.double(), eye.double(), top_k=1, gamma=2.0), alpha_hand,
+                          rtol=0, atol=1e-12)
+    assert torch.allclose(insub_logits(eye, eye, "similarity", 1.0), eye, rtol=0, atol=1e-6)
     # the literal Eq. 3 logits are 1 − cos = 1 − I: the diagonal logit is the *smallest*
     lit = FedFSLossConfig(logits="literal", top_k=1, gamma=2.0)
     lit_expected = math.log(2 * math.e + 1) - (2 / (math.e**2 + 2))
@@ -214,7 +246,7 @@ def test_mask_equals_dropping_padded_samples() -> None:
     assert feduv_pos_loss(s, code, mask).item() == pytest.approx(feduv_pos_loss(s[:4], code).item())
 
 
-@pytest.mark.parametrize("top_k", [0.5, 0.3, 4])
+@pytest.mark.parametrize("top_k", [0.5, 0.3, 0.28, 4])
 def test_padding_does_not_change_soft_labels_or_k(top_k: float) -> None:
     """The batched simulator pads a client's batch and passes a mask: α over the real rows
     must be the unpadded α — in particular K < 1 is a ratio of the *real* batch."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fedfs_sdk.codes import make_codeword
-from fedfs_sdk.errors import InputError
+from fedfs_sdk.errors import FedFSError, InputError, TrainingError
 from fedfs_sdk.model import FaceNet, ModelConfig
 from fedfs_sdk.objective import ObjectiveConfig, local_objective
 from fedfs_sdk.trainer import LocalTrainer, TrainConfig, initial_global_weights
@@ -118,3 +118,102 @@ def test_bad_weights_and_codeword() -> None:
         TrainConfig(method="fedprox")
     with pytest.raises(InputError, match="needs ξ"):
         LocalTrainer(ModelConfig("tiny", proj_dim=32), TrainConfig(method="fedfs"))
+
+
+@pytest.mark.parametrize("method", ["fedfs", "fedfs+feduv"])
+def test_fedfs_with_one_image_is_an_error_not_a_silent_no_op(method: str) -> None:
+    xi, mc, w, x, v = _setup(method)
+    t = LocalTrainer(mc, TrainConfig(method=method, batch_size=4, local_epochs=1), xi=xi)
+    with pytest.raises(InputError, match="FedFS needs at least 2 images per batch/device.*got 1"):
+        t.train(w, x[:1], codeword=v)
+    res = t.train(w, x[:5], codeword=v)            # 4 + a lone leftover image: trains, skips the leftover
+    assert res.num_samples == 5 and any(not torch.equal(res.weights[k], w[k]) for k in w)
+    _, mcu, wu, _, _ = _setup("feduv")
+    res = LocalTrainer(mcu, TrainConfig(method="feduv", local_epochs=1)).train(wu, x[:1], codeword=v)
+    assert any(not torch.equal(res.weights[k], wu[k]) for k in wu)        # FedUV alone: 1 image is fine
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"local_epochs": 0}, "local_epochs must be an integer ≥ 1"),
+    ({"local_epochs": 1.5}, "local_epochs must be an integer"),
+    ({"local_epochs": True}, "local_epochs must be an integer"),
+    ({"batch_size": 0}, "batch_size must be an integer ≥ 1"),
+    ({"batch_size": 2.0}, "batch_size must be an integer"),
+    ({"method": "fedfs", "batch_size": 1}, "batches of ≥ 2 images"),
+    ({"lr": 0.0}, "lr must be a finite number > 0"),
+    ({"lr": -1e-3}, "lr must be a finite number > 0"),
+    ({"lr": float("nan")}, "lr must be a finite number > 0"),
+    ({"lr": float("inf")}, "lr must be a finite number > 0"),
+    ({"lr": "0.1"}, "lr must be a finite number > 0"),
+    ({"head_lr": float("inf")}, "head_lr must be a finite number > 0"),
+    ({"momentum": -0.1}, r"momentum must be a number in \[0, 1\)"),
+    ({"momentum": 1.0}, r"momentum must be a number in \[0, 1\)"),
+    ({"momentum": float("nan")}, "momentum"),
+    ({"weight_decay": -1.0}, "weight_decay must be a finite number ≥ 0"),
+    ({"weight_decay": float("inf")}, "weight_decay"),
+    ({"seed": 1.5}, "seed must be an integer"),
+    ({"objective": {"lambda_neg": 1}}, "objective must be an ObjectiveConfig"),
+])
+def test_train_config_is_validated(kwargs: dict, match: str) -> None:
+    with pytest.raises(InputError, match=match):
+        TrainConfig(**{"method": "feduv", **kwargs})
+
+
+def test_objective_settings_are_validated() -> None:
+    from fedfs_sdk.losses.fedfs import FedFSLossConfig
+
+    for bad, match in (({"uv_weight": -1.0}, "uv_weight must be a finite number ≥ 0"),
+                       ({"uv_weight": float("nan")}, "uv_weight must be finite"),
+                       ({"lambda_neg": float("inf")}, "lambda_neg must be finite"),
+                       ({"fedfs": {"top_k": 4}}, "fedfs must be a FedFSLossConfig")):
+        with pytest.raises(InputError, match=match):
+            ObjectiveConfig(**bad)
+    for bad, match in (({"top_k": 4.5}, "whole number"), ({"top_k": float("inf")}, "top_k must be finite"),
+                       ({"top_k": 0}, "top_k must be > 0"), ({"gamma": float("nan")}, "gamma must be finite"),
+                       ({"logit_scale": 0.0}, "logit_scale must be > 0")):
+        with pytest.raises(InputError, match=match):
+            FedFSLossConfig(**bad)
+
+
+@pytest.mark.parametrize("neg,match", [
+    (np.ones((3, 255)), r"neg_codewords must have shape \[m, 127\] with m ≥ 1, got \[3, 255\]"),
+    (np.zeros((0, 127)), r"got \[0, 127\]"),
+    (np.ones(127), r"got \[127\]"),
+    (np.zeros((2, 127)), "entries must be ±1"),
+    (np.full((2, 127), np.nan), "NaN or Inf"),
+    ([["a"] * 127], "numeric"),
+])
+def test_neg_codewords_are_validated(neg, match: str) -> None:
+    _, mc, w, x, v = _setup("feduv")
+    t = LocalTrainer(mc, TrainConfig(method="feduv", objective=ObjectiveConfig(lambda_neg=1.0)))
+    with pytest.raises(InputError, match=match):
+        t.train(w, x, codeword=v, neg_codewords=neg)
+    good = np.stack([make_codeword(b, 127, rng=np.random.default_rng(b))[0] for b in (1, 2)])
+    assert t.train(w, x, codeword=v, neg_codewords=good).metrics["l_neg_first"] <= 1.0
+
+
+def test_non_finite_weights_and_loss_are_fedfs_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fedfs_sdk.trainer as trainer_mod
+
+    _, mc, w, x, v = _setup("feduv")
+    nan_w = dict(w)
+    k0 = next(iter(nan_w))
+    nan_w[k0] = nan_w[k0].clone().fill_(float("nan"))
+    with pytest.raises(InputError, match=f"global weights: {k0} contains NaN or Inf"):
+        LocalTrainer(mc, TrainConfig(method="feduv")).train(nan_w, x, codeword=v)
+    # a diverging run: the loss becomes NaN in a later batch
+    with pytest.raises(TrainingError, match=r"local loss became nan \(lr=1e\+20 too high\?\)") as ei:
+        LocalTrainer(mc, TrainConfig(method="feduv", lr=1e20, head_lr=1e20, batch_size=4, local_epochs=3)).train(
+            w, x, codeword=v)
+    assert isinstance(ei.value, FedFSError) and isinstance(ei.value, FloatingPointError)
+    # the last step overflows the weights while its loss was still finite
+    real = trainer_mod.local_objective
+
+    def scaled(*a, **k):
+        loss, parts = real(*a, **k)
+        return loss * 1e30, parts
+
+    monkeypatch.setattr(trainer_mod, "local_objective", scaled)
+    with pytest.raises(TrainingError, match="made the global weights non-finite"):
+        LocalTrainer(mc, TrainConfig(method="feduv", lr=1e20, head_lr=1e20, batch_size=16, local_epochs=1)).train(
+            w, x, codeword=v)

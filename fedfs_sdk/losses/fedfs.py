@@ -7,8 +7,8 @@ options of :class:`FedFSLossConfig`; ``docs/methods.md`` gives each choice and i
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Literal
 
 import torch
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..backbones.layers import l2_normalize
 from ..errors import InputError
+from ..exact import as_written
 from .common import masked_mean as _masked_mean
 
 Combine = Literal["concat", "sum"]
@@ -34,7 +35,8 @@ class FedFSLossConfig:
         logits: Eq. 3 — ``similarity`` uses ``s·cos_sim(z, v)`` as the logit (the evident
             intent); ``literal`` uses ``1 − cos_sim`` exactly as printed.
         logit_scale: ``s`` for ``similarity`` logits (a temperature of ``1/s``).
-        top_k: K of Eq. 5–6. ``K < 1`` is a ratio of the batch, ``K ≥ 1`` a count.
+        top_k: K of Eq. 5–6. ``K < 1`` is a ratio of the batch (``⌈K·N⌉``, exact, see
+            :func:`resolve_k`), ``K ≥ 1`` a count (a whole number).
         gamma: γ, the diagonal boost of Eq. 6.
         lam: λ of Eq. 9 (weight of ``F_insub``; ``1 − λ`` on ``F_reg``).
         soft_score: Eq. 5 ``ass = z·v`` — ``dot`` as printed, or ``cosine`` (scale-free).
@@ -55,8 +57,15 @@ class FedFSLossConfig:
             raise InputError(f"logits must be 'similarity' or 'literal', got {self.logits!r}")
         if self.soft_score not in ("dot", "cosine"):
             raise InputError(f"soft_score must be 'dot' or 'cosine', got {self.soft_score!r}")
-        if not self.top_k > 0:
+        k = as_written(self.top_k, "top_k")
+        if not k > 0:
             raise InputError(f"top_k must be > 0, got {self.top_k}")
+        if k >= 1 and k.denominator != 1:
+            raise InputError(f"top_k ≥ 1 is a count and must be a whole number, got {self.top_k}")
+        for name in ("logit_scale", "gamma"):
+            v = as_written(getattr(self, name), name)
+            if name == "logit_scale" and not v > 0:
+                raise InputError(f"logit_scale must be > 0, got {self.logit_scale}")
         if not 0.0 <= self.lam <= 1.0:
             raise InputError(f"lam (λ) must be in [0, 1], got {self.lam}")
 
@@ -75,9 +84,16 @@ def combine(r: torch.Tensor, q: torch.Tensor, mode: Combine = "concat") -> torch
 
 
 def resolve_k(top_k: float, n: int) -> int:
-    """K of Eq. 5–6 as a count: a ratio of the batch when ``K < 1``, else a count; ≤ ``n``."""
-    k = math.ceil(top_k * n) if top_k < 1 else int(top_k)
-    return max(1, min(k, n))
+    """K of Eq. 5–6 as a count: a ratio of the batch when ``K < 1``, else a count; clipped
+    to ``[1, n]``. The ratio is exact: ``⌈K·n⌉`` with ``K`` the decimal written
+    (``Fraction(str(K))``, :mod:`fedfs_sdk.exact`), so ``K = 0.28, n = 25`` gives 7, where
+    ``⌈0.28·25⌉`` in floating point is 8."""
+    return _k_count(as_written(top_k, "top_k"), n)
+
+
+def _k_count(k: Fraction, n: int) -> int:
+    count = -((-k.numerator * n) // k.denominator) if k < 1 else int(k)   # ⌈p·n / q⌉ in integers
+    return max(1, min(count, n))
 
 
 def insub_logits(z: torch.Tensor, v: torch.Tensor, mode: LogitMode = "similarity",
@@ -113,10 +129,13 @@ def adaptive_soft_labels(z: torch.Tensor, v: torch.Tensor, top_k: float = 4, gam
         ranked = ass.masked_fill(~valid[:, None], float("-inf"))  # padded rows never rank
         # Top-K of each column by counting the (real) entries strictly above: in the top K
         # ⟺ fewer than K are larger (ties kept together, as ≥ the K-th largest). K is a count
-        # of the *real* batch — a ratio K < 1 is ⌈K·n_real⌉, as resolve_k — and no
-        # data-dependent shape appears, so this runs unchanged under vmap with padding.
-        n_real = valid.sum().to(torch.float64)
-        k = torch.ceil(n_real * top_k).clamp(min=1.0) if top_k < 1 else torch.full_like(n_real, int(top_k))
+        # of the *real* batch: resolve_k(top_k, n_real), looked up in a table of resolve_k
+        # for every possible n_real (exact integers, the same as the unpadded call), so no
+        # data-dependent shape appears and this runs unchanged under vmap with padding.
+        kf = as_written(top_k, "top_k")
+        table = torch.tensor([_k_count(kf, m) for m in range(n + 1)], dtype=torch.float64, device=ass.device)
+        n_real = valid.sum()
+        k = (table * (torch.arange(n + 1, device=ass.device) == n_real)).sum()
         larger = (ranked.unsqueeze(0) > ranked.unsqueeze(1)).sum(1)    # [i, j] = #{l : ass_lj > ass_ij}
         in_top = larger.to(torch.float64) < k
         beta = torch.where(eye, gamma * ass, torch.where(in_top, ass, torch.zeros_like(ass)))
