@@ -166,7 +166,8 @@ def test_any_batch_size_and_both_k_readings(top_k: float) -> None:
 def test_graph_soft_labels_equal_torch_soft_labels() -> None:
     """The batch-size-free α (count-based top-K) equals adaptive_soft_labels, ties included."""
     rng = np.random.default_rng(0)
-    for n, top_k in ((6, 4), (3, 4), (7, 0.3), (5, 1)):
+    # 0.28·25 and 0.07·100 are 7 exactly; ⌈·⌉ in floating point gives 8
+    for n, top_k in ((6, 4), (3, 4), (7, 0.3), (5, 1), (25, 0.28), (100, 0.07)):
         z = torch.from_numpy(rng.normal(size=(n, 8)).astype(np.float32))
         v = torch.from_numpy(rng.normal(size=(n, 8)).astype(np.float32))
         v[1] = v[0]                                  # a tie in every column's ranking
