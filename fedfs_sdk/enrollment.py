@@ -221,7 +221,7 @@ def save_enrollment(path: str | os.PathLike[str], enrollment: Enrollment, key: b
 
     p = Path(path)
     if p.exists() and not overwrite:
-        raise EnrollmentExistsError(f"{p} already holds an enrollment; pass overwrite=True to replace it")
+        raise EnrollmentExistsError(f"{p} already holds an enrollment; pass overwrite=True (`fedfs enroll --overwrite`) to replace it")
     header = _MAGIC + bytes([_VERSION])
     nonce = os.urandom(_NONCE)
     blob = header + nonce + _aesgcm(key).encrypt(nonce, enrollment.to_json(), header)

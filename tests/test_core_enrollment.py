@@ -224,7 +224,7 @@ def test_tampered_or_wrong_key_and_nothing_overwritten(tmp_path: Path) -> None:
     (tmp_path / "junk.enr").write_bytes(b"hello world, not an enrollment")
     with pytest.raises(EnrollmentError, match="not a fedfs enrollment"):
         load_enrollment(tmp_path / "junk.enr", key)
-    with pytest.raises(EnrollmentExistsError, match="overwrite=True"):
+    with pytest.raises(EnrollmentExistsError, match=r"overwrite=True \(`fedfs enroll --overwrite`\)"):
         save_enrollment(p, _enrollment(), key)
     assert p.read_bytes() == original                         # untouched
     with pytest.raises(InputError, match="16, 24 or 32 bytes"):
