@@ -12,8 +12,13 @@ and, after training, gives the inference backend that enrolls the owner:
   :class:`~fedfs_sdk.onnx_backend.OnnxBackend`. Nothing in this path imports torch.
 
 Both send the same thing: ``w_c`` and ``|D_c|`` as a ``fedfs-update/1`` safetensors body.
-``θ_c`` (FedFS) is kept in the device state as ``personal.safetensors`` in either runtime's
-format-compatible safetensors, so a device may switch runtimes between rounds.
+A runtime writes nothing into the device state: the new ``θ_c`` (FedFS) travels in the
+:class:`LocalUpdate`, and the agent keeps it as a pending file until the server has
+accepted the upload, then makes it ``personal.safetensors`` (the same safetensors layout
+in either runtime, so a device may switch runtimes between rounds).
+
+Local training is seeded per round: :func:`round_seed` derives the seed of the mini-batch
+order from the server's ``train.seed`` and the round id, so rounds do not repeat one order.
 """
 from __future__ import annotations
 
@@ -37,11 +42,24 @@ if TYPE_CHECKING:
 
 @dataclass
 class LocalUpdate:
-    """One round's result on the device: ``body`` is all that is uploaded."""
+    """One round's result on the device: ``body`` is all that is uploaded.
+
+    ``personal`` is the new ``θ_c`` (safetensors bytes; None for methods without one): it
+    stays on the device and replaces the stored ``θ_c`` only once the server has accepted
+    ``body``."""
 
     body: bytes
     num_samples: int
     metrics: dict[str, float] = field(default_factory=dict)
+    personal: bytes | None = None
+
+
+def round_seed(seed: int, round_id: int) -> int:
+    """The local-training seed of round ``round_id``: 32 bits drawn from
+    ``numpy.random.SeedSequence([seed, round_id])`` (``seed`` = the server's ``train.seed``),
+    so each round shuffles the mini-batches differently but reproducibly, in both runtimes."""
+    mask = (1 << 64) - 1
+    return int(np.random.SeedSequence([int(seed) & mask, int(round_id) & mask]).generate_state(1)[0])
 
 
 class DeviceRuntime(Protocol):
@@ -88,7 +106,7 @@ class TorchRuntime:
         from .checkpoint import load_checkpoint
         from .model import ModelConfig
         from .trainer import LocalTrainer
-        from .wire import check_finite, encode_update, train_config_from_json
+        from .wire import check_finite, encode_update, encode_weights, train_config_from_json
 
         method = check_method(str(task["method"]))
         config = ModelConfig.from_json(json.dumps(task["model_config"])).resolved()
@@ -103,13 +121,12 @@ class TorchRuntime:
             personal = loaded[0] if loaded is not None else None
         result = LocalTrainer(config, train_cfg, xi).train(
             self._decode(model)[0], agent.images_array(int(config.input_size)), personal_weights=personal,
-            codeword=codeword, neg_codewords=neg)
+            codeword=codeword, neg_codewords=neg, seed=round_seed(train_cfg.seed, int(task["round_id"])))
         check_finite(result.weights, "local result")
-        if result.personal_weights is not None:
-            agent.state.save_weights("personal", result.personal_weights)   # θ_c stays here
         body = encode_update(result.weights, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
                              num_samples=result.num_samples)
-        return LocalUpdate(body, result.num_samples, dict(result.metrics))
+        personal_bytes = encode_weights(result.personal_weights) if result.personal_weights is not None else None
+        return LocalUpdate(body, result.num_samples, dict(result.metrics), personal_bytes)   # θ_c stays on the device
 
     def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int) -> "InferenceBackend":
         from .checkpoint import load_verifier, save_verifier
@@ -225,6 +242,21 @@ class OrtRuntime:
         self.intra_op_threads = intra_op_threads
         self._trainers: dict[tuple[str, OrtTrainSettings], Any] = {}
 
+    def check(self, enroll: bool = False) -> int:
+        """Check the export folder before the device registers: every ``ort-training/*``
+        artifact complete and readable (at least one), and ``onnx/verifier.onnx`` when the
+        device will enroll. Returns the model's input size (for preprocessing the images)."""
+        from .ort_device import TrainingArtifact
+
+        arts = [TrainingArtifact.load(p) for p in sorted((self.root / "ort-training").iterdir()) if p.is_dir()]
+        if not arts:
+            raise CheckpointError(f"{self.root / 'ort-training'} holds no ORT training artifact; "
+                                  "write one with `fedfs export --formats onnx,ort-training`")
+        if enroll and not (self.root / "onnx" / "verifier.onnx").is_file():
+            raise CheckpointError(f"{self.root} has no ONNX verifier (onnx/verifier.onnx) to enroll with; "
+                                  "export with --formats onnx,ort-training")
+        return arts[0].input_size
+
     def _artifact(self, method: str) -> Path:
         from .ort_device import artifact_subdir
 
@@ -252,12 +284,15 @@ class OrtRuntime:
         neg = negative_codewords(task, art.code_length) if uses_feduv(method) and settings.lambda_neg > 0 else None
         personal = agent.state.load_arrays("personal") if uses_fedfs(method) else None
         up = trainer.train(weights, agent.images_array(art.input_size), personal_weights=personal,
-                           codeword=codeword, neg_codewords=neg, seed=settings.seed)
-        if up.personal_weights is not None:
-            agent.state.save_arrays("personal", up.personal_weights)   # θ_c stays here
+                           codeword=codeword, neg_codewords=neg, seed=round_seed(settings.seed, int(task["round_id"])))
         body = encode_update(up.weights, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
                              num_samples=up.num_samples)
-        return LocalUpdate(body, up.num_samples, dict(up.metrics))
+        personal_bytes = None
+        if up.personal_weights is not None:
+            from safetensors.numpy import save
+
+            personal_bytes = save({k: np.ascontiguousarray(v) for k, v in up.personal_weights.items()})
+        return LocalUpdate(body, up.num_samples, dict(up.metrics), personal_bytes)   # θ_c stays on the device
 
     def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int) -> "InferenceBackend":
         from .onnx_backend import OnnxBackend, with_weights
@@ -284,4 +319,4 @@ class OrtRuntime:
 
 
 __all__ = ["DeviceRuntime", "LocalUpdate", "TorchRuntime", "OrtRuntime", "OrtTrainSettings", "ort_settings_for",
-           "negative_codewords"]
+           "negative_codewords", "round_seed"]

@@ -94,3 +94,39 @@ def test_cli_errors_are_clear_and_keep_state(workspace: Path) -> None:
     assert (d / "errors.enr").read_bytes() == before       # refused, untouched
     assert fedfs("verify", "--enrollment", str(d / "errors.enr"), "--key-file", str(key),
                  str(d / "owner" / "00.png")).returncode == 0
+
+
+def test_failed_enroll_leaves_no_key_file_and_creates_no_state_folder(workspace: Path) -> None:
+    d = workspace
+    r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "other"),
+              "--out", str(d / "k.enr"), "--key-file", str(d / "new.key"))
+    assert r.returncode == 2 and "at least 10" in r.stderr
+    assert not (d / "new.key").exists() and not (d / "k.enr").exists()
+    r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
+              "--out", str(d / "k.enr"), "--key-file", str(d / "new.key"), "--device-state", str(d / "typo-state"))
+    assert r.returncode == 2 and "no device state" in r.stderr and "Traceback" not in r.stderr
+    assert not (d / "typo-state").exists() and not (d / "new.key").exists()
+
+
+def test_enroll_reads_the_codeword_with_the_device_key(tmp_path: Path) -> None:
+    from fedfs_sdk.cli.enroll import _codeword
+    from fedfs_sdk.device_state import DeviceKeyError, DeviceState
+
+    app_key = os.urandom(32)
+    with DeviceState(tmp_path / "app", key=app_key) as st:       # the app gave its key (--key-file)
+        st.save_registration("http://h:1", "da", "da.t", 3)
+        v_app = st.codeword(127)
+    with DeviceState(tmp_path / "own") as st:                     # no key given: STATE/enrollment.key
+        st.save_registration("http://h:1", "do", "do.t", 4)
+        v_own = st.codeword(127)
+    assert np.array_equal(_codeword(str(tmp_path / "app"), app_key), v_app)
+    assert np.array_equal(_codeword(str(tmp_path / "own"), None), v_own)
+    assert np.array_equal(_codeword(str(tmp_path / "own"), os.urandom(32)), v_own)   # falls back to the state's key
+    with pytest.raises(DeviceKeyError, match="wrong device key"):
+        _codeword(str(tmp_path / "app"), os.urandom(32))
+
+
+def test_device_rejects_negative_rounds(tmp_path: Path) -> None:
+    r = fedfs("device", "--server", "http://127.0.0.1:9", "--images", str(tmp_path / "img"),
+              "--state", str(tmp_path / "state"), "--rounds", "-1")
+    assert r.returncode == 2 and "--rounds must be ≥ 0" in r.stderr and not (tmp_path / "state").exists()

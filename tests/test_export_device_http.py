@@ -15,7 +15,7 @@ import pytest
 from conftest_export import NO_TORCH_PRELUDE, TINY, TOL, checkpoints, full_export, tiny_weights, xi_model
 from conftest_server import (ROOT, assert_published_fedavg, audited_uploads, start_server, subprocess_env,
                              write_images)
-from fedfs_sdk.device_runtime import ort_settings_for
+from fedfs_sdk.device_runtime import ort_settings_for, round_seed
 from fedfs_sdk.device_state import DeviceState
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.ort_device import TrainingArtifact
@@ -75,8 +75,9 @@ def test_artifact_only_devices_run_rounds_over_http(tmp_path) -> None:
             info = json.loads((state0 / "device.json").read_text())
         assert [r["runtime"] for r in info["rounds"]] == ["ort", "ort"]
         x = preprocess([str(p) for p in list_images(tmp_path / "img0")], TINY.resolved().input_size)
+        # the device seeds round r's batch order with round_seed(train.seed, r); train.seed defaults to 0
         ref = LocalTrainer(TINY, train_config_from_json("fedfs+feduv", TRAIN), xi=xi_model()).train(
-            tiny_weights(), x, codeword=codeword)
+            tiny_weights(), x, codeword=codeword, seed=round_seed(0, 1))
         got = dict(uploads[1][0][0])
         diff = max(float(np.abs(got[k] - ref.weights[k].numpy()).max()) for k in got)
         moved = max(float((ref.weights[k] - tiny_weights()[k]).abs().max()) for k in got)

@@ -139,3 +139,9 @@ def test_device_sends_only_weights_and_counts(tmp_path):
     for name, blob in secret_blobs.items():
         size = 4 if name == "r_u packed" else 8 if name == "threshold" else min(32, len(blob))
         assert not leaked(sent, blob, size), f"{name} appears in a request"
+
+    # On disk, r_u and the codeword are encrypted (AES-GCM under the device key), not in clear.
+    on_disk = json.loads(secrets_file)
+    assert on_disk["format"] == "fedfs-device-secrets/1" and set(on_disk) >= {"nonce", "ciphertext"}
+    for name in ("r_u text", "codeword hex", "codeword bits text"):
+        assert secret_blobs[name] not in secrets_file, f"{name} is stored in clear"

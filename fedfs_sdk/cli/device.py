@@ -3,7 +3,8 @@
     fedfs device --server http://127.0.0.1:8080 --images ./me --state ./device --rounds 5 --enroll
     fedfs device ... --artifacts ./phone-export     # ONNX Runtime training, no torch in the process
 
-The first run registers and creates the device state (token, ``b_u``, ``r_u``,
+The first run checks its inputs (server URL, images, ``--xi``, ``--artifacts``,
+``--key-file``), then registers and creates the device state (token, ``b_u``, ``r_u``,
 codeword, θ_c, enrollment); later runs reuse it.
 """
 from __future__ import annotations
@@ -25,43 +26,66 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--artifacts", type=Path, metavar="DIR",
                    help="train and verify from this export folder (fedfs export --formats onnx,ort-training) "
                         "with ONNX Runtime, as a phone does: torch is never imported")
-    p.add_argument("--wait-timeout", type=float, default=3600.0, help="give up after this many seconds without a task")
+    p.add_argument("--wait-timeout", type=float, default=3600.0,
+                   help="give up after this many seconds without progress: no task, or the server unreachable "
+                        "(default 3600)")
     p.add_argument("--registration-token", default=os.environ.get("FEDFS_REGISTRATION_TOKEN"),
                    help="token the server requires for registration (default $FEDFS_REGISTRATION_TOKEN)")
     p.add_argument("--detect-face", action="store_true", help="crop the largest face (OpenCV Haar cascade)")
     p.add_argument("--enroll", action="store_true", help="after the last round, enroll the owner (writes "
                    "STATE/verifier.safetensors and the encrypted STATE/enrollment.fedfs)")
     p.add_argument("--q", type=float, default=0.9, help="enrollment target TPR (default 0.9)")
-    p.add_argument("--key-file", type=Path, help="32-byte enrollment key (default: STATE/enrollment.key, created 0600)")
-    p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what leaves the device)")
+    p.add_argument("--key-file", type=Path, help="32-byte device key: encrypts the enrollment and the FedUV "
+                   "secrets (default: STATE/enrollment.key, created 0600)")
+    p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what "
+                   "leaves the device; a new folder is 0700, files 0600)")
     p.add_argument("--timeout", type=float, default=60.0, help="HTTP timeout per request (s)")
 
 
 def _printer(name: str, fields: dict[str, Any]) -> None:
+    if name == "server_unreachable":
+        print(f"[device] server unreachable, retrying until {fields['retrying_until']}: {fields['error']}",
+              file=sys.stderr, flush=True)
+        return
     parts = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
     print(f"[device] {name} {parts}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..client import DeviceAgent, DeviceConfig, ServerClient
+    from ..client import DeviceAgent, DeviceConfig, ServerClient, check_local_inputs, check_server_url
+    from ..device_runtime import OrtRuntime
     from ..device_state import DeviceState
+    from ..errors import InputError
     from ..preprocess import list_images
+    from .common import read_key
 
+    # Everything local is checked before the state folder is created and before the device
+    # registers: a mistake here must not leave a registered device that stalls every round.
+    if args.rounds < 0:
+        raise InputError(f"--rounds must be ≥ 0 (0: until the server is done), got {args.rounds}")
+    if not args.timeout > 0:
+        raise InputError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not args.wait_timeout > 0:
+        raise InputError(f"--wait-timeout must be > 0 seconds, got {args.wait_timeout}")
+    check_server_url(args.server)
+    key = read_key(str(args.key_file), create=False) if args.key_file is not None and args.key_file.exists() else None
     images = [str(p) for p in list_images(args.images)]
-    key = None
-    if args.key_file is not None:
-        from .common import read_key
-        key = read_key(str(args.key_file), create=True)
     config = DeviceConfig(rounds=args.rounds, device=args.device, artifacts=args.artifacts, xi_path=args.xi,
                           wait_timeout_s=args.wait_timeout,
                           detect_face=args.detect_face, enroll=args.enroll, q=args.q, enrollment_key=key,
                           registration_token=args.registration_token)
+    runtime = OrtRuntime(args.artifacts) if args.artifacts is not None else None
+    batches = check_local_inputs(images, config, runtime)
+    if args.key_file is not None and key is None:
+        config.enrollment_key = read_key(str(args.key_file), create=True)
+
     def on_retry(why: str, delay: float) -> None:
         print(f"[device] retrying in {delay:.1f} s: {why}", file=sys.stderr, flush=True)
 
     with DeviceState(args.state) as state, ServerClient(args.server, timeout=args.timeout, audit_dir=args.audit_dir,
                                                         on_retry=on_retry) as client:
-        report = DeviceAgent(client, state, images, config, on_event=_printer).run()
+        report = DeviceAgent(client, state, images, config, on_event=_printer, runtime=runtime,
+                             batches=batches).run()
     print(f"took part in {len(report.rounds)} round(s)"
           + (f", lost {len(report.lost_rounds)}" if report.lost_rounds else "")
           + (", server finished" if report.finished_by_server else "")

@@ -12,7 +12,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--images", required=True, help="folder of the owner's warm-up images")
     p.add_argument("--out", required=True, help="enrollment file to write (encrypted)")
     p.add_argument("--key-file", default=env_default("FEDFS_KEY_FILE"), required=env_default("FEDFS_KEY_FILE") is None,
-                   help="32-byte AES key; created (0600) if missing (default: $FEDFS_KEY_FILE)")
+                   help="32-byte AES key; created (0600) after a successful enrollment if missing "
+                        "(default: $FEDFS_KEY_FILE)")
     p.add_argument("--q", type=float, default=0.9, help="target true-positive rate (default 0.9)")
     p.add_argument("--device-state", default=None,
                    help="device state dir holding the FedUV codeword (codeword mode); template mode without it")
@@ -20,20 +21,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing enrollment")
 
 
+def _codeword(state_dir: str, key: bytes | None):
+    """The FedUV codeword of a device state, opened read-only (a typo creates nothing). Its
+    secrets are encrypted under the device's key: the given key file's, else the state's own
+    ``enrollment.key``."""
+    from ..device_state import DeviceKeyError, DeviceState
+
+    with DeviceState(state_dir, read_only=True, key=key) as st:
+        try:
+            return st.load_codeword()
+        except DeviceKeyError:
+            if key is None or not st.file("enrollment.key").is_file():
+                raise
+    with DeviceState(state_dir, read_only=True) as st:     # the device ran without --key-file
+        return st.load_codeword()
+
+
 def run(args: argparse.Namespace) -> int:
-    from ..enrollment import enroll, save_enrollment
+    from ..enrollment import enroll, generate_key, save_enrollment
+    from ..errors import EnrollmentExistsError
+    from ..fileio import atomic_write_bytes
     from ..preprocess import list_images
     from .common import load_backend, read_key
 
+    key_path = Path(args.key_file)
+    # An existing key is checked now; a new one is created only once the enrollment succeeded,
+    # so a failed `fedfs enroll` leaves no key file behind.
+    key = read_key(args.key_file, create=False) if key_path.exists() else None
+    if Path(args.out).exists() and not args.overwrite:
+        raise EnrollmentExistsError(f"{args.out} already holds an enrollment; pass --overwrite to replace it")
     backend = load_backend(args.model)
-    codeword = None
-    if args.device_state:
-        from ..device_state import DeviceState
-        codeword = DeviceState(args.device_state).load_codeword()
+    codeword = _codeword(args.device_state, key) if args.device_state else None
     files = list_images(args.images)
-    key = read_key(args.key_file, create=True)
     e = enroll(backend, [str(f) for f in files], q=args.q, codeword=codeword, detect_face=args.detect_face,
                meta={"model_path": str(Path(args.model).resolve())})
-    save_enrollment(args.out, e, key, overwrite=args.overwrite)
+    created = key is None
+    if created:
+        key = generate_key()
+        atomic_write_bytes(key_path, key, mode=0o600)
+    try:
+        save_enrollment(args.out, e, key, overwrite=args.overwrite)
+    except BaseException:
+        if created:
+            key_path.unlink(missing_ok=True)
+        raise
     print(f"enrolled from {e.n_warmup} images: mode={e.mode} τ={e.threshold:.4f} (q={e.q}) model={e.model_id} → {args.out}")
     return 0
