@@ -27,11 +27,11 @@ def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users
     g = p.add_argument_group("data")
     g.add_argument("--data", default="synth", help="'synth' (SynthFaces, generated) or an ImageFolder root "
                    "(root/<identity>/*.jpg|png|pgm, one client per identity)")
-    g.add_argument("--image-size", type=int, default=32, help="input side in pixels (default 32, the tiny backbone)")
+    g.add_argument("--image-size", type=int, default=32, help="input side in pixels (32 suits the tiny backbone)")
     g.add_argument("--difficulty", type=float, default=1.0, help="SynthFaces nuisance strength (0 clean … 1 default)")
     g.add_argument("--synth-seed", type=int, default=0, help="SynthFaces universe seed")
-    g.add_argument("--clients", type=int, default=clients, help=f"number of clients, one identity each (default {clients}; "
-                   "for a folder: all identities not public/new users when 0)")
+    g.add_argument("--clients", type=int, default=clients, help="number of clients, one identity each "
+                   "(for a folder, 0: all identities that are not public / new users)")
     g.add_argument("--new-users", type=int, default=new_users, help="identities never in training (FedUV's third set)")
     g.add_argument("--public", type=int, default=public, help="public identities for pre-training ξ")
     g.add_argument("--train-per-client", type=int, default=20, help="local training images per client "
@@ -67,16 +67,17 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
 
 def add_pretrain_arguments(p: argparse.ArgumentParser, epochs: int = 10) -> None:
     g = p.add_argument_group("pre-training of ξ")
-    g.add_argument("--backbone", default="tiny", choices=["tiny", "mobilefacenet", "feduv_cnn"])
+    g.add_argument("--backbone", default="tiny", choices=["tiny", "mobilefacenet", "feduv_cnn"],
+                   help="backbone of ξ and of the federated models")
     g.add_argument("--width", type=int, default=None, help="backbone width multiplier (tiny, feduv_cnn)")
     g.add_argument("--embedding-dim", type=int, default=None, help="embedding size (backbone default)")
-    g.add_argument("--margin-loss", default="cosface", choices=["cosface", "arcface"])
+    g.add_argument("--margin-loss", default="cosface", choices=["cosface", "arcface"], help="pre-training loss of ξ")
     g.add_argument("--margin", type=float, default=None, help="CosFace m (default 0.2) / ArcFace angle (0.5)")
     g.add_argument("--scale", type=float, default=16.0, help="logit scale s")
-    g.add_argument("--pretrain-epochs", type=int, default=epochs)
-    g.add_argument("--pretrain-optimizer", default="adamw", choices=["adamw", "sgd"])
-    g.add_argument("--pretrain-lr", type=float, default=5e-3)
-    g.add_argument("--pretrain-batch-size", type=int, default=128)
+    g.add_argument("--pretrain-epochs", type=int, default=epochs, help="epochs over the public identities")
+    g.add_argument("--pretrain-optimizer", default="adamw", choices=["adamw", "sgd"], help="optimizer of ξ")
+    g.add_argument("--pretrain-lr", type=float, default=5e-3, help="learning rate of ξ")
+    g.add_argument("--pretrain-batch-size", type=int, default=128, help="batch size of ξ")
     g.add_argument("--cache-dir", default=None, help="ξ cache (default $FEDFS_CACHE_DIR/pretrained or ~/.cache/fedfs/pretrained)")
 
 
@@ -147,7 +148,7 @@ def resolve_xi(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits
 
 
 def add_device_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -160,13 +161,11 @@ def setup_device(args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def progress_bar(desc: str, total: int | None = None, unit: str = "it", disable: bool = False) -> Iterator[Any]:
-    from tqdm import tqdm
+    """A tqdm bar on a terminal, a line per 10 % otherwise (``fedfs_sdk.cli.progress``)."""
+    from fedfs_sdk.cli.progress import progress_bar as _bar
 
-    bar = tqdm(total=total, desc=desc, unit=unit, disable=disable, file=sys.stderr, dynamic_ncols=True, leave=False)
-    try:
+    with _bar(desc, total=total, unit=unit, disable=disable, file=sys.stderr) as bar:
         yield bar
-    finally:
-        bar.close()
 
 
 __all__ = ["add_data_arguments", "build_data", "add_pretrain_arguments", "pretrain_config", "run_pretrain",

@@ -28,22 +28,25 @@ DEMO_DEFAULTS = dict(clients=100, new_users=10, public=300, train_per_client=20,
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DEMO_DEFAULTS
-    p.add_argument("--out", default="runs/demo", help="output directory")
-    p.add_argument("--clients", type=int, default=d["clients"])
-    p.add_argument("--new-users", type=int, default=d["new_users"])
-    p.add_argument("--public", type=int, default=d["public"], help="public identities for ξ")
-    p.add_argument("--train-per-client", type=int, default=d["train_per_client"])
-    p.add_argument("--test-per-client", type=int, default=d["test_per_client"])
-    p.add_argument("--public-images", type=int, default=d["public_images"])
-    p.add_argument("--rounds", type=int, default=d["rounds"])
-    p.add_argument("--participation", type=float, default=d["participation"])
-    p.add_argument("--pretrain-epochs", type=int, default=d["pretrain_epochs"])
-    p.add_argument("--method", nargs="+", default=["pretrained", "fedfs", "feduv", "fedfs+feduv"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--out", default="runs/demo", help="output directory for results.json, results.md and roc.png "
+                   "(a relative path is relative to the current directory)")
+    p.add_argument("--clients", type=int, default=d["clients"], help="federated clients, one SynthFaces identity each")
+    p.add_argument("--new-users", type=int, default=d["new_users"], help="identities never seen in training")
+    p.add_argument("--public", type=int, default=d["public"], help="public identities for pre-training ξ")
+    p.add_argument("--train-per-client", type=int, default=d["train_per_client"], help="local training images per client")
+    p.add_argument("--test-per-client", type=int, default=d["test_per_client"], help="held-out test images per client")
+    p.add_argument("--public-images", type=int, default=d["public_images"], help="images per public identity")
+    p.add_argument("--rounds", type=int, default=d["rounds"], help="federated rounds T")
+    p.add_argument("--participation", type=float, default=d["participation"], help="fraction of clients per round")
+    p.add_argument("--pretrain-epochs", type=int, default=d["pretrain_epochs"], help="epochs of ξ pre-training")
+    p.add_argument("--method", nargs="+", default=["pretrained", "fedfs", "feduv", "fedfs+feduv"],
+                   help="methods to run side by side (see fedfs simulate --help)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0, help="federation seed (sampling, init, local shuffles)")
+    p.add_argument("--cache-dir", default=None,
+                   help="ξ cache (default $FEDFS_CACHE_DIR/pretrained or ~/.cache/fedfs/pretrained)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
 def simulate_args(args: argparse.Namespace) -> argparse.Namespace:

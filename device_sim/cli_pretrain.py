@@ -26,7 +26,7 @@ from .metrics import verification_metrics
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="xi.safetensors", help="where to write the ξ checkpoint")
     p.add_argument("--force", action="store_true", help="retrain even if the cache has this config")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
     add_device_argument(p)
     add_data_arguments(p)
     add_pretrain_arguments(p)

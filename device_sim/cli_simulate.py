@@ -41,9 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=None, help="local SGD lr (default: FedFS 5e-3, FedUV 0.1)")
     p.add_argument("--head-lr", type=float, default=None, help="lr of a randomly started head (default: the "
                    "method's — 20 for the FedUV head W, which σ makes scale-invariant; 0.1 for class embeddings)")
-    p.add_argument("--batch-size", type=int, default=10, help="local batch size (default 10)")
-    p.add_argument("--momentum", type=float, default=0.0)
-    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=10, help="local batch size")
+    p.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="local SGD weight decay")
     p.add_argument("--seed", type=int, default=0, help="federation seed (sampling, init, local shuffles)")
     p.add_argument("--pretrained", default=None, help="ξ checkpoint (default: pre-train on the public identities, cached)")
     p.add_argument("--executor", default="auto", choices=["auto", "sequential", "batched"],
@@ -58,8 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-clients", type=int, default=1000, help="evaluate at most this many clients")
     p.add_argument("--impostor-pool", type=int, default=2000, help="at most this many impostor images per client")
     p.add_argument("--q", type=float, default=0.9, help="FedUV warm-up target TPR")
-    p.add_argument("--out", default="runs/simulate", help="output directory")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--out", default="runs/simulate", help="output directory (a relative path is relative to the "
+                   "current directory)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
     add_device_argument(p)
     add_data_arguments(p)
     add_pretrain_arguments(p)
@@ -133,6 +134,9 @@ def run_simulation(args: argparse.Namespace, title: str = "fedfs simulate",
     for spec in args.method:  # fail fast on a typo before any pre-training
         parse_method(spec)
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)      # an unwritable --out fails now, not after training
     t0 = time.perf_counter()
     ds, splits = build_data(args)
     pop = Population(ds, splits)

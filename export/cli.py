@@ -18,7 +18,7 @@ from pathlib import Path
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="fedfs .safetensors checkpoint (the global model)")
     p.add_argument("--formats", default="onnx",
-                   help="comma-separated: onnx, onnx-int8, coreml, ort-training (default: onnx)")
+                   help="comma-separated: onnx, onnx-int8, coreml, ort-training")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
     p.add_argument("--xi", default=None, help="frozen pre-trained model ξ (.safetensors), needed for FedFS training artifacts")
     p.add_argument("--methods", default=None,
@@ -26,11 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train", default=None,
                    help="local-training settings as JSON or a JSON file: the 'train' object of a server round "
                         "(lr, head_lr, local_epochs, batch_size, objective); default: the papers' values")
-    p.add_argument("--coreml-precision", default="fp16,fp32", help="fp16 and/or fp32 (default: both)")
+    p.add_argument("--coreml-precision", default="fp16,fp32", help="fp16 and/or fp32, comma-separated")
     p.add_argument("--calibration", default=None,
                    help="folder of aligned face images for int8 calibration (default: generated SynthFaces)")
     p.add_argument("--evaluate-int8", action="store_true", help="report the int8 AUROC change on SynthFaces")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out once the new export is complete")
+    p.add_argument("--quiet", action="store_true", help="no progress display (the summary is still printed)")
 
 
 def _read_train(text: str | None) -> dict | None:
@@ -49,7 +50,7 @@ def _read_train(text: str | None) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from fedfs_sdk.cli.progress import progress_bar
 
     from .pipeline import ExportOptions, parse_formats, run_export
 
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         train=_read_train(args.train),
         coreml_precisions=tuple(p.strip() for p in args.coreml_precision.split(",") if p.strip()),
         calibration=args.calibration, evaluate_int8=args.evaluate_int8, overwrite=args.overwrite)
-    with tqdm(unit="step", desc="export") as bar:   # steps: checkpoint, each artifact, manifest
+    with progress_bar("export", unit="step", disable=args.quiet) as bar:   # steps: checkpoint, each artifact, manifest
         def progress(msg: str) -> None:
             bar.set_postfix_str(msg)
             bar.update(1)

@@ -117,9 +117,10 @@ def load_for_export(path: str | os.PathLike[str]) -> LoadedCheckpoint:
 
 
 def model_version(meta: dict[str, Any]) -> str:
-    """The version string written into every artifact: the checkpoint's ``model_version``
-    or FL ``round`` if it records one, else ``unversioned``."""
-    for key in ("model_version", "round"):
+    """The version string written into every artifact: the checkpoint's ``model_version``,
+    the global ``version`` a ``fedfs serve`` checkpoint records (``models/vNNNNNN``), or the
+    FL ``round`` if it records one, else ``unversioned``."""
+    for key in ("model_version", "version", "round"):
         if key in meta and meta[key] is not None:
             return str(meta[key])
     return "unversioned"

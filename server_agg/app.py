@@ -14,7 +14,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Literal
 
-from fastapi import Body, FastAPI, Path, Request, Security
+from fastapi import Body, FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -95,6 +95,7 @@ class ServerStatus(BaseModel):
     rounds_completed: int
     rounds_target: int
     devices: int
+    active_devices: int
     round: RoundStatus | None
 
 
@@ -298,17 +299,21 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
     def get_config(_: str = Security(admin)) -> dict[str, Any]:
         return coord.policy.to_json()
 
-    @app.put("/v1/admin/config", tags=["admin"], responses=_errors(401, 422))
+    @app.put("/v1/admin/config", tags=["admin"], responses=_errors(401, 409, 422))
     def put_config(changes: dict[str, Any] = Body(...), _: str = Security(admin)) -> dict[str, Any]:
-        """Change round-policy settings (partial object); applies from the next round."""
+        """Change round-policy settings (partial object); applies from the next round. A
+        ``method`` the global model cannot run is refused (409 ``model_method_mismatch``)."""
         return coord.set_policy(changes)
 
     @app.post("/v1/admin/model", response_model=ModelInfo, responses=_errors(401, 409, 413, 415, 422), tags=["admin"],
               openapi_extra=_BINARY_BODY)
-    async def install_model(request: Request, _: str = Security(admin)) -> dict[str, Any]:
-        """Publish a fedfs checkpoint (safetensors) as the next global version (no round open)."""
+    async def install_model(request: Request, method: Literal["feduv", "fedfs", "fedfs+feduv"] | None = Query(
+            None, description="also switch the policy's method to this one, in the same step"),
+            _: str = Security(admin)) -> dict[str, Any]:
+        """Publish a fedfs checkpoint (safetensors) as the next global version (no round open).
+        It must fit the policy's method (or ``method``): else 409 ``model_method_mismatch``."""
         body = await read_body(request, max_body_bytes)
-        return await run_in_threadpool(coord.install_model, body)
+        return await run_in_threadpool(coord.install_model, body, method)
 
     @app.post("/v1/admin/rounds", status_code=201, response_model=RoundStatus, responses=_errors(401, 409), tags=["admin"])
     def open_round(_: str = Security(admin)) -> dict[str, Any]:

@@ -3,8 +3,12 @@
     fedfs serve --state ./server --init-backbone tiny --code-length 127 --method feduv \\
                 --rounds 5 --min-participants 3
 
-Policy flags (``--method`` … ``--seed``) are stored in the state directory; flags given
-on a later start override the stored values, omitted ones keep them.
+Policy flags (``--method`` … ``--device-ttl``) are stored in the state directory; flags
+given on a later start override the stored values, omitted ones keep them.
+
+Start-up order: flags are checked (including that the method can run on the model), the
+port is bound, the state directory is locked (one server per state), and only then is
+anything written to the state — so a refused start leaves a new state directory absent.
 """
 from __future__ import annotations
 
@@ -12,10 +16,12 @@ import argparse
 import json
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
 from fedfs_sdk.errors import InputError
+from fedfs_sdk.objective import uses_fedfs
 
 log = logging.getLogger("fedfs.server")
 
@@ -25,12 +31,13 @@ _POLICY_FLAGS: dict[str, tuple[str, type]] = {
     "min_participants": ("min_participants", int), "quorum": ("quorum", float), "min_updates": ("min_updates", int),
     "round_timeout": ("round_timeout_s", float), "rounds": ("rounds", int),
     "max_update_norm": ("max_update_norm", float), "max_num_samples": ("max_num_samples", int), "seed": ("seed", int),
+    "device_ttl": ("device_ttl_s", float),
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="TCP port (default 8080)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    p.add_argument("--port", type=int, default=8080, help="TCP port (0: any free port, logged at start)")
     p.add_argument("--state", required=True, type=Path, help="state directory (database, model versions, updates)")
     p.add_argument("--admin-token", help="admin bearer token (else $FEDFS_ADMIN_TOKEN, else generated into STATE/admin_token)")
     p.add_argument("--registration-token", default=os.environ.get("FEDFS_REGISTRATION_TOKEN"),
@@ -39,15 +46,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--init-model", type=Path, metavar="CKPT", help="publish this fedfs checkpoint as version 1")
     g.add_argument("--init-backbone", choices=("tiny", "feduv_cnn", "mobilefacenet"),
                    help="publish a freshly initialized model with this backbone as version 1")
-    g.add_argument("--code-length", type=int, choices=(127, 255, 511), help="FedUV head size c (feduv methods)")
-    g.add_argument("--proj-dim", type=int, help="FedFS extra linear layer size (fedfs methods)")
-    g.add_argument("--embedding-dim", type=int)
-    g.add_argument("--input-size", type=int)
-    g.add_argument("--width", type=int)
-    g.add_argument("--init-seed", type=int, default=0)
-    p.add_argument("--xi", type=Path, metavar="CKPT", help="frozen ξ checkpoint served read-only to FedFS devices")
+    g.add_argument("--code-length", type=int, choices=(127, 255, 511),
+                   help="FedUV head size c (needed by the feduv and fedfs+feduv methods)")
+    g.add_argument("--proj-dim", type=int,
+                   help="FedFS extra linear layer size (needed by the fedfs and fedfs+feduv methods)")
+    g.add_argument("--embedding-dim", type=int, help="embedding size (default: the backbone's)")
+    g.add_argument("--input-size", type=int, help="input image side in pixels (default: the backbone's)")
+    g.add_argument("--width", type=int, help="width multiplier of the tiny / feduv_cnn backbones (default: the backbone's)")
+    g.add_argument("--init-seed", type=int, default=0, help="seed of the random initialization")
+    p.add_argument("--xi", type=Path, metavar="CKPT", help="frozen ξ checkpoint served read-only to FedFS devices; "
+                   "with --init-backbone and a FedFS method the initial backbone is copied from it (required then)")
     g = p.add_argument_group("round policy (stored; see docs/protocol.md)")
-    g.add_argument("--method", choices=("feduv", "fedfs", "fedfs+feduv"))
+    g.add_argument("--method", choices=("feduv", "fedfs", "fedfs+feduv"),
+                   help="what devices train (stored default: feduv); must fit the model: feduv needs "
+                        "--code-length, fedfs needs --proj-dim, fedfs+feduv both")
     g.add_argument("--train", metavar="JSON", help='training settings, e.g. \'{"lr": 0.1, "local_epochs": 1}\'')
     g.add_argument("--neg-codewords", type=int, help="random codewords per device for FedUV ℓ_neg")
     g.add_argument("--participation", type=float, help="fraction of devices sampled per round (0, 1]")
@@ -59,13 +71,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-update-norm", type=float, help="clip ‖w_c − w‖₂ to this bound")
     g.add_argument("--max-num-samples", type=int, help="largest |D_c| a device may claim")
     g.add_argument("--seed", type=int, help="seed of the participant sampling")
+    g.add_argument("--device-ttl", type=float, metavar="SECONDS",
+                   help="sample only devices that contacted the server (any authenticated request) within this "
+                        "many seconds (stored default: 2 × round timeout; 0: every registered device)")
+    from .config import RoundPolicy
+
+    initial = RoundPolicy()
+    for action in g._group_actions:            # show what a new state starts with
+        field = _POLICY_FLAGS.get(action.dest, (None,))[0]
+        if field is not None and "default" not in (action.help or ""):
+            value = getattr(initial, field)
+            action.help = f"{action.help} (stored; a new state starts with {'none' if value is None else value})"
     g = p.add_argument_group("service")
-    g.add_argument("--max-body-mb", type=float, default=256.0, help="request body limit in MiB (default 256); "
+    g.add_argument("--max-body-mb", type=float, default=256.0, help="request body limit in MiB; "
                    "uploads are also limited to the model's size plus 1 MiB")
     g.add_argument("--keep-updates", action="store_true", help="keep update files of closed rounds (audit)")
     g.add_argument("--poll-interval", type=float, default=2.0, help="retry_after hint for waiting devices (s)")
     g.add_argument("--tick-interval", type=float, default=0.5, help="how often deadlines are checked (s)")
-    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                   help="log lines (JSON on stderr) at this level and above")
 
 
 def policy_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,46 +130,132 @@ def initial_checkpoint(args: argparse.Namespace) -> bytes | None:
                                     "meta": json.dumps({"init": args.init_backbone, "seed": args.init_seed})})
 
 
+def model_config_of(checkpoint: bytes) -> dict[str, Any]:
+    """The model config a fedfs checkpoint's header declares (``InputError`` if unreadable)."""
+    from fedfs_sdk.wire_format import read_header
+
+    try:
+        _, meta = read_header(checkpoint)
+        config = json.loads(meta.get("model_config", "null"))
+    except (InputError, ValueError) as e:
+        raise InputError(f"the initial model is not a fedfs checkpoint: {e}") from None
+    if not isinstance(config, dict):
+        raise InputError("the initial model is not a fedfs checkpoint (no model_config)")
+    return config
+
+
+def check_start(args: argparse.Namespace, method: str, model_config: dict[str, Any] | None,
+                installs_initial: bool, where: str = "the initial model") -> None:
+    """Refuse (``InputError``) a start whose method cannot run on its model, or a FedFS
+    start from ``--init-backbone`` without the ξ its backbone must be copied from."""
+    from .config import method_model_problem
+
+    problem = method_model_problem(method, model_config)
+    if problem is not None:
+        fix = {"code_length": "give --code-length 127|255|511", "proj_dim": "give --proj-dim N"}
+        missing = "code_length" if "code_length" in problem else "proj_dim"
+        how = fix[missing] if installs_initial else "install a model that has it (POST /v1/admin/model?method=…)"
+        raise InputError(f"{problem.replace('this model', where)}: {how}, or choose a --method it supports")
+    if installs_initial and args.init_backbone is not None and uses_fedfs(method) and args.xi is None:
+        raise InputError(f"method {method!r} starts the global backbone from the pre-trained ξ: give --xi CKPT "
+                         "with --init-backbone (or publish a trained model with --init-model)")
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``, bound before the state is touched so a busy
+    port fails the start without writing anything (uvicorn then serves on it)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise InputError(f"--host {host!r} cannot be resolved: {e.strerror}") from None
+    infos.sort(key=lambda info: info[0] != socket.AF_INET)      # "localhost": IPv4 first, as devices dial it
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # not SO_REUSEPORT: a busy port stays busy
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
+    from .config import RoundPolicy
+    from .logs import setup_logging
+    from .rounds import validate_xi
+    from .store import Layout, StateLock
+
+    setup_logging(args.log_level)
+    xi = None
+    if args.xi is not None:
+        if not args.xi.is_file():
+            raise InputError(f"--xi: no such file {args.xi}")
+        xi = args.xi.read_bytes()
+        validate_xi(xi)
+    overrides = policy_overrides(args)
+    layout = Layout(args.state.resolve())
+    if layout.root.exists() and not layout.root.is_dir():
+        raise InputError(f"--state {args.state} exists and is not a directory")
+    init = initial_checkpoint(args)            # bad flags fail before the state is touched
+    init_config = model_config_of(init) if init is not None else None
+    if not layout.db.exists():                 # a new state: its policy is the defaults + flags
+        try:
+            method = RoundPolicy().updated(overrides).method
+        except InputError as e:
+            raise InputError(f"invalid round policy: {e}") from None
+        check_start(args, method, init_config, installs_initial=init is not None)
+    sock = bind_listener(args.host, args.port)
+    try:
+        with StateLock(layout.root):
+            return _serve(args, layout, sock, overrides, init, init_config, xi)
+    finally:
+        sock.close()
+
+
+def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides: dict[str, Any],
+           init: bytes | None, init_config: dict[str, Any] | None, xi: bytes | None) -> int:
+    """Everything after the port is bound and the state locked."""
     import uvicorn
 
     from .app import create_app
     from .auth import load_admin_token
-    from .logs import setup_logging
     from .rounds import Coordinator
-    from .store import Layout
 
-    setup_logging(args.log_level)
-    if args.xi is not None and not args.xi.is_file():
-        raise InputError(f"--xi: no such file {args.xi}")
-    overrides = policy_overrides(args)
-    init = initial_checkpoint(args)            # bad flags fail before the state is touched
-    layout = Layout(args.state.resolve())
-    layout.create()
-    admin_token, generated = load_admin_token(layout.admin_token, args.admin_token)
-    if generated:
-        log.info("admin token generated", extra={"fields": {"path": str(layout.admin_token)}})
-    coord = Coordinator(layout, policy_overrides=overrides, keep_updates=args.keep_updates,
-                        poll_interval_s=args.poll_interval)
-    if args.xi is not None:
-        coord.install_xi(args.xi.read_bytes())
-    if init is not None:
-        if coord.model is None:
-            coord.install_model(init)
-        else:
+    coord = Coordinator(layout, keep_updates=args.keep_updates, poll_interval_s=args.poll_interval)
+    try:
+        method = coord.policy.updated(overrides).method
+        installs = init is not None and coord.model is None
+        where = "the initial model" if installs or coord.model is None else f"the state's model v{coord.model.version}"
+        check_start(args, method, init_config if installs else (coord.model.model_config if coord.model else None),
+                    installs_initial=installs, where=where)
+        if not coord.configure(overrides, init) and init is not None:
             log.info("initial model ignored: the state already has one",
                      extra={"fields": {"model_version": coord.model.version}})
-    app = create_app(coord, admin_token=admin_token, registration_token=args.registration_token,
-                     max_body_bytes=int(args.max_body_mb * (1 << 20)), tick_interval_s=args.tick_interval)
-    log.info("serving", extra={"fields": {"url": f"http://{args.host}:{args.port}", "state": str(layout.root),
-                                          "model_version": coord.model.version if coord.model else None,
-                                          "policy": coord.policy.to_json()}})
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_config=None, access_log=False,
-                    log_level=args.log_level, timeout_graceful_shutdown=5)
+        if xi is not None:
+            coord.install_xi(xi)
+        admin_token, generated = load_admin_token(layout.admin_token, args.admin_token)
+        if generated:
+            log.info("admin token generated", extra={"fields": {"path": str(layout.admin_token)}})
+        app = create_app(coord, admin_token=admin_token, registration_token=args.registration_token,
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)), tick_interval_s=args.tick_interval)
+        port = sock.getsockname()[1]
+        log.info("serving", extra={"fields": {"url": f"http://{args.host}:{port}", "state": str(layout.root),
+                                              "pid": os.getpid(),
+                                              "model_version": coord.model.version if coord.model else None,
+                                              "policy": coord.policy.to_json()}})
+        config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.log_level,
+                                timeout_graceful_shutdown=5)
+        server = uvicorn.Server(config)
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:   # pragma: no cover - uvicorn handles SIGINT itself
+            pass
+        return 0 if server.started else 3
     finally:
         coord.close()
-    return 0
 
 
-__all__ = ["add_arguments", "run", "policy_overrides", "initial_checkpoint"]
+__all__ = ["add_arguments", "run", "policy_overrides", "initial_checkpoint", "check_start", "bind_listener"]

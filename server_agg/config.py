@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.wire_format import MAX_ID, is_finite_number
-from fedfs_sdk.objective import METHODS, uses_feduv
+from fedfs_sdk.objective import METHODS, uses_fedfs, uses_feduv
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,9 @@ class RoundPolicy:
         max_update_norm: optional bound on ``‖w_c − w‖₂``; larger updates are clipped to it.
         max_num_samples: largest ``|D_c|`` a device may claim (bounds one device's weight).
         seed: seeds the participant sampling (round ``t`` uses ``seed`` and ``t``).
+        device_ttl_s: liveness: only devices whose last authenticated request (any, e.g.
+            ``GET /v1/task``) is at most this many seconds old are sampled. ``None``:
+            ``2 · round_timeout_s``; ``0``: every registered device is eligible.
     """
 
     method: str = "feduv"
@@ -52,6 +55,7 @@ class RoundPolicy:
     max_update_norm: float | None = None
     max_num_samples: int = 1_000_000
     seed: int = 0
+    device_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -68,6 +72,10 @@ class RoundPolicy:
         # |D_c| · weights summed in float64 over many devices: keep the claim far from overflow
         _check_int("max_num_samples", self.max_num_samples, 1, 2**40)
         _check_int("seed", self.seed, 0)
+        if self.device_ttl_s is not None:
+            _check_number("device_ttl_s", self.device_ttl_s)
+            if self.device_ttl_s < 0:
+                raise InputError(f"device_ttl_s must be ≥ 0 (0 disables the liveness rule), got {self.device_ttl_s!r}")
         if not isinstance(self.train, Mapping):
             raise InputError("train must be an object")
         from fedfs_sdk.wire import train_config_from_json
@@ -79,6 +87,11 @@ class RoundPolicy:
     def sample_size(self, registered: int) -> int:
         """How many of ``registered`` devices a round samples: ``max(min, ⌈fraction·N⌉)``, ≤ N."""
         return min(registered, max(self.min_participants, math.ceil(self.participation * registered)))
+
+    @property
+    def device_ttl(self) -> float:
+        """The liveness window in seconds (0: disabled)."""
+        return 2.0 * self.round_timeout_s if self.device_ttl_s is None else float(self.device_ttl_s)
 
     def quorum_count(self, sampled: int) -> int:
         return max(1, math.ceil(self.quorum * sampled))
@@ -104,6 +117,18 @@ class RoundPolicy:
             raise InputError(f"invalid policy: {e}") from None
 
 
+def method_model_problem(method: str, model_config: Mapping[str, Any] | None) -> str | None:
+    """Why devices cannot train ``method`` on a model with ``model_config``, or None if they
+    can (or there is no model yet)."""
+    if model_config is None:
+        return None
+    if uses_feduv(method) and not model_config.get("code_length"):
+        return f"method {method!r} needs a model with a FedUV head (code_length), and this model has none"
+    if uses_fedfs(method) and not model_config.get("proj_dim"):
+        return f"method {method!r} needs a model with the FedFS projection (proj_dim), and this model has none"
+    return None
+
+
 def _check_int(name: str, v: Any, minimum: int, maximum: int = MAX_ID) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
         raise InputError(f"{name} must be an integer in [{minimum}, {maximum}], got {str(v)[:40]}")
@@ -120,4 +145,4 @@ def _check_fraction(name: str, v: Any) -> None:
         raise InputError(f"{name} must be in (0, 1], got {v!r}")
 
 
-__all__ = ["RoundPolicy"]
+__all__ = ["RoundPolicy", "method_model_problem"]

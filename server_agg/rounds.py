@@ -33,19 +33,22 @@ from typing import Any, Callable, Mapping
 import torch
 
 from fedfs_sdk.errors import CheckpointError, InputError
-from fedfs_sdk.objective import uses_fedfs, uses_feduv
 from fedfs_sdk.wire import (MODEL_FORMAT, check_finite, check_layout, clip_update, decode_update,
                             decode_weights, encode_update, encode_weights, model_nbytes, sha256_hex)
 
 from .aggregate import StreamingFedAvg
 from .auth import device_id_of, hash_token, new_device_id, new_device_token, tokens_equal
-from .config import RoundPolicy
+from .config import RoundPolicy, method_model_problem
 from .errors import BadRequest, Conflict, Forbidden, Gone, NotFound, Unauthorized, Unprocessable
 from .store import Database, Layout, atomic_write, commit_file, write_temp
 
 log = logging.getLogger("fedfs.server")
 
 BASE_BITS = 32
+SEEN_WRITE_INTERVAL_S = 5.0
+"""``devices.last_seen`` is written at most this often per device, in one batch per
+:meth:`Coordinator.tick` (every request updates the in-memory value the sampling uses; the
+database copy only has to survive a restart)."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class Coordinator:
         keep_updates: keep update files of closed rounds (audit) instead of deleting them.
         poll_interval_s: the ``retry_after`` hint sent to waiting devices.
         clock: time source (seconds since the epoch).
+
+    ``policy_overrides`` are applied with :meth:`configure`, so a method the state's model
+    cannot run is refused (:class:`InputError`) before anything is stored.
     """
 
     def __init__(self, layout: Layout, *, policy_overrides: Mapping[str, Any] | None = None,
@@ -102,14 +108,43 @@ class Coordinator:
         self._lock = threading.RLock()
         self.db = Database(layout.db)
         stored = self.db.get_meta("policy")
-        policy = RoundPolicy.from_json(json.loads(stored)) if stored else RoundPolicy()
-        if policy_overrides:
-            policy = policy.updated(policy_overrides)
-        self.policy = policy
-        self.db.set_meta("policy", json.dumps(policy.to_json()))
+        self.policy = RoundPolicy.from_json(json.loads(stored)) if stored else RoundPolicy()
         self.model: GlobalModel | None = None
         self.round: OpenRound | None = None
+        self._seen: dict[str, float] = {}          # device → last authenticated request (memory)
+        self._seen_written: dict[str, float] = {}  # device → the value last written to the database
+        self._seen_dirty: set[str] = set()         # devices whose database value is to be refreshed
         self._recover()
+        if policy_overrides:
+            self.configure(policy_overrides)
+        elif stored is None:
+            self.db.set_meta("policy", json.dumps(self.policy.to_json()))
+
+    def configure(self, policy_overrides: Mapping[str, Any] | None = None,
+                  initial_model: bytes | None = None) -> bool:
+        """Apply start-up settings in one step: policy overrides, and ``initial_model``
+        (published as the next version only while the state has no model). The method of the
+        resulting policy is checked against the resulting model first; on a mismatch
+        :class:`InputError` and nothing changes. Returns whether ``initial_model`` was
+        published."""
+        with self._lock:
+            policy = self.policy.updated(policy_overrides or {})
+            install = initial_model is not None and self.model is None
+            if install:
+                weights, config = self._decode_model(initial_model)   # type: ignore[arg-type]
+            else:
+                config = self.model.model_config if self.model is not None else None
+            problem = method_model_problem(policy.method, config)
+            if problem is not None:
+                which = "the initial model" if install else f"the state's model v{self.model.version}"  # type: ignore[union-attr]
+                raise InputError(problem.replace("this model", which))
+            if policy != self.policy or self.db.get_meta("policy") is None:
+                self.db.set_meta("policy", json.dumps(policy.to_json()))
+                self.policy = policy
+            if install:
+                self._publish(1, weights, config, round_id=None, count=0, samples=0)
+                _event("model installed", version=self.model.version)  # type: ignore[union-attr]
+            return install
 
     # ---- devices -----------------------------------------------------------------------
 
@@ -121,10 +156,12 @@ class Coordinator:
                 token = new_device_token(device_id)
                 try:
                     with self.db.transaction() as c:
-                        c.execute("INSERT INTO devices(id, token_hash, base, created_at) VALUES (?, ?, ?, ?)",
-                                  (device_id, hash_token(token), base, self.clock()))
+                        now = self.clock()
+                        c.execute("INSERT INTO devices(id, token_hash, base, created_at, last_seen)"
+                                  " VALUES (?, ?, ?, ?, ?)", (device_id, hash_token(token), base, now, now))
                 except sqlite3.IntegrityError:
                     continue  # id or b_u already taken: draw again (b_u is never reissued)
+                self._seen[device_id] = self._seen_written[device_id] = now
                 _event("device registered", device_id=device_id)
                 return {"device_id": device_id, "token": token, "base_vector": base, "base_bits": BASE_BITS}
         raise Conflict("could not allocate a unique base vector", code="base_space_exhausted")
@@ -142,16 +179,78 @@ class Coordinator:
             raise Unauthorized(f"unknown device {device_id}", code="unknown_device")
         if not tokens_equal(token, stored):
             raise Unauthorized(f"invalid token for device {device_id}", code="invalid_token")
+        self._saw(device_id)
         return device_id
+
+    def _saw(self, device_id: str) -> None:
+        """Record an authenticated request of ``device_id`` (its liveness)."""
+        now = self.clock()
+        with self._lock:
+            self._seen[device_id] = now
+            if now - self._seen_written.get(device_id, float("-inf")) >= SEEN_WRITE_INTERVAL_S:
+                self._seen_dirty.add(device_id)
+
+    def _flush_seen(self) -> None:
+        """Write the pending ``last_seen`` values in one transaction."""
+        with self._lock:
+            if not self._seen_dirty:
+                return
+            rows = [(self._seen[d], d, self._seen[d]) for d in sorted(self._seen_dirty)]
+            with self.db.transaction() as c:
+                c.executemany("UPDATE devices SET last_seen = ? WHERE id = ? AND COALESCE(last_seen, 0) < ?", rows)
+            for t, d, _ in rows:
+                self._seen_written[d] = t
+            self._seen_dirty.clear()
 
     def device_count(self) -> int:
         with self._lock:
             return int(self.db.scalar("SELECT COUNT(*) FROM devices"))
 
+    def eligible_devices(self, policy: RoundPolicy | None = None) -> list[str]:
+        """Sorted ids of the devices a round may sample: all registered ones, or with a
+        liveness window (``policy.device_ttl`` > 0) those seen within it."""
+        policy = policy or self.policy
+        with self._lock:
+            rows = self.db.all("SELECT id, last_seen FROM devices ORDER BY id")
+            ttl = policy.device_ttl
+            if ttl <= 0:
+                return [r["id"] for r in rows]
+            since = self.clock() - ttl
+            return [r["id"] for r in rows
+                    if max(self._seen.get(r["id"], float("-inf")), r["last_seen"] or float("-inf")) >= since]
+
     # ---- models ------------------------------------------------------------------------
 
-    def install_model(self, data: bytes) -> dict[str, Any]:
-        """Publish an admin-supplied fedfs checkpoint as the next global version."""
+    def install_model(self, data: bytes, method: str | None = None) -> dict[str, Any]:
+        """Publish an admin-supplied fedfs checkpoint as the next global version; with
+        ``method``, also switch the policy's method in the same step. The model must be
+        able to run the (resulting) method: else 409 ``model_method_mismatch``."""
+        weights, config = self._decode_model(data)
+        with self._lock:
+            if self.round is not None:
+                raise Conflict(f"round {self.round.id} is open; close it before installing a model",
+                               code="round_open")
+            policy = self.policy
+            if method is not None:
+                try:
+                    policy = policy.updated({"method": method})
+                except InputError as e:
+                    raise Unprocessable(str(e), code="invalid_policy") from None
+            problem = method_model_problem(policy.method, config)
+            if problem is not None:
+                hint = "" if method is not None else " (to switch both, POST the model with ?method=…)"
+                raise Conflict(f"model rejected: {problem}{hint}", code="model_method_mismatch")
+            if policy != self.policy:
+                self.db.set_meta("policy", json.dumps(policy.to_json()))
+                self.policy = policy
+            version = (self.model.version if self.model else 0) + 1
+            self._publish(version, weights, config, round_id=None, count=0, samples=0)
+        _event("model installed", version=version, method=self.policy.method)
+        return self.model_info()
+
+    @staticmethod
+    def _decode_model(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Weights and model config of a fedfs checkpoint; 422 ``invalid_model`` if it is not one."""
         from fedfs_sdk.model import FaceNet, ModelConfig
 
         try:
@@ -165,14 +264,7 @@ class Coordinator:
         except (InputError, TypeError, ValueError, RuntimeError, RecursionError) as e:
             # RuntimeError: torch refusing the architecture (ModelConfig bounds the sizes first)
             raise Unprocessable(f"model rejected: {str(e)[:300]}", code="invalid_model") from None
-        with self._lock:
-            if self.round is not None:
-                raise Conflict(f"round {self.round.id} is open; close it before installing a model",
-                               code="round_open")
-            version = (self.model.version if self.model else 0) + 1
-            self._publish(version, weights, json.loads(config.to_json()), round_id=None, count=0, samples=0)
-        _event("model installed", version=version)
-        return self.model_info()
+        return weights, json.loads(config.to_json())
 
     def _publish(self, version: int, weights: dict[str, torch.Tensor], model_config: dict[str, Any],
                  round_id: int | None, count: int, samples: int, reason: str | None = None) -> str:
@@ -213,12 +305,7 @@ class Coordinator:
 
     def install_xi(self, data: bytes) -> str:
         """Store the frozen ξ checkpoint that FedFS devices may download (read-only)."""
-        try:
-            _, meta = decode_weights(data)
-        except InputError as e:
-            raise CheckpointError(f"ξ is not a readable safetensors checkpoint: {e}") from None
-        if meta.get("format") != MODEL_FORMAT:
-            raise CheckpointError(f"ξ is not a fedfs checkpoint (format={meta.get('format')!r})")
+        validate_xi(data)
         sha = sha256_hex(data)
         with self._lock:
             atomic_write(self.layout.xi, data)
@@ -229,13 +316,18 @@ class Coordinator:
     # ---- policy ------------------------------------------------------------------------
 
     def set_policy(self, changes: Mapping[str, Any]) -> dict[str, Any]:
-        try:
-            with self._lock:
+        with self._lock:
+            try:
                 policy = self.policy.updated(changes)
-                self.db.set_meta("policy", json.dumps(policy.to_json()))
-                self.policy = policy
-        except InputError as e:
-            raise Unprocessable(str(e), code="invalid_policy") from None
+            except InputError as e:
+                raise Unprocessable(str(e), code="invalid_policy") from None
+            problem = method_model_problem(policy.method, self.model.model_config if self.model else None)
+            if problem is not None:
+                raise Conflict(f"{problem.replace('this model', f'the global model v{self.model.version}')}; "  # type: ignore[union-attr]
+                               "install one that has it with POST /v1/admin/model?method=…",
+                               code="model_method_mismatch")
+            self.db.set_meta("policy", json.dumps(policy.to_json()))
+            self.policy = policy
         _event("policy changed", keys=sorted(changes))
         return policy.to_json()
 
@@ -251,16 +343,16 @@ class Coordinator:
                                code="no_model")
             policy, model = self.policy, self.model
             cfg = model.model_config
-            if uses_feduv(policy.method) and not cfg.get("code_length"):
-                raise Conflict(f"method {policy.method!r} needs a model with a FedUV head (code_length)",
-                               code="model_method_mismatch")
-            if uses_fedfs(policy.method) and not cfg.get("proj_dim"):
-                raise Conflict(f"method {policy.method!r} needs a model with the FedFS projection (proj_dim)",
-                               code="model_method_mismatch")
-            devices = [r[0] for r in self.db.all("SELECT id FROM devices ORDER BY id")]
+            problem = method_model_problem(policy.method, cfg)
+            if problem is not None:
+                raise Conflict(problem, code="model_method_mismatch")
+            devices = self.eligible_devices(policy)
             if len(devices) < policy.min_participants:
-                raise Conflict(f"{len(devices)} device(s) registered; the policy needs {policy.min_participants}",
-                               code="too_few_devices")
+                registered = self.device_count()
+                have = (f"{len(devices)} device(s) registered" if registered == len(devices) else
+                        f"{len(devices)} of {registered} registered device(s) contacted the server in the last "
+                        f"device_ttl_s = {policy.device_ttl:g} s")
+                raise Conflict(f"{have}; the policy needs {policy.min_participants}", code="too_few_devices")
             round_id = int(self.db.scalar("SELECT COALESCE(MAX(id), 0) FROM rounds")) + 1
             k = policy.sample_size(len(devices))
             # A string seed is hashed deterministically, so round t's sample is reproducible.
@@ -282,7 +374,7 @@ class Coordinator:
             self.round = OpenRound(round_id, model.version, task, policy, frozenset(selected), quorum,
                                    opened, deadline, StreamingFedAvg(model.weights))
             _event("round opened", round_id=round_id, model_version=model.version, sampled=k,
-                   registered=len(devices), quorum=quorum, deadline=deadline)
+                   eligible=len(devices), registered=self.device_count(), quorum=quorum, deadline=deadline)
             return self._round_status(round_id)
 
     def close_round(self, round_id: int, reason: str = "closed by admin") -> dict[str, Any]:
@@ -315,13 +407,15 @@ class Coordinator:
             shutil.rmtree(self.layout.round_dir(r.id), ignore_errors=True)
 
     def tick(self) -> None:
-        """Close a round past its deadline; open the next one when running automatically."""
+        """Close a round past its deadline; open the next one when running automatically;
+        persist the devices' pending ``last_seen`` times."""
         with self._lock:
+            self._flush_seen()
             if self.round is not None and self.clock() >= self.round.deadline:
                 self._close_locked("deadline")
             p = self.policy
             if self.round is None and p.rounds > 0 and self.model is not None and self._completed() < p.rounds:
-                if self.device_count() >= p.min_participants:
+                if len(self.eligible_devices(p)) >= p.min_participants:
                     self.open_round()
 
     def _completed(self) -> int:
@@ -464,7 +558,7 @@ class Coordinator:
         with self._lock:
             return {"model_version": self.model.version if self.model else None,
                     "rounds_completed": self._completed(), "rounds_target": self.policy.rounds,
-                    "devices": self.device_count(),
+                    "devices": self.device_count(), "active_devices": len(self.eligible_devices()),
                     "round": self._round_status(self.round.id) if self.round else None}
 
     def round_status(self, round_id: int) -> dict[str, Any]:
@@ -551,7 +645,18 @@ class Coordinator:
 
     def close(self) -> None:
         with self._lock:
+            self._flush_seen()
             self.db.close()
+
+
+def validate_xi(data: bytes) -> None:
+    """:class:`CheckpointError` unless ``data`` is a readable fedfs checkpoint (for ξ)."""
+    try:
+        _, meta = decode_weights(data)
+    except InputError as e:
+        raise CheckpointError(f"ξ is not a readable safetensors checkpoint: {e}") from None
+    if meta.get("format") != MODEL_FORMAT:
+        raise CheckpointError(f"ξ is not a fedfs checkpoint (format={meta.get('format')!r})")
 
 
 def _version_of(p: Path) -> int:
@@ -561,4 +666,4 @@ def _version_of(p: Path) -> int:
         return 1 << 62  # not a version file: treated as an orphan
 
 
-__all__ = ["Coordinator", "GlobalModel", "OpenRound"]
+__all__ = ["Coordinator", "GlobalModel", "OpenRound", "validate_xi"]

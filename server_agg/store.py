@@ -3,6 +3,7 @@
 Layout of the state directory::
 
     server.db                      devices, rounds, participants, updates, models, policy
+    .lock                          held (flock) by the one ``fedfs serve`` using this state; holds its pid
     admin_token                    generated admin token (0600), only if none was supplied
     xi.safetensors                 frozen ξ checkpoint served read-only (optional)
     models/v000001.safetensors     published global versions (fedfs checkpoints)
@@ -16,12 +17,15 @@ so a SIGKILL at any instant leaves every accepted update exactly once.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sqlite3
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from fedfs_sdk.errors import FedFSError, InputError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(
@@ -31,7 +35,8 @@ CREATE TABLE IF NOT EXISTS devices(
     id TEXT PRIMARY KEY,
     token_hash TEXT NOT NULL,
     base INTEGER NOT NULL UNIQUE,           -- FedUV b_u: UNIQUE and never deleted, so never reissued
-    created_at REAL NOT NULL);
+    created_at REAL NOT NULL,
+    last_seen REAL);                        -- last authenticated request (liveness for sampling)
 CREATE TABLE IF NOT EXISTS models(
     version INTEGER PRIMARY KEY,
     file TEXT NOT NULL,
@@ -82,6 +87,10 @@ class Layout:
         return self.root / "server.db"
 
     @property
+    def lock(self) -> Path:
+        return self.root / ".lock"
+
+    @property
     def admin_token(self) -> Path:
         return self.root / "admin_token"
 
@@ -110,6 +119,54 @@ class Layout:
         for d in (self.root, self.models, self.updates):
             d.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
+
+
+class StateInUse(FedFSError):
+    """Another ``fedfs serve`` holds the state directory."""
+
+
+class StateLock:
+    """An exclusive, non-blocking ``flock`` on ``STATE/.lock`` for the life of one server.
+
+    Taken before anything else is written to the state, so a second server on the same
+    directory stops at once instead of serving (and overwriting) stale data. The lock file
+    holds the owner's pid for the error message; the kernel drops the lock when the
+    process ends, however it ends, so a stale file never blocks a restart.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        if root.exists() and not root.is_dir():
+            raise InputError(f"state {root} exists and is not a directory")
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = root / ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                owner = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise StateInUse(f"state {root} is in use by another fedfs serve (pid {owner})") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "StateLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def fsync_dir(path: Path) -> None:
@@ -161,6 +218,13 @@ class Database:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=FULL")   # a COMMIT survives power loss, not just SIGKILL
         self.conn.executescript(SCHEMA)
+        self._migrate()
+
+    def _migrate(self) -> None:
+        """Bring a database written by an older server up to :data:`SCHEMA`."""
+        columns = {r["name"] for r in self.conn.execute("PRAGMA table_info(devices)")}
+        if "last_seen" not in columns:      # added with device liveness; NULL = not seen since
+            self.conn.execute("ALTER TABLE devices ADD COLUMN last_seen REAL")
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -195,4 +259,4 @@ class Database:
         self.conn.close()
 
 
-__all__ = ["Layout", "Database", "write_temp", "commit_file", "atomic_write", "fsync_dir"]
+__all__ = ["Layout", "Database", "StateLock", "StateInUse", "write_temp", "commit_file", "atomic_write", "fsync_dir"]

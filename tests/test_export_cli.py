@@ -155,8 +155,10 @@ def test_cli_exports_and_refuses_to_clobber(tmp_path, capsys) -> None:
     out = tmp_path / "phone"
     args = ["export", "--checkpoint", str(checkpoints()["global"]), "--formats", "onnx", "--out", str(out)]
     assert main(args) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
     assert "manifest.json" in printed and "ONNX vs torch" in printed
+    # stderr is not a terminal here: whole progress lines, no \r frames of a bar
+    assert "\r" not in err and "export: done" in err, err
     first = json.loads((out / "manifest.json").read_text())
     assert main(args) == 2                                   # not empty, no --overwrite
     assert "--overwrite" in capsys.readouterr().err
@@ -165,6 +167,25 @@ def test_cli_exports_and_refuses_to_clobber(tmp_path, capsys) -> None:
     assert verify_manifest(out) == []
     _no_leftovers(tmp_path, "phone")
     np.testing.assert_equal(sorted(p.name for p in out.iterdir()), ["manifest.json", "onnx"])
+
+
+def test_server_published_checkpoint_keeps_its_version_and_quiet_prints_no_progress(tmp_path, capsys) -> None:
+    """``fedfs serve`` writes ``meta = {"version": N, …}`` into models/vNNNNNN: the export
+    carries N as its model_version (not "unversioned"); ``--quiet`` drops the progress."""
+    from server_agg.rounds import Coordinator
+    from server_agg.store import Layout
+
+    coord = Coordinator(Layout(tmp_path / "server"))
+    coord.install_model(checkpoints()["global"].read_bytes())
+    coord.install_model(checkpoints()["global"].read_bytes())
+    published, _ = coord.model_file(2)
+    coord.close()
+    out = tmp_path / "phone"
+    assert main(["export", "--checkpoint", str(published), "--formats", "onnx", "--out", str(out), "--quiet"]) == 0
+    printed, err = capsys.readouterr()
+    assert "(version 2)" in printed and err == "", err
+    assert json.loads((out / "manifest.json").read_text())["model_version"] == "2"
+    assert read_metadata(out / "onnx" / "verifier.onnx")["fedfs.model_version"] == "2"
 
 
 def test_int8_model_id_depends_on_the_calibration(tmp_path) -> None:

@@ -9,11 +9,11 @@ import sqlite3
 import pytest
 import torch
 
-from fedfs_sdk.errors import CheckpointError
+from fedfs_sdk.errors import CheckpointError, InputError
 from fedfs_sdk.model import FaceNet, ModelConfig
 from fedfs_sdk.wire import MODEL_FORMAT, decode_weights, encode_update, encode_weights, sha256_hex, update_norm
 from server_agg.auth import hash_token
-from server_agg.errors import Conflict, Forbidden, Gone, Unauthorized
+from server_agg.errors import Conflict, Forbidden, Gone, Unauthorized, Unprocessable
 from server_agg.rounds import Coordinator
 from server_agg.store import Layout
 
@@ -105,9 +105,92 @@ def test_too_few_devices_and_method_model_mismatch(tmp_path):
     with pytest.raises(Conflict, match="needs 2"):
         c.open_round()
     c.register()
-    c.set_policy({"method": "fedfs"})
+    with pytest.raises(Conflict, match="proj_dim") as e:          # refused when set, not when a round opens
+        c.set_policy({"method": "fedfs"})
+    assert e.value.code == "model_method_mismatch" and c.policy.method == "feduv"
+    # a state written before that check (method stored as is): opening still refuses
+    c.db.set_meta("policy", json.dumps(dict(c.policy.to_json(), method="fedfs")))
+    c.policy = c.policy.updated({"method": "fedfs"})
     with pytest.raises(Conflict, match="proj_dim"):
         c.open_round()
+
+
+def test_model_and_method_must_fit_each_other(tmp_path):
+    c = make(tmp_path)                                               # feduv, model with a FedUV head only
+    fedfs_only = checkpoint_bytes(proj_dim=32)
+    with pytest.raises(Conflict, match="code_length") as e:
+        c.install_model(fedfs_only)
+    assert e.value.code == "model_method_mismatch" and c.model.version == 1
+    with pytest.raises(Unprocessable):
+        c.install_model(fedfs_only, method="fedprox")
+    c.install_model(fedfs_only, method="fedfs")                      # both switched in one step
+    assert (c.model.version, c.policy.method) == (2, "fedfs")
+    assert json.loads(c.db.get_meta("policy"))["method"] == "fedfs"
+    with pytest.raises(Conflict, match="FedUV head"):
+        c.set_policy({"method": "fedfs+feduv"})
+    c.close()
+    # start-up settings are checked together: a method override the stored model cannot run
+    with pytest.raises(InputError, match="state's model v2"):
+        Coordinator(Layout(tmp_path / "state"), policy_overrides={"method": "feduv"}, clock=Clock())
+    c2 = Coordinator(Layout(tmp_path / "state"), clock=Clock())
+    assert c2.policy.method == "fedfs"                               # the refused override changed nothing
+    with pytest.raises(InputError, match="initial model"):
+        Coordinator(Layout(tmp_path / "new"), clock=Clock()).configure({}, checkpoint_bytes(proj_dim=32))
+
+
+def test_devices_not_seen_within_the_ttl_are_not_sampled(tmp_path):
+    clock = Clock()
+    c = make(tmp_path, clock, device_ttl_s=30.0)
+    alive, dead = c.register(), c.register()
+    clock.t += 20
+    assert c.authenticate(alive["token"]) == alive["device_id"]    # e.g. GET /v1/task
+    clock.t += 15                                                   # dead: 35 s since registering
+    assert c.eligible_devices() == [alive["device_id"]]
+    assert c.status()["active_devices"] == 1 and c.status()["devices"] == 2
+    info = c.open_round()
+    assert info["sampled"] == 1 and c.round.participants == {alive["device_id"]}
+    assert c.task_for(dead["device_id"])["action"] == "wait"
+    c.close_round(1)
+    clock.t += 31                                                   # nobody seen for 31 s
+    c.set_policy({"min_participants": 1})
+    with pytest.raises(Conflict, match="0 of 2 registered device"):
+        c.open_round()
+    c.tick()                                                        # automatic rounds wait for live devices
+    assert c.round is None
+    c.set_policy({"device_ttl_s": 0})                               # 0: liveness off
+    assert c.open_round()["sampled"] == 2
+    with pytest.raises(Unprocessable, match="device_ttl_s"):
+        c.set_policy({"device_ttl_s": -1})
+
+
+def test_default_ttl_is_twice_the_round_timeout_and_last_seen_survives_a_restart(tmp_path):
+    clock = Clock()
+    c = make(tmp_path, clock, round_timeout_s=10.0)
+    assert c.policy.device_ttl == 20.0
+    d = c.register()
+    clock.t += 15
+    c.authenticate(d["token"])
+    c.close()
+    clock.t += 10                                                   # 25 s after registering, 10 s after the request
+    c2 = Coordinator(Layout(tmp_path / "state"), clock=clock)
+    assert c2.eligible_devices() == [d["device_id"]]
+    assert c2.db.scalar("SELECT last_seen FROM devices") == 1015.0
+
+
+def test_old_database_gets_the_last_seen_column(tmp_path):
+    layout = Layout(tmp_path / "state")
+    layout.create()
+    con = sqlite3.connect(layout.db)
+    con.executescript("CREATE TABLE devices(id TEXT PRIMARY KEY, token_hash TEXT NOT NULL, "
+                      "base INTEGER NOT NULL UNIQUE, created_at REAL NOT NULL);"
+                      "INSERT INTO devices VALUES ('dold', 'x', 5, 1.0);")
+    con.close()
+    clock = Clock()
+    c = Coordinator(layout, policy_overrides={"device_ttl_s": 60.0}, clock=clock)
+    assert "last_seen" in {r["name"] for r in c.db.all("PRAGMA table_info(devices)")}
+    assert c.eligible_devices() == []                               # not seen since the upgrade
+    c.db.conn.execute("UPDATE devices SET last_seen = ? WHERE id = 'dold'", (clock.t,))
+    assert c.eligible_devices() == ["dold"]
 
 
 def test_deadline_fails_without_updates_and_aggregates_with_enough(tmp_path):

@@ -114,3 +114,65 @@ def test_xi_overlap_compares_identity_names_not_positions(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="predates identity names"):
         check_xi_disjoint({"public_identities": clients[:1].tolist()}, splits, ds)
     check_xi_disjoint({"public_identities": public.tolist()}, splits, ds)
+
+
+def test_progress_is_whole_lines_when_stderr_is_not_a_terminal(tmp_path, capsys) -> None:
+    """A log file or pipe gets a line per 10 % (no tqdm \\r frames); --quiet gets nothing."""
+    args = ["simulate", "--method", "feduv", *TINY_DATA, "--cache-dir", str(tmp_path / "c"), "--rounds", "2",
+            "--out", str(tmp_path / "run")]
+    assert main(args) == 0
+    err = capsys.readouterr().err           # capsys: not a tty, like `fedfs simulate … 2> log`
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert any(line.startswith("pre-training ξ:") for line in lines), err
+    assert any(line.startswith("feduv (c=127): 2/2 round (100%)") for line in lines), err
+    assert len(err) < 4000
+    assert main([*args, "--quiet", "--out", str(tmp_path / "run2")]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_line_progress_reports_every_tenth() -> None:
+    import io
+
+    from fedfs_sdk.cli.progress import progress_bar
+
+    buf = io.StringIO()
+    with progress_bar("work", total=200, unit="step", file=buf) as bar:
+        for _ in range(200):
+            bar.update(1)
+            bar.set_postfix(loss="0.5")
+    lines = buf.getvalue().splitlines()
+    assert len(lines) == 10 and lines[0].startswith("work: 20/200 step (10%)") and lines[-1].startswith("work: 200/200")
+    assert lines[-1].endswith("[loss=0.5]")
+    buf = io.StringIO()
+    with progress_bar("open-ended", file=buf) as bar:       # no total: a final line only (short task)
+        bar.update(3)
+    assert buf.getvalue().startswith("open-ended: done 3 it in ")
+
+
+def test_help_shows_defaults_and_describes_every_flag(capsys) -> None:
+    import argparse
+
+    import pytest
+
+    from fedfs_sdk.cli.main import build_parser
+
+    for command in ("serve", "export", "demo", "simulate", "pretrain"):
+        sub = next(a for a in build_parser(command)._actions if isinstance(a, argparse._SubParsersAction))
+        undocumented = [a.option_strings[0] for a in sub.choices[command]._actions if not a.help]
+        assert undocumented == [], (command, undocumented)
+        with pytest.raises(SystemExit) as e:
+            main([command, "--help"])
+        assert e.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        if command == "serve":
+            assert "--embedding-dim EMBEDDING_DIM embedding size" in text and "--init-seed INIT_SEED seed" in text
+            assert "--port PORT TCP port" in text and "(default: 8080)" in text
+            assert "--device-ttl" in text and "a new state starts with 600.0" in text
+        if command == "export":
+            assert "--quiet no progress display" in text
+        if command == "demo":
+            assert "relative to the current directory" in text and "(default: runs/demo)" in text
+            assert "--clients CLIENTS federated clients" in text and "(default: 100)" in text
+        if command == "simulate":
+            assert "--momentum MOMENTUM local SGD momentum (default: 0.0)" in text

@@ -26,11 +26,32 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+SHOW_DEFAULTS = frozenset({"demo", "simulate", "pretrain", "bench", "serve", "export"})
+"""Commands whose ``--help`` appends each option's default (see :class:`DefaultsHelpFormatter`)."""
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: …)`` to an option's help unless its text already speaks of a
+    default, or the default is empty (None, False): so ``--help`` shows every real default
+    without repeating the ones a help text explains itself."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (not action.option_strings or "default" in text.lower()
+                or action.default is None or action.default is False or action.default == argparse.SUPPRESS
+                or isinstance(action, (argparse._HelpAction, argparse._VersionAction))):
+            return action.help
+        default = action.default
+        shown = " ".join(map(str, default)).replace("%", "%%") if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})" if text else f"(default: {shown})"
+
+
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedfs", description="Federated personalized face verification (FedFS + FedUV).")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_, description=help_)
+        fmt = DefaultsHelpFormatter if name in SHOW_DEFAULTS else argparse.HelpFormatter
+        p = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt)
         if name == command:
             importlib.import_module(module).add_arguments(p)
     return parser
@@ -50,9 +71,20 @@ def main(argv: list[str] | None = None) -> int:
     except FedFSError as e:
         print(f"fedfs {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:          # a file system or network refusal: say what, not a traceback
+        print(f"fedfs {args.command}: error: {os_error_message(e)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def os_error_message(e: OSError) -> str:
+    """``<path>: <reason>`` for an :class:`OSError` (``[Errno …]`` noise dropped)."""
+    if e.strerror is None:
+        return str(e) or type(e).__name__
+    paths = [p for p in (e.filename, e.filename2) if p is not None]
+    return f"{' → '.join(map(str, paths))}: {e.strerror}" if paths else e.strerror
 
 
 if __name__ == "__main__":
