@@ -12,6 +12,9 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int | No
     ``mode`` (e.g. ``0o600`` for secrets) is applied before the file becomes visible.
     """
     path = Path(path)
+    blocking = next((a for a in (path.parent, *path.parent.parents) if a.exists() and not a.is_dir()), None)
+    if blocking is not None:   # mkdir would only say "File exists"
+        raise NotADirectoryError(f"cannot write {path}: {blocking} is a file, not a folder")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -52,7 +52,7 @@ def test_enroll_out_on_an_impossible_path(tmp_path):
     write_images(tmp_path / "imgs", 12, seed=1, size=32)
     r = fedfs("enroll", "--model", str(tmp_path / "m.safetensors"), "--images", str(tmp_path / "imgs"),
               "--out", "/dev/full/x.enr", "--key-file", str(tmp_path / "k.key"))
-    assert_clean_error(r, "enroll", "/dev/full")
+    assert_clean_error(r, "enroll", "/dev/full is a file, not a folder")
 
 
 def test_os_error_message_format(monkeypatch, capsys):
