@@ -102,6 +102,17 @@ def _is_state_entry(name: str) -> bool:
     return name in STATE_FILES or (name.startswith(".") and name.endswith(".tmp"))
 
 
+def _json_object(raw: bytes, path: Path, problem: str) -> dict[str, Any]:
+    """``raw`` as a JSON object, else :class:`DeviceStateError` ``"<path> <problem>: …"``."""
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DeviceStateError(f"{path} {problem}: {e}") from None
+    if not isinstance(data, dict):
+        raise DeviceStateError(f"{path} {problem}: not a JSON object")
+    return data
+
+
 class DeviceState:
     """A device-state directory, locked for the lifetime of this object.
 
@@ -194,13 +205,7 @@ class DeviceState:
         raw = self._read_bytes(name)
         if raw is None:
             return None
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DeviceStateError(f"{p} is unreadable: {e}") from None
-        if not isinstance(data, dict):
-            raise DeviceStateError(f"{p} is not a JSON object")
-        return data
+        return _json_object(raw, p, "is unreadable")
 
     # ---- registration ----------------------------------------------------------------
 
@@ -298,13 +303,7 @@ class DeviceState:
                 f"{p} cannot be decrypted: wrong device key (use the key this device was set up with — "
                 "--key-file / DeviceConfig.enrollment_key, or the state's enrollment.key) or the file was "
                 "tampered with") from None
-        try:
-            s = json.loads(plain.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise DeviceStateError(f"{p} is malformed: {e}") from None
-        if not isinstance(s, dict):
-            raise DeviceStateError(f"{p} is malformed: not a JSON object")
-        return s, False
+        return _json_object(plain, p, "is malformed"), False
 
     def codeword(self, code_length: int) -> np.ndarray:
         """The device's codeword ``v_u = C(b_u ‖ r_u)`` (±1 int8, FedUV Alg. 2).
