@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfs_sdk.exact import as_written
-from fedfs_sdk.losses.fedfs import FedFSLossConfig, combine, f_reg, insub_logits
+from fedfs_sdk.losses.fedfs import FedFSLossConfig, combine, f_reg, insub_logits, k_threshold
 from fedfs_sdk.losses.feduv import feduv_neg_loss, feduv_pos_loss
 from fedfs_sdk.model import FaceNet, FedUVHead, scale_to_sqrt_c
 from fedfs_sdk.objective import ObjectiveConfig, uses_fedfs, uses_feduv
@@ -71,15 +70,8 @@ def soft_labels_graph(z: torch.Tensor, v: torch.Tensor, cfg: FedFSLossConfig) ->
     ass = z @ v.t()                                                   # [i, j]
     greater = (ass.unsqueeze(0) > ass.unsqueeze(1)).to(ass.dtype)      # [i, l, j] = ass_lj > ass_ij
     count = greater.sum(1)                                            # [i, j]
-    if cfg.top_k >= 1:
-        in_top = count < float(int(cfg.top_k))
-    else:  # K = p/q is a ratio of the batch: ⌈n·p / q⌉ as resolve_k computes it. n·p and q are
-        # exact float64 integers and the division is correctly rounded, so the ceiling is exact
-        # (⌈n·0.28⌉ in floating point gives 8 for n = 25, not 7).
-        ratio = as_written(cfg.top_k, "top_k")
-        n = torch.ones_like(ass[:, 0]).sum().to(torch.float64)
-        k = torch.clamp(torch.ceil(n * float(ratio.numerator) / float(ratio.denominator)), min=1.0)
-        in_top = count.to(torch.float64) < k
+    k = k_threshold(cfg.top_k, torch.ones_like(ass[:, 0]).sum())   # n without a batch constant
+    in_top = count < k if isinstance(k, float) else count.to(torch.float64) < k
     idx = torch.cumsum(torch.ones_like(ass[:, 0]), 0)                 # 1..n without a batch constant
     eye = idx.unsqueeze(1) == idx.unsqueeze(0)
     beta = torch.where(eye, cfg.gamma * ass, torch.where(in_top, ass, torch.zeros_like(ass)))

@@ -8,7 +8,6 @@ options of :class:`FedFSLossConfig`; ``docs/methods.md`` gives each choice and i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Literal
 
 import torch
@@ -88,12 +87,22 @@ def resolve_k(top_k: float, n: int) -> int:
     to ``[1, n]``. The ratio is exact: ``⌈K·n⌉`` with ``K`` the decimal written
     (``Fraction(str(K))``, :mod:`fedfs_sdk.exact`), so ``K = 0.28, n = 25`` gives 7, where
     ``⌈0.28·25⌉`` in floating point is 8."""
-    return _k_count(as_written(top_k, "top_k"), n)
-
-
-def _k_count(k: Fraction, n: int) -> int:
+    k = as_written(top_k, "top_k")
     count = -((-k.numerator * n) // k.denominator) if k < 1 else int(k)   # ⌈p·n / q⌉ in integers
     return max(1, min(count, n))
+
+
+def k_threshold(top_k: float, n_real: torch.Tensor) -> torch.Tensor | float:
+    """:func:`resolve_k` for a real batch size held in a tensor (traced, vmapped, padded):
+    entry ``(i, j)`` is in the top-K iff ``#{larger entries} < k_threshold``. A count K ≥ 1
+    is the constant ``K`` (no upper clip needed: ``< K`` is all-true once K ≥ n). A ratio
+    ``K = p/q`` gives ``max(1, ⌈n·p / q⌉)`` in float64: ``n·p`` and ``q`` are exact integers
+    and the division is correctly rounded, so the ceiling is exact."""
+    k = as_written(top_k, "top_k")
+    if k >= 1:
+        return float(int(k))
+    n = n_real.to(torch.float64)
+    return torch.clamp(torch.ceil(n * float(k.numerator) / float(k.denominator)), min=1.0)
 
 
 def insub_logits(z: torch.Tensor, v: torch.Tensor, mode: LogitMode = "similarity",
@@ -129,13 +138,9 @@ def adaptive_soft_labels(z: torch.Tensor, v: torch.Tensor, top_k: float = 4, gam
         ranked = ass.masked_fill(~valid[:, None], float("-inf"))  # padded rows never rank
         # Top-K of each column by counting the (real) entries strictly above: in the top K
         # ⟺ fewer than K are larger (ties kept together, as ≥ the K-th largest). K is a count
-        # of the *real* batch: resolve_k(top_k, n_real), looked up in a table of resolve_k
-        # for every possible n_real (exact integers, the same as the unpadded call), so no
-        # data-dependent shape appears and this runs unchanged under vmap with padding.
-        kf = as_written(top_k, "top_k")
-        table = torch.tensor([_k_count(kf, m) for m in range(n + 1)], dtype=torch.float64, device=ass.device)
-        n_real = valid.sum()
-        k = (table * (torch.arange(n + 1, device=ass.device) == n_real)).sum()
+        # of the *real* batch (k_threshold = resolve_k of n_real, exact), so no data-dependent
+        # shape appears and this runs unchanged under vmap with padding.
+        k = k_threshold(top_k, valid.sum())
         larger = (ranked.unsqueeze(0) > ranked.unsqueeze(1)).sum(1)    # [i, j] = #{l : ass_lj > ass_ij}
         in_top = larger.to(torch.float64) < k
         beta = torch.where(eye, gamma * ass, torch.where(in_top, ass, torch.zeros_like(ass)))
