@@ -30,10 +30,9 @@ import numpy as np
 import onnx
 
 from fedfs_sdk.errors import InputError
+from fedfs_sdk.onnx_backend import int8_model_id
 
 from .onnx_inference import OUTPUT_EMBEDDING, read_metadata, set_metadata
-
-INT8_SUFFIX = "-int8"
 
 
 def synthetic_calibration(input_size: int, identities: int = 16, per_identity: int = 4,
@@ -57,15 +56,6 @@ def folder_calibration(folder: str | os.PathLike[str], input_size: int, limit: i
 
     files = list_images(folder)[:limit]
     return preprocess([str(f) for f in files], input_size)
-
-
-def int8_model_id(model: onnx.ModelProto, fp32_id: str) -> str:
-    """``<fp32_id>-int8-<16 hex>``: the hex is :func:`fedfs_sdk.onnx_backend.graph_digest` of the
-    quantized graph (initializers and nodes; metadata is not hashed), which
-    :class:`~fedfs_sdk.onnx_backend.OnnxBackend` recomputes on load."""
-    from fedfs_sdk.onnx_backend import graph_digest
-
-    return f"{fp32_id}{INT8_SUFFIX}-{graph_digest(model)}"
 
 
 def _first_conv(model: onnx.ModelProto) -> str | None:

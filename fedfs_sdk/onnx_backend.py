@@ -82,21 +82,34 @@ def graph_digest(model) -> str:
     return h.hexdigest()[:16]
 
 
-def content_model_id(model) -> str | None:
-    """The model id an ONNX verifier's *content* implies: :func:`weights_id` of its parameters
-    for fp32, the ``-int8-<graph_digest>`` suffix for int8 (None when the file declares
-    neither). Enrollments and thresholds are bound to the id, so it is recomputed rather than
-    read from the (editable) metadata."""
+INT8_SUFFIX = "-int8"
+
+
+def int8_model_id(model, fp32_id: str) -> str:
+    """``<fp32_id>-int8-<graph_digest>``: the id of an int8 model quantized from ``fp32_id``."""
+    return f"{fp32_id}{INT8_SUFFIX}-{graph_digest(model)}"
+
+
+def model_id_problem(model) -> str | None:
+    """Why the ``fedfs.model_id`` an ONNX verifier records is not the one its content implies
+    (None when it is, or when the file records none): fp32 → :func:`weights_id` of its
+    parameters; int8 → ends in ``-int8-<graph_digest>``. Enrollments and thresholds are bound
+    to the id, so it is recomputed rather than read from the (editable) metadata."""
     from onnx import numpy_helper
 
     meta = {p.key: p.value for p in model.metadata_props}
+    recorded = meta.get("fedfs.model_id")
     precision = meta.get("fedfs.precision", "fp32")
+    if recorded is None or precision not in ("fp32", "int8"):
+        return None
     if precision == "int8":
-        return f"-int8-{graph_digest(model)}"
-    if precision == "fp32":
-        return weights_id({i.name: numpy_helper.to_array(i) for i in model.graph.initializer
-                           if i.name.startswith(PARAM_PREFIXES)})
-    return None
+        implied = f"{INT8_SUFFIX}-{graph_digest(model)}"
+        ok = recorded.endswith(implied)
+    else:
+        implied = weights_id({i.name: numpy_helper.to_array(i) for i in model.graph.initializer
+                              if i.name.startswith(PARAM_PREFIXES)})
+        ok = recorded == implied
+    return None if ok else f"records fedfs.model_id {recorded!r} but its weights imply {implied.lstrip('-')!r}"
 
 
 def session_options(intra_op_threads: int | None = None):
@@ -221,12 +234,9 @@ class OnnxBackend:
             model = onnx.load_from_string(data)
         except Exception as e:  # DecodeError and friends
             raise CheckpointError(f"cannot load {p}: not a readable ONNX model ({e})") from e
-        recorded = next((q.value for q in model.metadata_props if q.key == "fedfs.model_id"), None)
-        implied = content_model_id(model)
-        if recorded is not None and implied is not None and not (
-                recorded == implied or (implied.startswith("-int8-") and recorded.endswith(implied))):
-            raise CheckpointError(f"{p} records fedfs.model_id {recorded!r} but its weights imply "
-                                  f"{implied.lstrip('-')!r} (tampered or mislabelled model)")
+        problem = model_id_problem(model)
+        if problem is not None:
+            raise CheckpointError(f"{p} {problem} (tampered or mislabelled model)")
         return data
 
     @property
