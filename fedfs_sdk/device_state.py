@@ -34,7 +34,6 @@ them in a request (tests check the bytes on the wire).
 from __future__ import annotations
 
 import base64
-import fcntl
 import hashlib
 import json
 import os
@@ -47,7 +46,7 @@ import numpy as np
 
 from .codes import BASE_BITS, make_codeword
 from .errors import CodeError, FedFSError, InputError
-from .fileio import atomic_write_bytes, fsync_directory
+from .fileio import atomic_write_bytes, fsync_directory, lock_file, unlock_file
 
 if TYPE_CHECKING:  # torch is imported only by the torch runtime's calls: an ORT device never loads it
     import torch
@@ -137,16 +136,12 @@ class DeviceState:
         self._lock_fd = -1
         try:
             self._open_folder()
-            flags = (os.O_RDONLY | os.O_CREAT) if self.read_only else (os.O_RDWR | os.O_CREAT)
-            self._lock_fd = os.open(self.path / ".lock", flags, FILE_MODE)
+            fd = lock_file(self.path / ".lock", shared=self.read_only, mode=FILE_MODE)
         except OSError as e:
             raise DeviceStateError(f"cannot use device state {self.path}: {e.strerror or e}") from None
-        try:
-            fcntl.flock(self._lock_fd, (fcntl.LOCK_SH if self.read_only else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = -1
-            raise DeviceStateError(f"device state {self.path} is in use by another process") from None
+        if fd is None:
+            raise DeviceStateError(f"device state {self.path} is in use by another process")
+        self._lock_fd = fd
 
     def _open_folder(self) -> None:
         p = self.path
@@ -173,9 +168,8 @@ class DeviceState:
 
     def close(self) -> None:
         if self._lock_fd >= 0:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            fd, self._lock_fd = self._lock_fd, -1
+            unlock_file(fd)
 
     def __enter__(self) -> "DeviceState":
         return self
@@ -354,11 +348,6 @@ class DeviceState:
 
     # ---- weights -----------------------------------------------------------------------
 
-    def save_weights(self, name: str, weights: Mapping[str, torch.Tensor], meta: Mapping[str, str] | None = None) -> None:
-        from .wire import encode_weights
-
-        self._write(f"{name}.safetensors", encode_weights(weights, meta))
-
     def save_weights_bytes(self, name: str, data: bytes) -> None:
         self._write(f"{name}.safetensors", data)
 
@@ -378,16 +367,9 @@ class DeviceState:
         except InputError as e:
             raise DeviceStateError(f"{self.path / f'{name}.safetensors'} is corrupt: {e}") from None
 
-    def save_arrays(self, name: str, arrays: Mapping[str, np.ndarray]) -> None:
-        """Numpy counterpart of :meth:`save_weights` (the same safetensors file, no torch)."""
-        from safetensors.numpy import save
-
-        if not arrays:
-            raise InputError(f"cannot save empty weights as {name!r}")
-        self._write(f"{name}.safetensors", save({k: np.ascontiguousarray(v) for k, v in arrays.items()}))
-
     def load_arrays(self, name: str) -> dict[str, np.ndarray] | None:
-        """Numpy counterpart of :meth:`load_weights` (None when absent)."""
+        """Numpy counterpart of :meth:`load_weights` (None when absent; θ_c is written by
+        :meth:`commit_pending`)."""
         from safetensors.numpy import load
 
         from .wire_format import read_header

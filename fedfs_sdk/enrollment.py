@@ -48,7 +48,7 @@ def _fraction(q: Any) -> Fraction:
         f = as_written(q, "target TPR q")
     except InputError:
         raise InputError(f"target TPR q must be a number in (0, 1), got {q!r}") from None
-    if not (0 < f < 1 and 1 - f > 0):
+    if not 0 < f < 1:
         raise InputError(f"target TPR q must be in (0, 1), got {q}")
     return f
 

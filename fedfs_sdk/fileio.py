@@ -1,4 +1,5 @@
-"""Crash-safe file writes (no torch): temp file in the same folder, fsync, ``os.replace``."""
+"""Crash-safe file writes (no torch): temp file in the same folder, fsync, ``os.replace``;
+and the non-blocking lock file that keeps two processes off one state folder."""
 from __future__ import annotations
 
 import os
@@ -52,5 +53,37 @@ def fsync_directory(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     except OSError:
         pass
+    finally:
+        os.close(fd)
+
+
+def lock_file(path: str | os.PathLike[str], shared: bool = False, mode: int = 0o600) -> int | None:
+    """Take a non-blocking ``flock`` on ``path`` (created with ``mode`` if missing):
+    exclusive, or ``shared`` (the file is then opened read-only). Returns the open file
+    descriptor that holds the lock (release with :func:`unlock_file`), or None when another
+    process holds a conflicting lock; the caller raises its own error. The kernel drops
+    the lock when the process ends, however it ends, so a stale file never blocks.
+    :class:`OSError` if the file cannot be opened."""
+    import fcntl  # POSIX only
+
+    flags = (os.O_RDONLY if shared else os.O_RDWR) | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, mode)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def unlock_file(fd: int) -> None:
+    """Release a lock taken with :func:`lock_file` and close its descriptor."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)

@@ -236,9 +236,7 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
     # ---- public ----
     @app.get("/health", response_model=Health, tags=["service"])
     def health() -> dict[str, Any]:
-        s = coord.status()
-        return {"status": "ok", "model_version": s["model_version"],
-                "round_id": s["round"]["round_id"] if s["round"] else None}
+        return {"status": "ok", **coord.health()}
 
     @app.post("/v1/devices", status_code=201, response_model=Registration, responses=_errors(401), tags=["devices"])
     def register(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> dict[str, Any]:

@@ -148,14 +148,13 @@ def check_start(args: argparse.Namespace, method: str, model_config: dict[str, A
                 installs_initial: bool, where: str = "the initial model") -> None:
     """Refuse (``InputError``) a start whose method cannot run on its model, or a FedFS
     start from ``--init-backbone`` without the ξ its backbone must be copied from."""
-    from .config import method_model_problem
+    from .config import mismatch_reason, missing_model_field
 
-    problem = method_model_problem(method, model_config)
-    if problem is not None:
+    missing = missing_model_field(method, model_config)
+    if missing is not None:
         fix = {"code_length": "give --code-length 127|255|511", "proj_dim": "give --proj-dim N"}
-        missing = "code_length" if "code_length" in problem else "proj_dim"
         how = fix[missing] if installs_initial else "install a model that has it (POST /v1/admin/model?method=…)"
-        raise InputError(f"{problem.replace('this model', where)}: {how}, or choose a --method it supports")
+        raise InputError(f"{mismatch_reason(method, missing, where)}: {how}, or choose a --method it supports")
     if installs_initial and args.init_backbone is not None and uses_fedfs(method) and args.xi is None:
         raise InputError(f"method {method!r} starts the global backbone from the pre-trained ξ: give --xi CKPT "
                          "with --init-backbone (or publish a trained model with --init-model)")

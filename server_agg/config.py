@@ -117,16 +117,23 @@ class RoundPolicy:
             raise InputError(f"invalid policy: {e}") from None
 
 
-def method_model_problem(method: str, model_config: Mapping[str, Any] | None) -> str | None:
-    """Why devices cannot train ``method`` on a model with ``model_config``, or None if they
-    can (or there is no model yet)."""
+def missing_model_field(method: str, model_config: Mapping[str, Any] | None) -> str | None:
+    """The model setting devices need to train ``method`` that a model with ``model_config``
+    lacks: ``"code_length"`` (the FedUV head) or ``"proj_dim"`` (the FedFS projection); None
+    if they can train it (or there is no model yet)."""
     if model_config is None:
         return None
     if uses_feduv(method) and not model_config.get("code_length"):
-        return f"method {method!r} needs a model with a FedUV head (code_length), and this model has none"
+        return "code_length"
     if uses_fedfs(method) and not model_config.get("proj_dim"):
-        return f"method {method!r} needs a model with the FedFS projection (proj_dim), and this model has none"
+        return "proj_dim"
     return None
+
+
+def mismatch_reason(method: str, missing: str, model: str = "this model") -> str:
+    """The sentence for a :func:`missing_model_field` result ``missing``, naming ``model``."""
+    what = "a FedUV head" if missing == "code_length" else "the FedFS projection"
+    return f"method {method!r} needs a model with {what} ({missing}), and {model} has none"
 
 
 def _check_int(name: str, v: Any, minimum: int, maximum: int = MAX_ID) -> None:
@@ -145,4 +152,4 @@ def _check_fraction(name: str, v: Any) -> None:
         raise InputError(f"{name} must be in (0, 1], got {v!r}")
 
 
-__all__ = ["RoundPolicy", "method_model_problem"]
+__all__ = ["RoundPolicy", "missing_model_field", "mismatch_reason"]

@@ -38,19 +38,13 @@ from fedfs_sdk.wire import (MODEL_FORMAT, check_finite, check_layout, clip_updat
 
 from .aggregate import StreamingFedAvg
 from .auth import device_id_of, hash_token, new_device_id, new_device_token, tokens_equal
-from .config import RoundPolicy, method_model_problem
+from .config import RoundPolicy, mismatch_reason, missing_model_field
 from .errors import BadRequest, Conflict, Forbidden, Gone, NotFound, Unauthorized, Unprocessable
 from .store import Database, Layout, atomic_write, commit_file, write_temp
 
 log = logging.getLogger("fedfs.server")
 
 BASE_BITS = 32
-SEEN_WRITE_INTERVAL_S = 5.0
-"""``devices.last_seen`` is written at most this often per device, in one batch per
-:meth:`Coordinator.tick` (every request updates the in-memory value the sampling uses; the
-database copy only has to survive a restart)."""
-
-
 @dataclass(frozen=True)
 class GlobalModel:
     """A published global version held in memory (the reference of the open round)."""
@@ -111,9 +105,8 @@ class Coordinator:
         self.policy = RoundPolicy.from_json(json.loads(stored)) if stored else RoundPolicy()
         self.model: GlobalModel | None = None
         self.round: OpenRound | None = None
-        self._seen: dict[str, float] = {}          # device → last authenticated request (memory)
-        self._seen_written: dict[str, float] = {}  # device → the value last written to the database
-        self._seen_dirty: set[str] = set()         # devices whose database value is to be refreshed
+        self._seen: dict[str, float] = {}   # every device → its last authenticated request (-inf: never)
+        self._seen_dirty: set[str] = set()  # devices whose ``last_seen`` is to be written by tick()/close()
         self._recover()
         if policy_overrides:
             self.configure(policy_overrides)
@@ -134,10 +127,10 @@ class Coordinator:
                 weights, config = self._decode_model(initial_model)   # type: ignore[arg-type]
             else:
                 config = self.model.model_config if self.model is not None else None
-            problem = method_model_problem(policy.method, config)
-            if problem is not None:
+            missing = missing_model_field(policy.method, config)
+            if missing is not None:
                 which = "the initial model" if install else f"the state's model v{self.model.version}"  # type: ignore[union-attr]
-                raise InputError(problem.replace("this model", which))
+                raise InputError(mismatch_reason(policy.method, missing, which))
             if policy != self.policy or self.db.get_meta("policy") is None:
                 self.db.set_meta("policy", json.dumps(policy.to_json()))
                 self.policy = policy
@@ -161,7 +154,7 @@ class Coordinator:
                                   " VALUES (?, ?, ?, ?, ?)", (device_id, hash_token(token), base, now, now))
                 except sqlite3.IntegrityError:
                     continue  # id or b_u already taken: draw again (b_u is never reissued)
-                self._seen[device_id] = self._seen_written[device_id] = now
+                self._seen[device_id] = now
                 _event("device registered", device_id=device_id)
                 return {"device_id": device_id, "token": token, "base_vector": base, "base_bits": BASE_BITS}
         raise Conflict("could not allocate a unique base vector", code="base_space_exhausted")
@@ -183,23 +176,21 @@ class Coordinator:
         return device_id
 
     def _saw(self, device_id: str) -> None:
-        """Record an authenticated request of ``device_id`` (its liveness)."""
+        """Record an authenticated request of ``device_id`` (its liveness); the database copy
+        is written by the next :meth:`tick` (it only has to survive a restart)."""
         now = self.clock()
         with self._lock:
             self._seen[device_id] = now
-            if now - self._seen_written.get(device_id, float("-inf")) >= SEEN_WRITE_INTERVAL_S:
-                self._seen_dirty.add(device_id)
+            self._seen_dirty.add(device_id)
 
     def _flush_seen(self) -> None:
         """Write the pending ``last_seen`` values in one transaction."""
         with self._lock:
             if not self._seen_dirty:
                 return
-            rows = [(self._seen[d], d, self._seen[d]) for d in sorted(self._seen_dirty)]
+            rows = [(self._seen[d], d) for d in sorted(self._seen_dirty)]
             with self.db.transaction() as c:
-                c.executemany("UPDATE devices SET last_seen = ? WHERE id = ? AND COALESCE(last_seen, 0) < ?", rows)
-            for t, d, _ in rows:
-                self._seen_written[d] = t
+                c.executemany("UPDATE devices SET last_seen = ? WHERE id = ?", rows)
             self._seen_dirty.clear()
 
     def device_count(self) -> int:
@@ -209,15 +200,10 @@ class Coordinator:
     def eligible_devices(self, policy: RoundPolicy | None = None) -> list[str]:
         """Sorted ids of the devices a round may sample: all registered ones, or with a
         liveness window (``policy.device_ttl`` > 0) those seen within it."""
-        policy = policy or self.policy
+        ttl = (policy or self.policy).device_ttl
         with self._lock:
-            rows = self.db.all("SELECT id, last_seen FROM devices ORDER BY id")
-            ttl = policy.device_ttl
-            if ttl <= 0:
-                return [r["id"] for r in rows]
             since = self.clock() - ttl
-            return [r["id"] for r in rows
-                    if max(self._seen.get(r["id"], float("-inf")), r["last_seen"] or float("-inf")) >= since]
+            return sorted(d for d, t in self._seen.items() if ttl <= 0 or t >= since)
 
     # ---- models ------------------------------------------------------------------------
 
@@ -236,10 +222,11 @@ class Coordinator:
                     policy = policy.updated({"method": method})
                 except InputError as e:
                     raise Unprocessable(str(e), code="invalid_policy") from None
-            problem = method_model_problem(policy.method, config)
-            if problem is not None:
+            missing = missing_model_field(policy.method, config)
+            if missing is not None:
                 hint = "" if method is not None else " (to switch both, POST the model with ?method=…)"
-                raise Conflict(f"model rejected: {problem}{hint}", code="model_method_mismatch")
+                raise Conflict(f"model rejected: {mismatch_reason(policy.method, missing)}{hint}",
+                               code="model_method_mismatch")
             if policy != self.policy:
                 self.db.set_meta("policy", json.dumps(policy.to_json()))
                 self.policy = policy
@@ -321,9 +308,10 @@ class Coordinator:
                 policy = self.policy.updated(changes)
             except InputError as e:
                 raise Unprocessable(str(e), code="invalid_policy") from None
-            problem = method_model_problem(policy.method, self.model.model_config if self.model else None)
-            if problem is not None:
-                raise Conflict(f"{problem.replace('this model', f'the global model v{self.model.version}')}; "  # type: ignore[union-attr]
+            missing = missing_model_field(policy.method, self.model.model_config if self.model else None)
+            if missing is not None:
+                which = f"the global model v{self.model.version}"  # type: ignore[union-attr]
+                raise Conflict(f"{mismatch_reason(policy.method, missing, which)}; "
                                "install one that has it with POST /v1/admin/model?method=…",
                                code="model_method_mismatch")
             self.db.set_meta("policy", json.dumps(policy.to_json()))
@@ -343,9 +331,9 @@ class Coordinator:
                                code="no_model")
             policy, model = self.policy, self.model
             cfg = model.model_config
-            problem = method_model_problem(policy.method, cfg)
-            if problem is not None:
-                raise Conflict(problem, code="model_method_mismatch")
+            missing = missing_model_field(policy.method, cfg)
+            if missing is not None:
+                raise Conflict(mismatch_reason(policy.method, missing), code="model_method_mismatch")
             devices = self.eligible_devices(policy)
             if len(devices) < policy.min_participants:
                 registered = self.device_count()
@@ -561,6 +549,12 @@ class Coordinator:
                     "devices": self.device_count(), "active_devices": len(self.eligible_devices()),
                     "round": self._round_status(self.round.id) if self.round else None}
 
+    def health(self) -> dict[str, Any]:
+        """The public summary: the latest model version and the open round, if any."""
+        with self._lock:
+            return {"model_version": self.model.version if self.model else None,
+                    "round_id": self.round.id if self.round else None}
+
     def round_status(self, round_id: int) -> dict[str, Any]:
         with self._lock:
             return self._round_status(round_id)
@@ -583,6 +577,8 @@ class Coordinator:
         """Rebuild memory from disk: the latest version, and the open round's running sum
         from its persisted updates; drop files that no committed row refers to."""
         with self._lock:
+            self._seen = {r["id"]: r["last_seen"] if r["last_seen"] is not None else float("-inf")
+                          for r in self.db.all("SELECT id, last_seen FROM devices")}
             row = self.db.one("SELECT * FROM models ORDER BY version DESC LIMIT 1")
             latest = 0
             if row is not None:

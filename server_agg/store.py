@@ -17,7 +17,6 @@ so a SIGKILL at any instant leaves every accepted update exactly once.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import sqlite3
 import tempfile
@@ -25,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from fedfs_sdk.errors import FedFSError, InputError
+from fedfs_sdk.errors import FedFSError
+from fedfs_sdk.fileio import lock_file, unlock_file
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(
@@ -136,30 +136,22 @@ class StateLock:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        if root.exists() and not root.is_dir():
-            raise InputError(f"state {root} exists and is not a directory")
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = root / ".lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        fd = lock_file(path)
+        if fd is None:
             try:
-                owner = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-            finally:
-                os.close(fd)
-            raise StateInUse(f"state {root} is in use by another fedfs serve (pid {owner})") from None
-        except BaseException:
-            os.close(fd)
-            raise
+                owner = path.read_text("ascii", "replace").strip() or "unknown"
+            except OSError:
+                owner = "unknown"
+            raise StateInUse(f"state {root} is in use by another fedfs serve (pid {owner})")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd: int | None = fd
 
     def release(self) -> None:
         if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
+            unlock_file(self._fd)
             self._fd = None
 
     def __enter__(self) -> "StateLock":

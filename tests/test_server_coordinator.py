@@ -190,6 +190,8 @@ def test_old_database_gets_the_last_seen_column(tmp_path):
     assert "last_seen" in {r["name"] for r in c.db.all("PRAGMA table_info(devices)")}
     assert c.eligible_devices() == []                               # not seen since the upgrade
     c.db.conn.execute("UPDATE devices SET last_seen = ? WHERE id = 'dold'", (clock.t,))
+    c.close()                                                       # liveness is read from the database at start
+    c = Coordinator(layout, clock=clock)
     assert c.eligible_devices() == ["dold"]
 
 
