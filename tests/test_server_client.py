@@ -519,6 +519,31 @@ def test_theta_c_advances_only_when_the_server_accepted_the_upload(fedfs_server,
             cl.upload = upload_wrapper(cl.upload)
         return st, cl, DeviceAgent(cl, st, images, DeviceConfig(rounds=1, wait_timeout_s=30))
 
+    def crash(after_sending: bool):
+        """An upload wrapper: the process dies before sending, or after the server accepted."""
+        def wrap(upload):
+            def wrapped(round_id, body):
+                if after_sending:
+                    upload(round_id, body)
+                raise Crash()
+            return wrapped
+        return wrap
+
+    def crashed_round(wrapper) -> dict | None:
+        """One round that dies in the upload; returns what the device left pending."""
+        st, cl, agent = device(wrapper)
+        with st, cl:
+            agent.ensure_registered()
+            with pytest.raises(Crash):
+                agent.run_round(cl.task())
+            return st.pending()
+
+    def restart():
+        """A fresh device process on the same state: its report and recorded round ids."""
+        st, cl, agent = device()
+        with st, cl:
+            return agent.run(), [r["round_id"] for r in st.info.rounds]
+
     st, cl, agent = device()
     with st, cl:
         agent.check_inputs()
@@ -551,49 +576,24 @@ def test_theta_c_advances_only_when_the_server_accepted_the_upload(fedfs_server,
     # 2. The device dies before the upload: θ_c unchanged; the restart uploads the pending round.
     r3 = open_round()
 
-    def die(upload):
-        def wrapped(round_id, body):
-            raise Crash()
-        return wrapped
-
-    st, cl, agent = device(die)
-    with st, cl:
-        agent.ensure_registered()
-        with pytest.raises(Crash):
-            agent.run_round(cl.task())
-        staged = st.pending()
-        assert staged["round_id"] == r3
+    staged = crashed_round(crash(after_sending=False))
+    assert staged["round_id"] == r3
     assert _sha(personal) == theta_1
     theta_3 = _sha(tmp_path / "dev" / "pending.personal.safetensors")
     assert theta_3 not in (None, theta_1)
-    st, cl, agent = device()
-    with st, cl:
-        report = agent.run()                          # restart: the pending round is settled first
-        assert [r["round_id"] for r in report.rounds] == [r3] and report.rounds[0]["duplicate"] is False
+    report, _ = restart()                             # restart: the pending round is settled first
+    assert [r["round_id"] for r in report.rounds] == [r3] and report.rounds[0]["duplicate"] is False
     assert _sha(personal) == theta_3
     assert srv.status()["model_version"] == 3          # round 3 closed with this device's update
 
     # 3. The server accepted, the device died before recording it: the restart learns it (duplicate receipt).
     r4 = open_round()
 
-    def die_after(upload):
-        def wrapped(round_id, body):
-            upload(round_id, body)
-            raise Crash()
-        return wrapped
-
-    st, cl, agent = device(die_after)
-    with st, cl:
-        agent.ensure_registered()
-        with pytest.raises(Crash):
-            agent.run_round(cl.task())
+    crashed_round(crash(after_sending=True))
     assert _sha(personal) == theta_3
     theta_4 = _sha(tmp_path / "dev" / "pending.personal.safetensors")
-    st, cl, agent = device()
-    with st, cl:
-        report = agent.run()
-        assert [r["round_id"] for r in report.rounds] == [r4] and report.rounds[0]["duplicate"] is True
-        recorded = [r["round_id"] for r in st.info.rounds]
+    report, recorded = restart()
+    assert [r["round_id"] for r in report.rounds] == [r4] and report.rounds[0]["duplicate"] is True
     assert _sha(personal) == theta_4 and recorded == [r1, r3, r4]
     admin.close()
 
