@@ -539,7 +539,7 @@ class DeviceAgent:
         while self.config.rounds == 0 or len(report.rounds) < self.config.rounds:
             self._patience(self.config.wait_timeout_s - (self._clock() - self._progress_at))
             try:
-                if self.state.pending() is not None:
+                if self.state.has_pending():
                     self.resume_pending(report)
                     continue
                 task = self.client.task()

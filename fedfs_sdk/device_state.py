@@ -34,7 +34,6 @@ them in a request (tests check the bytes on the wire).
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import os
 import time
@@ -47,6 +46,7 @@ import numpy as np
 from .codes import BASE_BITS, make_codeword
 from .errors import CodeError, FedFSError, InputError
 from .fileio import atomic_write_bytes, fsync_directory, lock_file, unlock_file
+from .wire_format import sha256_hex
 
 if TYPE_CHECKING:  # torch is imported only by the torch runtime's calls: an ORT device never loads it
     import torch
@@ -84,10 +84,6 @@ class DeviceInfo:
     registered_at: float = field(default_factory=time.time)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     format: str = STATE_FORMAT
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _check_key(key: bytes, what: str) -> bytes:
@@ -399,31 +395,44 @@ class DeviceState:
             self._write("pending.personal.safetensors", personal)
         self._write("pending.json", json.dumps({
             "format": PENDING_FORMAT, "round_id": int(round_id), "model_version": int(model_version),
-            "body_sha256": _sha256(body), "personal_sha256": _sha256(personal) if personal is not None else None,
+            "body_sha256": sha256_hex(body), "personal_sha256": sha256_hex(personal) if personal is not None else None,
             "record": dict(record)}, sort_keys=True).encode())
 
-    def pending(self) -> dict[str, Any] | None:
-        """The pending round (``round_id``, ``model_version``, ``body``, ``record`` …), or None.
-        Leftovers of an interrupted :meth:`save_pending` (no ``pending.json``) are removed."""
+    def has_pending(self) -> bool:
+        """Whether a trained round waits for the server's receipt (cheap: no file is read)."""
+        return (self.path / "pending.json").is_file()
+
+    def _pending_meta(self) -> dict[str, Any] | None:
+        """``pending.json`` checked, or None; removes leftovers of an interrupted
+        :meth:`save_pending` (files without ``pending.json``)."""
         d = self._read_json("pending.json")
         if d is None:
             leftovers = [n for n in _PENDING_FILES[1:] if (self.path / n).exists()]
             if leftovers:
                 self._remove(*leftovers)
             return None
-        p = self.path / "pending.json"
         if d.get("format") != PENDING_FORMAT or not isinstance(d.get("round_id"), int):
-            raise DeviceStateError(f"{p} is malformed")
+            raise DeviceStateError(f"{self.path / 'pending.json'} is malformed")
+        return d
+
+    def pending(self) -> dict[str, Any] | None:
+        """The pending round (``round_id``, ``model_version``, ``body``, ``record`` …), or None;
+        the body is checked against its recorded hash."""
+        d = self._pending_meta()
+        if d is None:
+            return None
+        p = self.path / "pending.json"
         body = self._read_bytes("pending.update.safetensors")
-        if body is None or _sha256(body) != d.get("body_sha256"):
+        if body is None or sha256_hex(body) != d.get("body_sha256"):
             raise DeviceStateError(f"{self.path / 'pending.update.safetensors'} is missing or does not match {p}")
         return {**d, "body": body}
 
     def commit_pending(self, receipt: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
         """The server accepted the pending upload: record the round, make the pending θ_c the
         device's ``personal`` weights, drop the pending files. Safe to repeat after a crash at
-        any point (the round is recorded once; θ_c is moved once). Returns the record."""
-        pend = self.pending()
+        any point (the round is recorded once; θ_c is moved once). Returns the record.
+        The upload body is not read again: the server has it."""
+        pend = self._pending_meta()
         if pend is None:
             return None
         record = dict(pend.get("record") or {})
@@ -435,14 +444,14 @@ class DeviceState:
             staged = self.path / "pending.personal.safetensors"
             data = self._read_bytes("pending.personal.safetensors")
             if data is not None:
-                if _sha256(data) != want:
+                if sha256_hex(data) != want:
                     raise DeviceStateError(f"{staged} does not match {self.path / 'pending.json'}")
                 try:
                     os.replace(staged, self.path / "personal.safetensors")
                     fsync_directory(self.path)
                 except OSError as e:
                     raise DeviceStateError(f"cannot install θ_c in {self.path}: {e.strerror or e}") from None
-            elif _sha256(self._read_bytes("personal.safetensors") or b"") != want:
+            elif sha256_hex(self._read_bytes("personal.safetensors") or b"") != want:
                 raise DeviceStateError(f"{staged} is missing: the pending θ_c is lost")
         self._remove("pending.json", "pending.update.safetensors")
         return record
