@@ -38,9 +38,8 @@ def _codeword(state_dir: str, key: bytes | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..enrollment import enroll, generate_key, save_enrollment
+    from ..enrollment import enroll, save_enrollment
     from ..errors import EnrollmentExistsError
-    from ..fileio import atomic_write_bytes
     from ..preprocess import list_images
     from .common import load_backend, read_key
 
@@ -57,8 +56,7 @@ def run(args: argparse.Namespace) -> int:
                meta={"model_path": str(Path(args.model).resolve())})
     created = key is None
     if created:
-        key = generate_key()
-        atomic_write_bytes(key_path, key, mode=0o600)
+        key = read_key(args.key_file, create=True)
     try:
         save_enrollment(args.out, e, key, overwrite=args.overwrite)
     except BaseException:
