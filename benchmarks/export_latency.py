@@ -74,10 +74,9 @@ def dir_size(path: Path) -> int:
 def bench(name: str, model: FaceNet, source: str, runs: int, coreml: bool, tmp: Path) -> dict:
     verifier = VerifierNet(model.backbone, model.uv_head).eval()
     s = verifier.input_size
-    mid = model_id_of({k: v for k, v in model.state_dict().items() if not k.startswith("proj.")})
     ckpt = tmp / f"{name}.safetensors"
     save_checkpoint(ckpt, model, model.config)
-    fp32 = export_onnx(verifier, tmp / f"{name}.onnx", model_id=mid)
+    fp32 = export_onnx(verifier, tmp / f"{name}.onnx")
     int8 = tmp / f"{name}.int8.onnx"
     quantize_int8(fp32, int8, synthetic_calibration(s))
     x = np.random.default_rng(0).uniform(-1, 1, size=(1, 3, s, s)).astype(np.float32)

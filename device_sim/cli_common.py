@@ -3,17 +3,16 @@ the data (``synth`` or an ImageFolder path), its split, ξ, and progress bars.""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
+from fedfs_sdk.cli.progress import progress_bar
 from fedfs_sdk.errors import CheckpointError, InputError
 
-from .datasets import IdentityDataset, ImageFolderDataset, SynthDataset, identity_names
+from .datasets import IdentityDataset, ImageFolderDataset, SynthDataset
 from .pretrain import PretrainConfig, load_xi, pretrain_cached
 from .splits import FaceSplits, make_splits
 from .synthfaces import SynthFaces
@@ -104,7 +103,7 @@ def run_pretrain(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSpli
     return res
 
 
-def check_xi_disjoint(xi_meta: dict[str, Any], splits: FaceSplits, dataset: IdentityDataset | None = None) -> None:
+def check_xi_disjoint(xi_meta: dict[str, Any], splits: FaceSplits, dataset: IdentityDataset) -> None:
     """Refuse a ξ pre-trained on identities that are clients or new users here.
 
     Compares identity *names* (``public_identity_names`` in ξ's metadata against the folder
@@ -117,8 +116,8 @@ def check_xi_disjoint(xi_meta: dict[str, Any], splits: FaceSplits, dataset: Iden
     """
     users = np.r_[splits.identities("clients"), splits.identities("new_users")]
     names = xi_meta.get("public_identity_names")
-    if names is not None and dataset is not None:
-        overlap = sorted(set(map(str, names)) & set(identity_names(dataset, users)))
+    if names is not None:
+        overlap = sorted(set(map(str, names)) & set(dataset.identity_names(users)))
         if overlap:
             raise CheckpointError(f"ξ was pre-trained on {len(overlap)} identities that are clients/new users in "
                                   f"this split (e.g. {overlap[:3]}); pre-train on this split's public identities")
@@ -157,15 +156,6 @@ def setup_device(args: argparse.Namespace) -> None:
         raise InputError("--device cuda was requested but no CUDA device is available")
     if args.threads:
         torch.set_num_threads(args.threads)
-
-
-@contextlib.contextmanager
-def progress_bar(desc: str, total: int | None = None, unit: str = "it", disable: bool = False) -> Iterator[Any]:
-    """A tqdm bar on a terminal, a line per 10 % otherwise (``fedfs_sdk.cli.progress``)."""
-    from fedfs_sdk.cli.progress import progress_bar as _bar
-
-    with _bar(desc, total=total, unit=unit, disable=disable, file=sys.stderr) as bar:
-        yield bar
 
 
 __all__ = ["add_data_arguments", "build_data", "add_pretrain_arguments", "pretrain_config", "run_pretrain",

@@ -164,17 +164,17 @@ class ClientStore:
         return np.flatnonzero(self.rows >= 0)
 
     def get(self, ids: Sequence[int] | np.ndarray, device: str | torch.device = "cpu",
-            fresh: Params | None = None) -> Params:
+            fresh_flat: torch.Tensor | None = None) -> Params:
         """Stacked float32 weights ``{group: {name: [K, ...]}}`` of ``ids`` on ``device``.
 
-        Clients without a row (never trained) get ``fresh`` — the private weights a client
-        starts from on its first participation, e.g. derived from the current global model
-        as a device does — or ``θ_0`` (the template) without it. ``fresh`` is one model
-        shared by every such client: no row or memory per client."""
+        Clients without a row (never trained) get ``fresh_flat`` — the private weights a
+        client starts from on its first participation (flattened by :meth:`flatten_one`),
+        e.g. derived from the current global model as a device does — or ``θ_0`` (the
+        template) without it. It is one model shared by every such client: no row or memory
+        per client."""
         a = self._check_ids(ids)
         dev = torch.device(device)
-        base = self._template if fresh is None else self._flatten(
-            {g: {k: v.unsqueeze(0) for k, v in w.items()} for g, w in fresh.items()}, 1)[0]
+        base = self._template if fresh_flat is None else fresh_flat
         flat = base.to(dev).unsqueeze(0).repeat(len(a), 1)
         rows = self.rows[a]
         have = np.flatnonzero(rows >= 0)
@@ -213,6 +213,11 @@ class ClientStore:
             flat = flat - self._template.to(flat.device).unsqueeze(0)
         r = torch.from_numpy(self.rows[a]).to(self._data.device)
         self._data[r] = flat.to(self._data.device, DTYPES[self.dtype])
+
+    def flatten_one(self, params: Params) -> torch.Tensor:
+        """One client's ``{group: {name: tensor}}`` as the flat float32 ``[P]`` vector
+        :meth:`get` takes as ``fresh_flat`` (on the tensors' device)."""
+        return self._flatten({g: {k: v.unsqueeze(0) for k, v in w.items()} for g, w in params.items()}, 1)[0]
 
     def _flatten(self, stacked: Mapping[str, Mapping[str, torch.Tensor]], k: int) -> torch.Tensor:
         parts = []

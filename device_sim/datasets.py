@@ -25,8 +25,7 @@ from fedfs_sdk.preprocess import IMAGE_EXTENSIONS, preprocess
 
 from .synthfaces import SynthFaces, broadcast_pairs
 
-__all__ = ["IdentityDataset", "SynthDataset", "ImageFolderDataset", "SkippedFile", "LRUImageCache",
-           "identity_names", "dataset_fingerprint"]
+__all__ = ["IdentityDataset", "SynthDataset", "ImageFolderDataset", "SkippedFile", "LRUImageCache"]
 
 IndexLike = int | Sequence[int] | np.ndarray | torch.Tensor
 
@@ -48,6 +47,14 @@ class IdentityDataset(Protocol):
 
     def batch(self, identities: IndexLike, indices: IndexLike) -> torch.Tensor:
         """``[N, 3, S, S]`` for pairs ``(identities[i], indices[i])`` (scalars broadcast)."""
+        ...
+
+    def identity_names(self, identities: IndexLike) -> list[str]:
+        """Stable names of ``identities`` (folder names, ``synthfaces-<seed>/<index>``)."""
+        ...
+
+    def fingerprint(self) -> str:
+        """sha256 of what determines the images (checkpoints record it)."""
         ...
 
 
@@ -322,18 +329,3 @@ class ImageFolderDataset:
                 j = int(np.argmax(bad))
                 raise InputError(f"image index {int(idx[j])} out of range for identity {int(ids[j])} "
                                  f"({self.names[ids[j]]!r} has {int(self._counts[ids[j]])} images)")
-
-
-def identity_names(dataset: IdentityDataset, identities: IndexLike) -> list[str]:
-    """Names of ``identities`` in ``dataset`` (its ``identity_names`` if it has one, else the
-    decimal index)."""
-    fn = getattr(dataset, "identity_names", None)
-    if callable(fn):
-        return list(fn(identities))
-    return [str(int(i)) for i in np.asarray(identities, dtype=np.int64).reshape(-1)]
-
-
-def dataset_fingerprint(dataset: IdentityDataset) -> str:
-    """``dataset.fingerprint()`` if it has one, else sha256 of its ``repr``."""
-    fn = getattr(dataset, "fingerprint", None)
-    return str(fn()) if callable(fn) else hashlib.sha256(repr(dataset).encode()).hexdigest()

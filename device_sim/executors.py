@@ -94,7 +94,7 @@ class ChunkResult:
     ``metrics`` maps ``<part>_first|_last|_mean`` to a ``[K]`` tensor (objective parts of
     the client's first / last / all local steps; 0 for a client that took no step).
     ``client_steps`` ``[K]`` counts the SGD steps each client applied (0: too few images
-    for one batch, or every step skipped on fp16 overflow); ``None`` = unknown.
+    for one batch, or every step skipped on fp16 overflow).
     """
 
     clients: list[int]
@@ -102,7 +102,7 @@ class ChunkResult:
     params: Params
     metrics: dict[str, torch.Tensor]
     steps: int
-    client_steps: torch.Tensor | None = None
+    client_steps: torch.Tensor
 
 
 class Executor(Protocol):

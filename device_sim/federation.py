@@ -30,7 +30,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from fedfs_sdk.checkpoint import read_safetensors, write_safetensors_atomic
+from fedfs_sdk.checkpoint import model_id_of, read_safetensors, write_safetensors_atomic
 from fedfs_sdk.errors import CheckpointError, InputError
 from server_agg.aggregate import StreamingFedAvg, fedavg_stacked
 
@@ -122,18 +122,6 @@ IDENTITY_PARTS = {
 }
 
 
-def weights_fingerprint(weights: Any) -> str:
-    """sha256 over a state dict (or a module's): every tensor's name, dtype, shape and bytes,
-    in sorted key order."""
-    state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
-    h = hashlib.sha256()
-    for k in sorted(state):
-        t = state[k].detach().to("cpu").contiguous()
-        h.update(json.dumps([k, str(t.dtype), list(t.shape)]).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def data_fingerprint(data: ClientData, sample_clients: int = 3) -> dict[str, str]:
     """``data.fingerprint()`` (when it has one) plus ``images``: sha256 of the training images
     of ``sample_clients`` clients spread over the population (first, middle, last) — a cheap
@@ -180,7 +168,7 @@ class Federation:
         self.sampler = np.random.default_rng([config.seed, 0x5A4D])
         self.history: list[RoundRecord] = []
         self._states: dict[int, Any] = {}
-        self._xi_fingerprint = weights_fingerprint(xi)
+        self._xi_fingerprint: str | None = None               # computed on the first save/load
         self._data_fingerprint: dict[str, str] | None = None   # computed on the first save/load
 
     # ---- one round ---------------------------------------------------------------------
@@ -216,14 +204,15 @@ class Federation:
         global_dev = {k: v.to(ex.device) for k, v in self.global_weights.items()}
         # A client's first participation starts θ_c from the global model it receives now,
         # as a device does (LocalTrainer.train with personal_weights=None).
-        fresh = method.init_private(self.global_weights) if self.store is not None else None
+        # Flattened once per round, on the executor's device.
+        fresh_flat = self.store.flatten_one(method.init_private(global_dev)) if self.store is not None else None
         sums: dict[str, float] = {}
         stepped = 0
         total_samples = 0
         start = 0
         while start < len(participants):
             chunk = participants[start:start + ex.chunk_size]
-            private = self.store.get(chunk, ex.device, fresh=fresh) if self.store is not None else {}
+            private = self.store.get(chunk, ex.device, fresh_flat=fresh_flat) if self.store is not None else {}
             tasks = []
             for i, c in enumerate(chunk.tolist()):
                 params: Params = {"global": global_dev, **unstack(private, i)}
@@ -236,11 +225,10 @@ class Federation:
             acc.add(fedavg_stacked(res.params["global"], res.num_samples, reference=chunk_ref), n_chunk)
             if self.store is not None:
                 self.store.put(res.clients, {g: res.params[g] for g in method.private_groups})
-            took = (res.client_steps > 0 if res.client_steps is not None
-                    else torch.ones(len(res.clients), dtype=torch.bool))
+            took = res.client_steps > 0
             stepped += int(took.sum())
-            for k, v in res.metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v.double().cpu()[took].sum())
+            for k, v in res.metrics.items():    # metrics are on the CPU
+                sums[k] = sums.get(k, 0.0) + float(v[took].double().sum())
             total_samples += n_chunk
             start += len(chunk)
             # executor chunk size may be calibrated by the first call (CUDA)
@@ -276,6 +264,8 @@ class Federation:
             cfg.pop(k)
         if self._data_fingerprint is None:
             self._data_fingerprint = data_fingerprint(self.data)
+        if self._xi_fingerprint is None:
+            self._xi_fingerprint = model_id_of(self.ctx.xi.state_dict())
         return {"method": self.method.name, "options": self.method.options(), "config": cfg,
                 "num_clients": self.data.num_clients, "model_config": self.ctx.model_config.to_json(),
                 "data": self._data_fingerprint, "xi": self._xi_fingerprint}
@@ -355,4 +345,4 @@ def checkpoint_path(directory: str | os.PathLike[str], round_idx: int) -> Path:
 
 
 __all__ = ["Federation", "FederationConfig", "RoundRecord", "ClientData", "client_seed",
-           "latest_checkpoint", "checkpoint_path", "data_fingerprint", "weights_fingerprint", "CHECKPOINT_FORMAT"]
+           "latest_checkpoint", "checkpoint_path", "data_fingerprint", "CHECKPOINT_FORMAT"]

@@ -14,7 +14,7 @@ import torch
 
 from fedfs_sdk.errors import InputError
 
-from .datasets import IdentityDataset, dataset_fingerprint
+from .datasets import IdentityDataset
 from .splits import FaceSplits
 
 
@@ -82,10 +82,10 @@ class Population:
         return x if device is None else x.to(device)
 
     def fingerprint(self) -> dict[str, str]:
-        """sha256 digests of the dataset (:func:`~device_sim.datasets.dataset_fingerprint`)
+        """sha256 digests of the dataset (its ``fingerprint()``)
         and of the split (every identity and image index of every group): a federation
         checkpoint records them so a resume on other data is refused."""
-        return {"dataset": dataset_fingerprint(self.dataset),
+        return {"dataset": str(self.dataset.fingerprint()),
                 "splits": hashlib.sha256(self.splits.to_json().encode()).hexdigest()}
 
     def num_train(self, client: int) -> int:

@@ -31,7 +31,7 @@ from fedfs_sdk.checkpoint import load_checkpoint, save_checkpoint
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.model import FaceNet, ModelConfig
 
-from .datasets import IdentityDataset, identity_names
+from .datasets import IdentityDataset
 
 MARGINS = ("cosface", "arcface")
 
@@ -210,7 +210,7 @@ def pretrain_cached(dataset: IdentityDataset, identities: np.ndarray, indices: n
     cdir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     path = cdir / f"xi-{key}.safetensors"
     public = np.unique(np.asarray(identities, dtype=np.int64))
-    names = identity_names(dataset, public)
+    names = dataset.identity_names(public)
     if path.is_file() and not force:
         model, meta = load_checkpoint(path)
         if out is not None and Path(out) != path:

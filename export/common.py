@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from fedfs_sdk.errors import CheckpointError, InputError
+from fedfs_sdk.errors import InputError
 
 OPSET = 17
 """ONNX opset of every exported graph. ORT 1.19 (training build included) reads opset ≤ 21
@@ -98,20 +98,13 @@ def load_for_export(path: str | os.PathLike[str]) -> LoadedCheckpoint:
 
     The file is read once; the model is built from those bytes and ``sha256`` is their hash,
     so what the manifest records is what was built even if the file changes meanwhile.
-    :class:`CheckpointError` when the file is missing, is not a fedfs checkpoint, or its
+    :class:`~fedfs_sdk.errors.CheckpointError` when the file is missing, is not a fedfs checkpoint, or its
     tensors do not fit the architecture its header declares.
     """
-    from fedfs_sdk.checkpoint import checkpoint_from_bytes
+    from fedfs_sdk.checkpoint import checkpoint_from_bytes, read_checkpoint_bytes
 
     p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"checkpoint not found: {p}")
-    if p.is_dir():
-        raise CheckpointError(f"checkpoint must be a .safetensors file, got a folder: {p}")
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"checkpoint {p} cannot be read: {e}") from e
+    data = read_checkpoint_bytes(p)
     model, meta = checkpoint_from_bytes(data, p)
     return LoadedCheckpoint(model.eval(), meta, hashlib.sha256(data).hexdigest(), p.name)
 

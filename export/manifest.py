@@ -32,11 +32,19 @@ THRESHOLD_SEMANTICS = {
 
 
 def file_entries(root: Path) -> dict[str, dict[str, Any]]:
-    """``{relative path: {"sha256", "bytes"}}`` for every file below ``root`` but the manifest."""
+    """``{relative path: {"sha256", "bytes"}}`` for every file below ``root`` but the manifest;
+    a link or other non-regular entry (not a folder) is ``{"type": "link" | "other"}``."""
     out: dict[str, dict[str, Any]] = {}
     for f in sorted(root.rglob("*")):
-        if f.is_file() and f != root / MANIFEST_NAME:
-            out[f.relative_to(root).as_posix()] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+        rel = f.relative_to(root).as_posix()
+        if rel == MANIFEST_NAME or (f.is_dir() and not f.is_symlink()):
+            continue
+        if f.is_symlink():
+            out[rel] = {"type": "link"}
+        elif not f.is_file():
+            out[rel] = {"type": "other"}
+        else:
+            out[rel] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
     return out
 
 
@@ -80,18 +88,7 @@ def verify_manifest(root: str | Path) -> list[str]:
     (an extra file, link or other entry could be picked up by an app). Empty when the folder
     is exactly what was exported."""
     root = Path(root)
-    manifest = json.loads((root / MANIFEST_NAME).read_text())
-    listed = manifest["files"]
-    bad = []
-    for rel, entry in listed.items():
-        f = root / rel
-        if (f.is_symlink() or not f.is_file() or f.stat().st_size != entry["bytes"]
-                or sha256_file(f) != entry["sha256"]):
-            bad.append(rel)
-    for f in sorted(root.rglob("*")):
-        rel = f.relative_to(root).as_posix()
-        if f.is_dir() and not f.is_symlink():
-            continue
-        if rel != MANIFEST_NAME and rel not in listed:
-            bad.append(rel)
-    return sorted(bad)
+    listed = json.loads((root / MANIFEST_NAME).read_text())["files"]
+    found = file_entries(root)
+    return sorted(rel for rel in listed.keys() | found.keys()
+                  if rel not in found or "type" in found[rel] or listed.get(rel) != found[rel])

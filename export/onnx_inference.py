@@ -90,24 +90,21 @@ def check_runtime_compatible(model: onnx.ModelProto, what: str) -> None:
             raise InputError(f"{what}: opset {imp.version} > 21 is not supported by ONNX Runtime 1.19")
 
 
-def export_onnx(verifier: torch.nn.Module, path: str | os.PathLike[str], *, model_id: str | None = None,
+def export_onnx(verifier: torch.nn.Module, path: str | os.PathLike[str], *,
                 model_version: str = "unversioned") -> Path:
     """Export ``verifier`` (a :class:`~fedfs_sdk.model.VerifierNet`) to ``path``.
 
     Dynamic batch, opset :data:`~export.common.OPSET`, constant folding on (an inference
     graph needs no trainable initializers), metadata from :func:`inference_metadata`.
-    ``fedfs.model_id`` is the id of the verifier's weights (:func:`fedfs_sdk.checkpoint.model_id_of`);
-    a ``model_id`` passed in must equal it — :class:`~fedfs_sdk.onnx_backend.OnnxBackend`
-    recomputes it on load and refuses a file whose id and weights disagree.
+    ``fedfs.model_id`` is the id of the verifier's weights (:func:`fedfs_sdk.checkpoint.model_id_of`),
+    computed here — :class:`~fedfs_sdk.onnx_backend.OnnxBackend` recomputes it on load and
+    refuses a file whose id and weights disagree.
     """
     from fedfs_sdk.checkpoint import model_id_of
 
     path = Path(path)
     verifier = verifier.eval()
-    own_id = model_id_of(verifier.state_dict())
-    if model_id is not None and model_id != own_id:
-        raise InputError(f"model_id {model_id!r} is not the id of the verifier's weights ({own_id!r})")
-    model_id = own_id
+    model_id = model_id_of(verifier.state_dict())
     s = int(verifier.backbone.input_size)
     outputs = verifier_outputs(verifier)
     dummy = torch.zeros(2, 3, s, s)

@@ -257,7 +257,7 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
 
                 step("ONNX fp32")
                 fp32_path.parent.mkdir(parents=True, exist_ok=True)
-                export_onnx(verifier, fp32_path, model_id=mid, model_version=version)
+                export_onnx(verifier, fp32_path, model_version=version)
                 parity = onnx_vs_torch(verifier, fp32_path)
                 if max(parity.values()) > 1e-4:
                     raise ExportError(f"ONNX output differs from torch by {parity} (> 1e-4)")

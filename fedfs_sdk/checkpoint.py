@@ -89,19 +89,26 @@ def _config_and_meta(header: dict[str, str], name: str | os.PathLike[str]) -> tu
     return config, meta
 
 
+def read_checkpoint_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a checkpoint file; :class:`CheckpointError` if it is missing, a folder or
+    unreadable. (Not parsed: see :func:`checkpoint_from_bytes`.)"""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"fedfs checkpoint not found: {p}"
+                              + (" (a folder, not a .safetensors file)" if p.is_dir() else ""))
+    try:
+        return p.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"not a readable fedfs checkpoint: {p} ({e})") from e
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[FaceNet, dict[str, Any]]:
     """Build the :class:`FaceNet` described in the checkpoint file and load its weights.
 
-    Reads the file and hands its bytes to :func:`checkpoint_from_bytes` (one implementation);
-    :class:`CheckpointError` if the file is missing, unreadable or unusable."""
-    p = Path(path)
-    if not p.is_file():
-        raise CheckpointError(f"fedfs checkpoint not found: {p}")
-    try:
-        data = p.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"not a readable fedfs checkpoint: {p} ({e})") from e
-    return checkpoint_from_bytes(data, p)
+    Reads the file (:func:`read_checkpoint_bytes`) and hands its bytes to
+    :func:`checkpoint_from_bytes` (one implementation); :class:`CheckpointError` if the file
+    is missing, unreadable or unusable."""
+    return checkpoint_from_bytes(read_checkpoint_bytes(path), Path(path))
 
 
 def checkpoint_from_bytes(data: bytes, name: str | os.PathLike[str] = "<bytes>") -> tuple[FaceNet, dict[str, Any]]:

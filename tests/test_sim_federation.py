@@ -163,9 +163,12 @@ def test_first_participation_starts_theta_c_from_the_current_global(xi, data) ->
     from fedfs_sdk.trainer import LocalTrainer, TrainConfig
 
     lc = LocalConfig(batch_size=4, lr=0.05)
-    seed = next(s for s in range(20) if set(_rounds(fed("fedfs", xi, data, seed=s), 2)[1])
-                - set(_rounds(fed("fedfs", xi, data, seed=s), 2)[0]))
-    r1, r2 = _rounds(fed("fedfs", xi, data, seed=seed), 2)
+    for seed in range(20):                                   # a seed where some client joins in round 2
+        r1, r2 = _rounds(fed("fedfs", xi, data, seed=seed), 2)
+        if set(r2) - set(r1):
+            break
+    else:
+        pytest.fail("no seed in 0..19 has a client that first trains in round 2")
     c = sorted(set(r2) - set(r1))[0]                         # trains for the first time in round 2
     f = fed("fedfs", xi, data, seed=seed, local=lc)
     theta0 = {k: v.clone() for k, v in f.global_weights.items()}

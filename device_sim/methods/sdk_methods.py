@@ -169,10 +169,11 @@ class SDKMethod(FederatedMethod):
         """``θ_c`` of a client's first participation: the global weights it receives in that
         round without ``uv_head.*`` — what a device does (``LocalTrainer.train`` with
         ``personal_weights=None``). The federation calls it with the current global model
-        every round (and with the round-0 one for the client store's delta base)."""
+        every round (and with the round-0 one for the client store's delta base). The tensors
+        are the global ones, detached, not copies (the store flattens them, executors copy)."""
         if not uses_fedfs(self.sdk_method):
             return {}
-        return {"personal": {k: v.detach().clone() for k, v in global_weights.items() if not k.startswith("uv_head.")}}
+        return {"personal": {k: v.detach() for k, v in global_weights.items() if not k.startswith("uv_head.")}}
 
     @property
     def private_groups(self) -> tuple[str, ...]:  # type: ignore[override]
