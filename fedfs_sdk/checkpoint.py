@@ -26,7 +26,9 @@ def write_safetensors_atomic(path: str | os.PathLike[str], tensors: dict[str, to
                              metadata: dict[str, str]) -> Path:
     """Write ``tensors`` + string ``metadata`` to ``path`` via a temporary file, ``fsync`` and a
     rename (then ``fsync`` of the folder where supported), so a crash — power loss included —
-    leaves either the old file or the new one, never half of one."""
+    leaves either the old file or the new one, never half of one. Streams to the file rather
+    than going through :func:`fileio.atomic_write_bytes`: a federation checkpoint holds the
+    client store and can be gigabytes, which must not be doubled in memory as ``bytes``."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
