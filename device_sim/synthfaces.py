@@ -24,6 +24,9 @@ and an image is bit-identical in any batch, chunking or thread count on a given 
 
 ``difficulty`` scales every nuisance range and probability (0 = frontal, clean, neutral
 images; 1 = the calibrated default, see ``docs/synthfaces.md`` for measured baselines).
+``domain`` (:mod:`device_sim.synth_domains`) changes how the same identities are captured —
+pose range, lighting, colour processing, face masks, blur, noise, texture — for cross-domain
+scenarios; the default ``"none"`` renders the images above bit for bit.
 """
 from __future__ import annotations
 
@@ -36,6 +39,9 @@ import torch
 
 from fedfs_sdk.errors import InputError
 
+from .synth_domains import (STYLE_COLUMNS, SynthDomain, apply_colour_style, apply_texture, draw_mask,
+                            get_domain, style_params)
+
 __all__ = ["SynthFaces", "hash_uniforms", "write_image_folder"]
 
 # ---------------------------------------------------------------------------------------------
@@ -45,6 +51,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _DOMAIN_IDENTITY, _DOMAIN_LOOK, _DOMAIN_IMAGE, _DOMAIN_NOISE = 1, 2, 3, 4
+_DOMAIN_STYLE = 5        # per-image numbers of a SynthDomain (mask, texture phase)
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:
@@ -214,13 +221,16 @@ _NOISE_TILES = 16        # noise bank size (per seed and image size)
 _MAX_BLUR = 1.5          # blur σ at difficulty 1, in pixels at 112×112
 
 
-def _image_params(seed: int, ids: np.ndarray, idx: np.ndarray, d: float, looks: int) -> dict[str, np.ndarray]:
+def _image_params(seed: int, ids: np.ndarray, idx: np.ndarray, d: float, looks: int,
+                  dom: SynthDomain | None = None) -> dict[str, np.ndarray]:
+    # a domain only scales σ's of existing columns (× 1.0 is exact: "none" is unchanged)
+    pose, light, blur, noise = (dom.pose, dom.light, dom.blur, dom.noise) if dom else (1.0,) * 4
     s = _Stream(hash_uniforms([_DOMAIN_IMAGE, seed, ids, idx], 80))
     p: dict[str, np.ndarray] = {}
     p["look"] = s.choice(looks)
-    p["rot"] = s.normal(0.14 * d)                     # rad, ~8° σ at d = 1
-    p["yaw"] = s.normal(0.38 * d, clip=2.0)           # rad, ~22° σ
-    p["pitch"] = s.normal(0.16 * d, clip=2.0)
+    p["rot"] = s.normal(0.14 * d * pose)              # rad, ~8° σ at d = 1
+    p["yaw"] = s.normal(0.38 * d * pose, clip=2.0)    # rad, ~22° σ
+    p["pitch"] = s.normal(0.16 * d * pose, clip=2.0)
     p["scale"] = np.exp(s.normal(0.08 * d))
     p["tx"] = s.normal(0.05 * d)
     p["ty"] = s.normal(0.05 * d)
@@ -237,8 +247,8 @@ def _image_params(seed: int, ids: np.ndarray, idx: np.ndarray, d: float, looks: 
     p["bg_fy"] = s.uniform(1, 5)
     p["bg_ph"] = s.uniform(0, 2 * math.pi)
     p["cloth"] = np.stack([s.uniform(0.05, 0.9) for _ in range(3)], 1)
-    p["amb"] = np.exp(s.normal(0.16 * d))
-    p["light_g"] = s.uniform(0.0, 0.55) * d
+    p["amb"] = np.exp(s.normal(0.16 * d * light))
+    p["light_g"] = s.uniform(0.0, 0.55) * d * light
     p["light_ang"] = s.uniform(0, 2 * math.pi)
     p["temp"] = s.normal(0.06 * d)
     p["hat"] = s.bernoulli(0.12 * min(d, 1.5))
@@ -253,8 +263,8 @@ def _image_params(seed: int, ids: np.ndarray, idx: np.ndarray, d: float, looks: 
     p["occ_color"] = np.where(s.bernoulli(0.5)[:, None] > 0,
                               _lerp_palette(_SKIN, s.uniform()),
                               np.stack([s.uniform(0.0, 1.0) for _ in range(3)], 1))
-    p["blur"] = s.uniform(0.0, _MAX_BLUR) * d         # σ in pixels at 112×112
-    p["noise"] = s.uniform(0.0, 0.04) * d             # σ in [0, 1] intensity units
+    p["blur"] = s.uniform(0.0, _MAX_BLUR) * d * blur  # σ in pixels at 112×112
+    p["noise"] = s.uniform(0.0, 0.04) * d * noise     # σ in [0, 1] intensity units
     p["noise_tile"] = s.choice(_NOISE_TILES)
     p["noise_dx"] = s.choice(1 << 16)
     p["noise_dy"] = s.choice(1 << 16)
@@ -412,11 +422,13 @@ class SynthFaces:
             ``None`` keeps the process setting. The renderer is ~1,000 small elementwise ops
             per chunk, each an OpenMP barrier, so on a busy machine 1 thread can be much
             faster than several (benchmarks/synthfaces_speed.py measures both).
+        domain: capture style, a preset name of ``synth_domains.DOMAINS`` or a ``SynthDomain``;
+            ``None``/``"none"`` renders exactly as without one (and keeps the repr).
     """
 
     def __init__(self, seed: int = 0, image_size: int = 32, difficulty: float = 1.0,
                  looks_per_identity: int = 4, chunk_size: int | None = None,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, domain: str | SynthDomain | None = None) -> None:
         if not isinstance(seed, (int, np.integer)) or seed < 0:
             raise InputError(f"seed must be a non-negative int, got {seed!r}")
         if not isinstance(image_size, (int, np.integer)) or image_size < 16:
@@ -435,11 +447,14 @@ class SynthFaces:
         if num_threads is not None and num_threads < 1:
             raise InputError(f"num_threads must be ≥ 1, got {num_threads}")
         self.num_threads = num_threads
+        self.domain = get_domain(domain)
         self._noise_bank: dict[str, torch.Tensor] = {}
 
     def __repr__(self) -> str:
+        # the domain enters only when it changes pixels: repr keys fingerprints and caches
+        dom = "" if self.domain.is_neutral() else f", domain={self.domain.key()!r}"
         return (f"SynthFaces(seed={self.seed}, image_size={self.image_size}, "
-                f"difficulty={self.difficulty}, looks_per_identity={self.looks_per_identity})")
+                f"difficulty={self.difficulty}, looks_per_identity={self.looks_per_identity}{dom})")
 
     # -- public API ---------------------------------------------------------------------------
     def render(self, identities: int | Sequence[int] | np.ndarray | torch.Tensor,
@@ -496,9 +511,10 @@ class SynthFaces:
 
     def _draw(self, ids: np.ndarray, idx: np.ndarray, dev: torch.device) -> torch.Tensor:
         """Render one chunk: float32 ``[N, 3, S, S]`` in (roughly) [0, 1], before quantization."""
-        S, d = self.image_size, self.difficulty
+        S, d, dom = self.image_size, self.difficulty, self.domain
         ip = _identity_params(self.seed, ids)
-        mp = _image_params(self.seed, ids, idx, d, self.looks_per_identity)
+        mp = _image_params(self.seed, ids, idx, d, self.looks_per_identity, dom)
+        sp = style_params(hash_uniforms([_DOMAIN_STYLE, self.seed, ids, idx], STYLE_COLUMNS), dom)
         lp = _look_params(self.seed, ids, mp["look"], ip["beardy"], ip["glassy"])
         n = ids.size
 
@@ -672,6 +688,11 @@ class SynthFaces:
         img.lerp_(lipc * 1.08, _soft(lo, aa))
         img.lerp_(lipc * 0.45, _soft(torch.maximum((v - line).abs() - 0.004, in_x), aa) * 0.8)
 
+        # --- face mask (domain, under glasses): nose, mouth and chin; top curves down sideways
+        if sp["mask"].any():
+            top = fy(T(ip["eye_y"]) + 0.55 * nl + T(sp["mask_top"]), 0.55) + 0.12 * du * du
+            draw_mask(img, dface, v, top, aa, T(sp["mask"]), C(sp["mask_color"]), T(sp["pleat_ph"]))
+
         # --- glasses (look) ---------------------------------------------------------------
         gm = T(lp["glasses"])
         if bool((gm > 0).any()):
@@ -707,10 +728,10 @@ class SynthFaces:
         img.mul_(light.clamp_(0.15, 2.0)).mul_(torch.cat([1 + temp, torch.ones_like(temp), 1 - temp], 1))
 
         # --- blur (per-image Gaussian, separable) -----------------------------------------
-        # The kernel support depends only on (S, difficulty), never on the chunk, so an image's
+        # The kernel support depends only on (S, difficulty, domain blur), never on the chunk, so an image's
         # weights (normalized over that support) are the same in any batch.
         sig = T(mp["blur"]).view(-1) * (S / 112.0)
-        rad = int(math.ceil(3 * _MAX_BLUR * d * S / 112.0))
+        rad = int(math.ceil(3 * _MAX_BLUR * d * dom.blur * S / 112.0))
         if rad > 0 and bool((sig > 0).any()):
             k = torch.arange(-rad, rad + 1, device=dev, dtype=torch.float32).view(1, -1)
             w = torch.exp(-0.5 * (k / sig.clamp(min=1e-3).view(-1, 1)) ** 2)
@@ -726,6 +747,11 @@ class SynthFaces:
         # σ is defined at 112×112; a smaller render is that image area-downsampled, which
         # divides i.i.d. noise by the downsampling factor (capped at 1 for larger renders).
         img.add_(tile.mul_(T(mp["noise"]) * min(1.0, S / 112.0)))
+
+        # --- domain style: texture overlay, then the colour processing of the camera -------
+        if dom.texture > 0:
+            img = apply_texture(img, X, Y, dom.texture, T(sp["tex_px"]), T(sp["tex_py"]))
+        img = apply_colour_style(img, dom)
 
         # --- JPEG-like compression --------------------------------------------------------
         # 8×8 blocks are defined at 112×112; at smaller sizes a block covers more of the face,

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from device_sim.synth_domains import DOMAINS, SynthDomain, get_domain
 from device_sim.synthfaces import SynthFaces, hash_uniforms
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.preprocess import preprocess
@@ -31,7 +32,9 @@ def test_render_matches_preprocess_of_uint8(faces: SynthFaces) -> None:
     assert np.array_equal(preprocess(u8, 32), faces.render([4, 5], [1, 2]).numpy())
 
 
-def test_same_key_same_pixels_regardless_of_batch(faces: SynthFaces) -> None:
+def _assert_batch_invariant(faces: SynthFaces, chunked: SynthFaces) -> None:
+    """``faces`` renders each key identically alone, reordered, and as ``chunked`` (the same
+    generator with another chunk size) does."""
     ids = np.array([7, 3, 7, 11, 3, 42, 7])
     idx = np.array([0, 5, 9, 1, 5, 2, 0])
     full = faces.render(ids, idx)
@@ -40,10 +43,13 @@ def test_same_key_same_pixels_regardless_of_batch(faces: SynthFaces) -> None:
         assert torch.equal(faces.render(int(ids[j]), int(idx[j]))[0], full[j])
     perm = np.array([6, 2, 0, 5, 1, 4, 3])
     assert torch.equal(faces.render(ids[perm], idx[perm]), full[perm])
-    chunked = SynthFaces(seed=3, image_size=32, difficulty=1.0, chunk_size=2)
     assert torch.equal(chunked.render(ids, idx), full)
     # duplicates inside one batch are identical
     assert torch.equal(full[0], full[6]) and torch.equal(full[1], full[4])
+
+
+def test_same_key_same_pixels_regardless_of_batch(faces: SynthFaces) -> None:
+    _assert_batch_invariant(faces, SynthFaces(seed=3, image_size=32, difficulty=1.0, chunk_size=2))
 
 
 def test_different_seed_index_identity_differ(faces: SynthFaces) -> None:
@@ -134,3 +140,87 @@ def test_jpeg_like_identity_at_zero_and_lossy_above() -> None:
     assert float((_jpeg_like(x, torch.zeros(2)) - x).abs().max()) < 1e-5     # orthonormal DCT round trip
     err = (_jpeg_like(x, torch.tensor([0.5, 2.0])) - x).abs().mean(dim=(1, 2, 3))
     assert 0 < float(err[0]) < float(err[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Domains
+# ---------------------------------------------------------------------------------------------
+_PRESETS = [n for n in DOMAINS if n != "none"]
+
+
+def test_domain_none_is_bit_identical_to_default(faces: SynthFaces) -> None:
+    ids, idx = np.arange(12), np.arange(12) * 7
+    ref = faces.render(ids, idx)
+    for dom in ("none", DOMAINS["none"], SynthDomain("plain")):
+        f = SynthFaces(seed=3, image_size=32, difficulty=1.0, num_threads=1, domain=dom)
+        assert torch.equal(f.render(ids, idx), ref)
+        assert repr(f) == repr(faces) == \
+            "SynthFaces(seed=3, image_size=32, difficulty=1.0, looks_per_identity=4)"
+
+
+@pytest.mark.parametrize("name", _PRESETS)
+def test_domain_presets_change_images(faces: SynthFaces, name: str) -> None:
+    ids, idx = np.arange(16), np.arange(16)
+    x = SynthFaces(seed=3, image_size=32, num_threads=1, domain=name).render(ids, idx)
+    changed = (x != faces.render(ids, idx)).flatten(1).any(1)
+    # "mask" only draws on the images it masks (p = 0.8); every other preset changes all
+    assert float(changed.float().mean()) >= (0.5 if name == "mask" else 1.0)
+
+
+@pytest.mark.parametrize("name", ["phone", "night", "mask"])
+def test_domain_same_key_same_pixels_regardless_of_batch(name: str) -> None:
+    faces = SynthFaces(seed=3, image_size=32, num_threads=1, domain=name)
+    _assert_batch_invariant(faces, SynthFaces(seed=3, image_size=32, chunk_size=2, domain=name))
+    again = SynthFaces(seed=3, image_size=32, num_threads=1, domain=get_domain(name))
+    assert torch.equal(again.render([1, 2], [3, 4]), faces.render([1, 2], [3, 4]))
+
+
+def test_domain_keeps_identities(faces: SynthFaces) -> None:
+    """An image correlates more with the same identity in the default domain than with other
+    identities (face crop, zero-mean unit-norm pixels): the domain changes the look, not who."""
+    n_id, n_img = 16, 4
+    ids, idx = np.repeat(np.arange(n_id), n_img), np.tile(np.arange(n_img), n_id)
+
+    def unit(x: torch.Tensor) -> torch.Tensor:
+        x = x[:, :, 6:28, 6:26].reshape(len(x), -1)
+        x = x - x.mean(1, keepdim=True)
+        return x / x.norm(dim=1, keepdim=True)
+
+    base = unit(faces.render(ids, idx))
+    same = ids[:, None] == ids[None, :]
+    for name in _PRESETS:
+        sim = (unit(SynthFaces(seed=3, image_size=32, num_threads=1, domain=name).render(ids, idx)) @ base.T).numpy()
+        assert sim[same].mean() > sim[~same].mean() + 0.05, name
+
+
+def test_domain_saturation_zero_is_greyscale() -> None:
+    grey = SynthFaces(seed=3, image_size=32, num_threads=1, domain=SynthDomain("grey", saturation=0.0))
+    u8 = grey.render_uint8(np.arange(8), np.arange(8)).astype(np.int16)
+    # JPEG-like compression runs in float YCbCr after the desaturation: ±1 level at most
+    assert np.abs(u8[..., 0] - u8[..., 1]).max() <= 1 and np.abs(u8[..., 1] - u8[..., 2]).max() <= 1
+    colour = SynthFaces(seed=3, image_size=32, num_threads=1).render_uint8(np.arange(8), np.arange(8)).astype(np.int16)
+    assert np.abs(colour[..., 0] - colour[..., 2]).max() > 20
+
+
+@pytest.mark.parametrize("field,value", [("pose", -0.1), ("light", 9.0), ("saturation", float("nan")),
+                                         ("gamma", 0.0), ("contrast", "1"), ("occlusion", 1.5),
+                                         ("blur", True), ("noise", -1), ("texture", 2.0),
+                                         ("tint", (1.0, 1.0)), ("tint", (1.0, -1.0, 1.0))])
+def test_domain_bad_fields_raise(field: str, value: object) -> None:
+    with pytest.raises(InputError, match=rf"SynthDomain\.{field} must be .*\["):
+        SynthDomain("bad", **{field: value})
+
+
+def test_domain_unknown_name_and_bad_name() -> None:
+    with pytest.raises(InputError, match="known domains: none, studio, phone, night, mask"):
+        SynthFaces(domain="sepia")
+    with pytest.raises(InputError, match="SynthDomain.name"):
+        SynthDomain("a b")
+
+
+def test_domain_repr_differs_between_domains() -> None:
+    reprs = {repr(SynthFaces(seed=3, domain=n)) for n in DOMAINS}
+    reprs.add(repr(SynthFaces(seed=3, domain=SynthDomain("phone", occlusion=0.5))))   # same name, other values
+    assert len(reprs) == len(DOMAINS) + 1
+    assert repr(SynthFaces(seed=3, domain="mask")).endswith(", domain='mask:occlusion=0.8')")
+    assert DOMAINS["phone"].key().startswith("phone:pose=1.6,light=2.0,saturation=0.35,tint=(1.15, 1.0, 0.8)")
