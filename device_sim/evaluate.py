@@ -13,9 +13,14 @@ For each evaluated client ``c`` the method gives a :class:`VerifierSpec` (person
 From these scores (``device_sim.metrics``, protocols in ``docs/evaluation.md``):
 
 * verification per client — AUROC, EER, TAR@FAR — averaged over clients (FedFS Table 1);
+* pairwise 1:1 verification (FedFR protocol) per client: cosine of the verifier's embeddings
+  of every pair of the client's own test images (genuine) and of each own test image with
+  each pool image of another client (impostor); AUROC averaged over clients. It reuses the
+  embeddings computed for the scores above (no extra forward pass);
 * 1:N identification, FedFR/FedFS Table 2 protocol as implemented in ``metrics``: the
-  client's gallery entry, its test images as mated probes and the never-enrolled new users'
-  images as non-mated probes; TPIR@FPIR averaged over clients;
+  client's gallery entry, its test images as mated probes and as non-mated probes either
+  the other clients' pool images (``identification_clients``, FedFR's choice) or the
+  never-enrolled new users' images (``identification``); TPIR@FPIR averaged over clients;
 * FedUV warm-up outcome at ``q``: achieved TPR on test images, FPR on other participants and
   FPR on new users' images;
 * new users (FedUV Fig. 4, third set): each new user enrolls with the model the server
@@ -181,8 +186,17 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
     """Evaluate ``method`` (already set up) with its final ``global_weights`` and per-client
     private weights (``private(c)``; None for a client that never trained).
 
-    Returns a JSON-able dict: ``verification``, ``identification``, ``warmup`` (participants),
-    ``new_users`` and the mean ROC (``roc``: fpr/tpr lists) for plotting.
+    Returns a JSON-able dict:
+
+    * ``clients``: ids of the evaluated clients, the order of every per-client list;
+    * ``verification`` (template protocol): ``auroc``/``eer``/``tar_at_far`` aggregates,
+      ``per_client_auroc``, ``pooled``, ``far_resolution``;
+    * ``pairwise`` (FedFR 1:1 protocol): ``{"auroc": aggregate, "per_client_auroc": [..]}`` —
+      cosine of the verifier's ``embedding`` output for every verifier mode;
+    * ``identification_clients`` (FedFR 1:N, other clients' pool images as non-mated probes):
+      ``{"tpir_at_fpir": {"0.1": aggregate, …}, "per_client": {"0.1": [..], …}}``;
+    * ``identification`` (new users' images as non-mated probes; only with new users): same shape;
+    * ``warmup`` (participants), ``new_users`` and the mean ROC (``roc``: fpr/tpr lists).
     """
     dev = torch.device(device)
     batched = config.batched if config.batched is not None else dev.type == "cuda"
@@ -201,6 +215,9 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
         return shared_cache[key]
 
     ver, ident, warm_p, warm_new_fpr = [], [], [], []
+    ident_clients: list[dict[float, float]] = []
+    pairwise: list[float] = []
+    fars = tuple(float(f) for f in config.fars)
     has_new = probes.new.shape[0] > 0
     done = 0
     for a in range(0, clients.size, config.client_chunk):
@@ -227,8 +244,18 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
             fresh = population.warmup_images(c)
             scorer = _Scorer(spec, own_train, None if fresh is None else embed(spec, fresh, dev, config.batch_size))
             genuine = scorer(own_test)
-            impostor = scorer(_select(f["pool"], np.flatnonzero(probes.pool_owner != c)))
+            others = probes.pool_owner != c
+            pool_scores = scorer(f["pool"])         # one matmul; the client's own pool images are dropped below
+            impostor = pool_scores[others]
             ver.append((genuine, impostor))
+            try:   # FedFR 1:N: the other clients' images are the non-mated probes of the one-entry gallery
+                ident_clients.append(M.tpir_other_clients(genuine, pool_scores, probes.pool_owner, c, fars))
+            except InputError:
+                ident_clients.append({f_: float("nan") for f_ in fars})
+            try:   # FedFR 1:1: cosine of the verifier's embedding output, every mode (codeword ones too)
+                pairwise.append(M.pairwise_auroc(own_test["embedding"].numpy(), f["pool"]["embedding"].numpy()[others]))
+            except InputError:
+                pairwise.append(float("nan"))
             warm_p.append((scorer.warmup, genuine, impostor))
             if has_new:
                 nonmated = scorer(f["new"])
@@ -239,7 +266,9 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
                 progress(done, int(clients.size))
 
     result: dict[str, Any] = {"clients_evaluated": int(clients.size), "impostor_pool": int(probes.pool.shape[0]),
-                              "new_user_images": int(probes.new.shape[0]), "q": config.q}
+                              "new_user_images": int(probes.new.shape[0]), "q": config.q,
+                              # the order of every per-client list below: pair two methods' lists by it
+                              "clients": [int(c) for c in clients]}
     v = M.per_client_verification(ver, config.fars)
     pooled = v["pooled"] or {}
     result["verification"] = {"auroc": v["auroc"], "eer": v["eer"], "tar_at_far": _keys(v["tar_at_far"]),
@@ -250,12 +279,17 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
                               # the coarsest client's 1/n_impostor: smaller FAR targets mean FAR 0
                               "far_resolution": max((p["far_resolution"] for p in v["per_client"]
                                                      if "far_resolution" in p), default=float("nan"))}
+    result["pairwise"] = {"auroc": M.aggregate(pairwise), "per_client_auroc": pairwise}
+    result["identification_clients"] = {
+        "tpir_at_fpir": _keys({f: M.aggregate([d[f] for d in ident_clients]) for f in fars}),
+        "per_client": _keys({f: [d[f] for d in ident_clients] for f in fars})}
     fpr, tpr = M.mean_roc(ver)
     result["roc"] = {"fpr": fpr.tolist(), "tpr": tpr.tolist()}
     wp = M.per_user_warmup(warm_p, config.q)
     result["warmup"] = {"tpr": wp["tpr"], "fpr_participants": wp["fpr"], "n_insufficient": wp["n_insufficient"]}
     if has_new:
-        result["identification"] = {"tpir_at_fpir": _keys(M.per_client_identification(ident, config.fars)["tpir_at_fpir"])}
+        ni = M.per_client_identification(ident, fars)
+        result["identification"] = {"tpir_at_fpir": _keys(ni["tpir_at_fpir"]), "per_client": _keys(ni["per_client"])}
         result["warmup"]["fpr_new_users"] = M.per_user_warmup(warm_new_fpr, config.q)["fpr"]
         result["new_users"] = _evaluate_new_users(method, global_weights, population, probes, config, dev)
     return result

@@ -20,6 +20,14 @@ Conventions (``docs/evaluation.md`` states them in full):
   false positive iff its best gallery score is ≥ t. The threshold for FPIR f is chosen like
   TAR@FAR f on the non-mated best scores. With FedFS's one identity per client the gallery
   has a single entry and rank-1 is automatic. Reported numbers are means over clients.
+  The non-mated probes are either never-seen new users or (FedFR's own choice) the other
+  clients' images — :func:`tpir_other_clients`;
+* **pairwise 1:1 AUROC** (FedFR's verification protocol): per client, cosine between the two
+  images' embeddings of every pair; genuine = every unordered pair of the client's own test
+  images, impostor = each own test image × each other identity's image
+  (:func:`pairwise_scores`, :func:`pairwise_auroc`);
+* **paired Δ** between two methods: per-client differences over the clients where both are
+  finite, mean ± standard error (:func:`paired_delta`).
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ __all__ = [
     "DEFAULT_FARS", "roc", "auroc", "eer", "threshold_at_far", "tar_at_far", "verification_metrics",
     "identification_scores", "template_scores", "tpir_at_fpir", "aggregate", "per_client_verification",
     "per_client_identification", "WarmupOutcome", "warmup_outcome", "per_user_warmup", "mean_roc",
+    "tpir_other_clients", "pairwise_scores", "pairwise_auroc", "paired_delta",
 ]
 
 DEFAULT_FARS: tuple[float, ...] = (1e-1, 1e-2, 1e-3)
@@ -194,6 +203,63 @@ def tpir_at_fpir(mated: Sequence[float] | np.ndarray, nonmated: Sequence[float] 
     return {float(f): float(np.mean(np.isfinite(m) & (m >= threshold_at_far(n, f)))) for f in fpirs}
 
 
+def tpir_other_clients(mated: Sequence[float] | np.ndarray, pool_scores: Sequence[float] | np.ndarray,
+                       pool_owner: Sequence[int] | np.ndarray, client: int,
+                       fpirs: Iterable[float] = DEFAULT_FARS) -> dict[float, float]:
+    """TPIR at each FPIR of ``client`` with the **other clients' images as non-mated probes**
+    (FedFR's 1:N protocol: every identity outside the client's one-entry gallery).
+
+    Args:
+        mated: the client's own test images' scores against its gallery entry.
+        pool_scores: ``[m]`` scores of a pool of participants' images against the same entry.
+        pool_owner: ``[m]`` client of each pool image; the client's own images are dropped.
+    """
+    s = np.asarray(pool_scores, dtype=np.float64).reshape(-1)
+    own = np.asarray(pool_owner).reshape(-1)
+    if s.size != own.size:
+        raise InputError(f"pool_scores ({s.size}) and pool_owner ({own.size}) differ in length")
+    return tpir_at_fpir(mated, s[own != client], fpirs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairwise 1:1 verification (FedFR protocol)
+# ---------------------------------------------------------------------------------------------
+def _unit_rows(x: np.ndarray | Sequence, what: str) -> np.ndarray:
+    a = np.asarray(x, dtype=np.float64)
+    if a.ndim != 2:
+        raise InputError(f"{what} embeddings must be [N, D], got shape {list(a.shape)}")
+    if a.size and not np.isfinite(a).all():
+        raise InputError(f"{what} embeddings contain NaN/Inf")
+    return a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-12)
+
+
+def pairwise_scores(own: np.ndarray, others: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Pairwise cosine scores of one client (FedFR's 1:1 protocol).
+
+    Args:
+        own: ``[n, D]`` embeddings of the client's own held-out images.
+        others: ``[m, D]`` embeddings of other identities' images.
+
+    Returns ``(genuine, impostor)``: ``genuine`` = cosine of every unordered pair ``i < j`` of
+    ``own`` (``n(n−1)/2`` scores, row-major over the upper triangle); ``impostor`` = cosine of
+    each own image with each other image (``n·m``, row-major ``[own, other]``).
+    """
+    o, p = _unit_rows(own, "own"), _unit_rows(others, "other")
+    if o.shape[1] != p.shape[1]:
+        raise InputError(f"own and other embeddings differ in dimension: {o.shape[1]} vs {p.shape[1]}")
+    iu = np.triu_indices(o.shape[0], k=1)
+    return (o @ o.T)[iu], (o @ p.T).reshape(-1)
+
+
+def pairwise_auroc(own: np.ndarray, others: np.ndarray) -> float:
+    """AUROC of :func:`pairwise_scores`. Raises :class:`InputError` when it is undefined
+    (fewer than 2 own images, no other images, non-finite embeddings)."""
+    g, i = pairwise_scores(own, others)
+    if g.size == 0:
+        raise InputError(f"pairwise AUROC needs ≥ 2 own images, got {np.asarray(own).shape[0]}")
+    return auroc(g, i)
+
+
 # ---------------------------------------------------------------------------------------------
 # Aggregation over clients
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +325,9 @@ def per_client_identification(scores: Sequence[tuple[np.ndarray, np.ndarray]],
     Args:
         scores: per client ``(mated, nonmated)`` from :func:`identification_scores` (or, for
             a one-identity gallery, genuine test scores and other users' scores).
+
+    Returns ``{"tpir_at_fpir": {fpir: aggregate}, "per_client": {fpir: [float]}}``; a client
+    whose scores are unusable is NaN in ``per_client`` and counted in ``n_degenerate``.
     """
     fpirs = tuple(float(f) for f in fpirs)
     vals: dict[float, list[float]] = {f: [] for f in fpirs}
@@ -269,7 +338,27 @@ def per_client_identification(scores: Sequence[tuple[np.ndarray, np.ndarray]],
             r = {f: math.nan for f in fpirs}
         for f in fpirs:
             vals[f].append(r[f])
-    return {"tpir_at_fpir": {f: aggregate(v) for f, v in vals.items()}}
+    return {"tpir_at_fpir": {f: aggregate(v) for f, v in vals.items()}, "per_client": vals}
+
+
+def paired_delta(a: Sequence[float] | np.ndarray, b: Sequence[float] | np.ndarray) -> dict:
+    """Paired difference of two methods' per-client values (same clients, same order).
+
+    ``Δ = a − b`` over the clients where both values are finite (NaN/None pairs are dropped).
+    Returns ``{"mean": mean Δ, "se": sd(Δ, ddof=1)/√n, "n": pairs used, "wins": #Δ > 0,
+    "losses": #Δ < 0}``; ``mean`` is NaN when ``n = 0``, ``se`` NaN when ``n < 2``.
+    Raises :class:`InputError` when ``a`` and ``b`` differ in length.
+    """
+    x = np.asarray(a, dtype=np.float64).reshape(-1)
+    y = np.asarray(b, dtype=np.float64).reshape(-1)
+    if x.size != y.size:
+        raise InputError(f"paired values differ in length: {x.size} vs {y.size}")
+    ok = np.isfinite(x) & np.isfinite(y)
+    d = x[ok] - y[ok]
+    n = int(d.size)
+    return {"mean": float(d.mean()) if n else math.nan,
+            "se": float(d.std(ddof=1) / math.sqrt(n)) if n >= 2 else math.nan,
+            "n": n, "wins": int((d > 0).sum()), "losses": int((d < 0).sum())}
 
 
 # ---------------------------------------------------------------------------------------------

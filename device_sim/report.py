@@ -1,4 +1,6 @@
-"""Results of a simulation as files: ``results.json``, a markdown table and ROC PNGs."""
+"""Results of a simulation as files: ``results.json``, a markdown table and ROC PNGs; paired
+per-client Δ against the ``pretrained`` row (:func:`add_deltas`) and the combination of
+several seeds (:func:`combine_seeds`, :func:`seeds_markdown_table`)."""
 from __future__ import annotations
 
 import json
@@ -11,23 +13,55 @@ import numpy as np
 
 from fedfs_sdk.checkpoint import atomic_write_bytes
 
+from .metrics import paired_delta
 from .plots import plot_roc
 
-COLUMNS: tuple[tuple[str, str], ...] = (
-    ("AUROC", "verification.auroc.mean"),
-    ("EER", "verification.eer.mean"),
+COLUMNS: tuple[tuple[str, str | tuple[str, ...]], ...] = (
+    ("template AUROC", "verification.auroc.mean"),
+    ("Δ ±SE", "delta:template_auroc"),
+    ("pairwise AUROC", "pairwise.auroc.mean"),
+    ("Δ ±SE", "delta:pairwise_auroc"),
+    ("TPIR@FPIR 0.1 / 0.01 (other clients)", ("identification_clients.tpir_at_fpir.0.1.mean",
+                                              "identification_clients.tpir_at_fpir.0.01.mean")),
+    ("Δ TPIR@0.1 ±SE", "delta:tpir_clients@0.1"),
     ("TAR@FAR=1e-2", "verification.tar_at_far.0.01.mean"),
-    ("TAR@FAR=1e-3", "verification.tar_at_far.0.001.mean"),
-    ("TPIR@FPIR=0.1", "identification.tpir_at_fpir.0.1.mean"),
-    ("TPIR@FPIR=0.01", "identification.tpir_at_fpir.0.01.mean"),
-    ("TPIR@FPIR=0.001", "identification.tpir_at_fpir.0.001.mean"),
+    ("TPIR@FPIR 0.1 / 0.01 / 0.001 (new users)", ("identification.tpir_at_fpir.0.1.mean",
+                                                  "identification.tpir_at_fpir.0.01.mean",
+                                                  "identification.tpir_at_fpir.0.001.mean")),
     ("warm-up TPR", "warmup.tpr.mean"),
     ("FPR others", "warmup.fpr_participants.mean"),
     ("FPR new", "warmup.fpr_new_users.mean"),
     ("new-user TPR", "new_users.tpr.mean"),
     ("new-user FPR", "new_users.fpr.mean"),
 )
-"""Table columns: (header, dotted path into one method's ``eval`` dict); means over clients."""
+"""Table columns: (header, source). A source is a dotted path into one method's ``eval``
+dict (means over clients), a tuple of such paths (one cell, values joined by `` / ``), or
+``"delta:KEY"`` — the row's paired Δ ± SE against the reference method (:func:`add_deltas`).
+EER and TAR@FAR=1e-3 are left out of the table; they stay in ``results.json``."""
+
+DELTA_METRICS: dict[str, str] = {
+    "template_auroc": "verification.per_client_auroc",
+    "pairwise_auroc": "pairwise.per_client_auroc",
+    "tpir_clients@0.1": "identification_clients.per_client.0.1",
+    "tpir_clients@0.01": "identification_clients.per_client.0.01",
+    "tpir_new@0.1": "identification.per_client.0.1",
+    "tpir_new@0.01": "identification.per_client.0.01",
+}
+"""Paired Δ keys → dotted path of the per-client list in ``eval`` (ordered as ``eval["clients"]``)."""
+
+HEADLINE: dict[str, str] = {
+    "template_auroc": "verification.auroc.mean",
+    "pairwise_auroc": "pairwise.auroc.mean",
+    "tpir_clients@0.1": "identification_clients.tpir_at_fpir.0.1.mean",
+    "tpir_clients@0.01": "identification_clients.tpir_at_fpir.0.01.mean",
+    "tpir_new@0.1": "identification.tpir_at_fpir.0.1.mean",
+    "tpir_new@0.01": "identification.tpir_at_fpir.0.01.mean",
+    "tar@0.01": "verification.tar_at_far.0.01.mean",
+    "warmup_tpr": "warmup.tpr.mean",
+    "fpr_others": "warmup.fpr_participants.mean",
+    "fpr_new": "warmup.fpr_new_users.mean",
+}
+"""Headline metrics of :func:`combine_seeds` → dotted path into one method's ``eval``."""
 
 
 def lookup(d: Mapping[str, Any], dotted: str) -> Any:
@@ -54,15 +88,235 @@ def _fmt(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
-def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
-    """One row per method: ``{"label", "eval", "rounds", "seconds"}``."""
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def fmt_delta(d: Mapping[str, Any] | None) -> str:
+    """``+0.0123 ± 0.0045`` (mean Δ ± SE); ``–`` when there is no Δ, ``± –`` without an SE."""
+    if not d or not _finite(d.get("mean")):
+        return "–"
+    se = d.get("se")
+    return f"{d['mean']:+.4f} ± {se:.4f}" if _finite(se) else f"{d['mean']:+.4f} ± –"
+
+
+def _aligned(ev: Mapping[str, Any], ref: Mapping[str, Any], path: str) -> tuple[list, list] | None:
+    """Per-client values of ``ev`` and ``ref`` at ``path`` paired by client id (``clients``);
+    positional when either lacks ids and the lengths agree; None when they cannot be paired."""
+    a, b = lookup(ev, path), lookup(ref, path)
+    if not isinstance(a, (Sequence, np.ndarray)) or not isinstance(b, (Sequence, np.ndarray)):
+        return None
+    ca, cb = ev.get("clients"), ref.get("clients")
+    if ca is not None and cb is not None and len(ca) == len(a) and len(cb) == len(b):
+        pos = {int(c): k for k, c in enumerate(cb)}
+        pairs = [(a[k], b[pos[int(c)]]) for k, c in enumerate(ca) if int(c) in pos]
+        return [x for x, _ in pairs], [y for _, y in pairs]
+    if len(a) == len(b):
+        return list(a), list(b)
+    return None
+
+
+def add_deltas(rows: Sequence[dict[str, Any]], reference: str = "pretrained") -> Sequence[dict[str, Any]]:
+    """Paired per-client Δ of every row against the reference row, in place; returns ``rows``.
+
+    ``reference`` is a method name (``row["method"]``) or a label (``row["label"]``); the first
+    matching row is the reference. Without one nothing changes. Every other row gets
+    ``row["delta"] = {key: metrics.paired_delta(row's values, reference's values)}`` for the
+    keys of :data:`DELTA_METRICS` both rows have (``template_auroc``, ``pairwise_auroc``,
+    ``tpir_clients@0.1``, ``tpir_clients@0.01``, ``tpir_new@0.1``, ``tpir_new@0.01``), each
+    ``{"mean", "se", "n", "wins", "losses"}`` with Δ = row − reference over the clients both
+    evaluated (paired by ``eval["clients"]``) with finite values; and
+    ``row["delta_reference"] = reference row's label``.
+    """
+    ref = next((r for r in rows if r.get("method") == reference), None) or \
+        next((r for r in rows if r.get("label") == reference), None)
+    if ref is None:
+        return rows
+    for r in rows:
+        if r is ref:
+            continue
+        delta: dict[str, Any] = {}
+        for key, path in DELTA_METRICS.items():
+            ab = _aligned(r["eval"], ref["eval"], path)
+            if ab is not None:
+                delta[key] = paired_delta(*ab)
+        r["delta"] = delta
+        r["delta_reference"] = ref["label"]
+    return rows
+
+
+def _cell(row: Mapping[str, Any], source: str | tuple[str, ...], ref_label: str | None) -> str:
+    if isinstance(source, tuple):
+        return " / ".join(_fmt(lookup(row["eval"], p)) for p in source)
+    if source.startswith("delta:"):
+        if "delta" not in row:
+            return "ref" if ref_label is not None and row.get("label") == ref_label else "–"
+        return fmt_delta(row["delta"].get(source[len("delta:"):]))
+    return _fmt(lookup(row["eval"], source))
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,
+                   reference: str = "pretrained") -> str:
+    """One row per method: ``{"label", "eval", "rounds", "seconds"[, "delta"]}``.
+
+    Δ columns: the rows' ``delta`` (:func:`add_deltas`); when no row has one they are computed
+    here against ``reference`` (the rows are not modified). The reference row shows ``ref``.
+    """
+    if not any("delta" in r for r in rows):
+        rows = add_deltas([dict(r) for r in rows], reference)
+    ref_label = next((r.get("delta_reference") for r in rows if "delta_reference" in r), None)
     head = ["method", *(h for h, _ in COLUMNS), "rounds", "train s"]
     lines = [f"### {title}", ""] if title else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["label"], *(_fmt(lookup(r["eval"], path)) for _, path in COLUMNS),
+        cells = [r["label"], *(_cell(r, src, ref_label) for _, src in COLUMNS),
                  str(r.get("rounds", 0)), f"{r.get('seconds', 0.0):.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Several seeds
+# ---------------------------------------------------------------------------------------------
+def _mean_sd(values: Sequence[float]) -> dict[str, Any]:
+    v = np.asarray([x if _finite(x) else np.nan for x in values], dtype=np.float64)
+    ok = v[np.isfinite(v)]
+    return {"mean": float(ok.mean()) if ok.size else math.nan,
+            "sd": float(ok.std(ddof=1)) if ok.size >= 2 else math.nan,
+            "n": int(ok.size), "values": [float(x) for x in v]}
+
+
+def combine_seeds(per_seed_results: Sequence[Mapping[str, Any]], reference: str = "pretrained") -> list[dict[str, Any]]:
+    """Combine the ``results`` dicts of K runs that differ only in the seed (``--seeds K``).
+
+    Each input is one seed's results (``{"methods": [row, …], "settings": {"seed": …}, …}``);
+    rows without ``delta`` get one here (:func:`add_deltas` on copies, against ``reference``).
+    Methods are matched across seeds by ``label``, in first-seen order. Returns one row per
+    label::
+
+        {"label": str, "method": str,
+         "seeds": [seed of each run holding this label (settings.seed, else its index)],
+         "n_seeds": int,
+         "metrics": {name: {"mean", "sd", "n", "values": [per seed]}},      # HEADLINE names
+         "delta": {key: {"mean", "sd", "n", "values": [Δ mean per seed],    # DELTA_METRICS keys
+                         "se": [paired SE per seed], "per_seed": [paired_delta dict | None],
+                         "above_2se": #seeds with Δ > 2·SE, "below_2se": #seeds with Δ < −2·SE}},
+         "delta_reference": reference label | None,
+         "rounds": [per seed], "seconds": {"mean", "sd", "n", "values"}}
+
+    ``mean``/``sd`` are over the seeds with a finite value (sd with ddof=1: NaN for one
+    seed); ``values``/``se`` hold NaN where a seed has no value. The reference row's
+    ``delta`` is ``{}``.
+    """
+    order: list[str] = []
+    per_label: dict[str, list[tuple[Any, Mapping[str, Any]]]] = {}
+    for k, res in enumerate(per_seed_results):
+        rows = res["methods"]
+        if not any("delta" in r for r in rows):
+            rows = add_deltas([dict(r) for r in rows], reference)
+        seed = (res.get("settings") or {}).get("seed", k)
+        for r in rows:
+            if r["label"] not in per_label:
+                order.append(r["label"])
+                per_label[r["label"]] = []
+            per_label[r["label"]].append((seed, r))
+    out = []
+    nan = math.nan
+    for label in order:
+        runs = per_label[label]
+        row: dict[str, Any] = {
+            "label": label, "method": runs[0][1].get("method", label), "seeds": [s for s, _ in runs],
+            "n_seeds": len(runs),
+            "metrics": {name: _mean_sd([lookup(r["eval"], path) for _, r in runs]) for name, path in HEADLINE.items()},
+            "delta": {},
+            "delta_reference": next((r["delta_reference"] for _, r in runs if "delta_reference" in r), None),
+            "rounds": [r.get("rounds") for _, r in runs],
+            "seconds": _mean_sd([r.get("seconds", nan) for _, r in runs]),
+        }
+        keys = [k for k in DELTA_METRICS if any(k in (r.get("delta") or {}) for _, r in runs)]
+        for key in keys:
+            per_seed = [(r.get("delta") or {}).get(key) for _, r in runs]
+            means = [d["mean"] if d and _finite(d.get("mean")) else nan for d in per_seed]
+            ses = [d["se"] if d and _finite(d.get("se")) else nan for d in per_seed]
+            agg = _mean_sd(means)
+            agg.update({"se": ses, "per_seed": per_seed,
+                        "above_2se": sum(1 for m, e in zip(means, ses) if _finite(m) and _finite(e) and m > 2 * e),
+                        "below_2se": sum(1 for m, e in zip(means, ses) if _finite(m) and _finite(e) and m < -2 * e)})
+            row["delta"][key] = agg
+        out.append(row)
+    return out
+
+
+def _fmt_ms(m: Mapping[str, Any] | None) -> str:
+    if not m or not _finite(m.get("mean")):
+        return "–"
+    return f"{m['mean']:.4f} ± {m['sd']:.4f}" if _finite(m.get("sd")) else f"{m['mean']:.4f}"
+
+
+def fmt_seed_delta(d: Mapping[str, Any] | None) -> str:
+    """``+0.0610 ± 0.0040 (3/3 seeds > 2·SE)``: mean ± sd over seeds of the paired Δ means and
+    on how many seeds the Δ is beyond 2 SE in the direction of the mean (``< −2·SE`` when it
+    is negative)."""
+    if not d or not _finite(d.get("mean")):
+        return "–"
+    sd = f"{d['sd']:.4f}" if _finite(d.get("sd")) else "–"
+    if d["mean"] >= 0:
+        k, what = d["above_2se"], "> 2·SE"
+    else:
+        k, what = d["below_2se"], "< −2·SE"
+    return f"{d['mean']:+.4f} ± {sd} ({k}/{d['n']} seeds {what})"
+
+
+SEED_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("template AUROC", "metrics:template_auroc"),
+    ("Δ", "delta:template_auroc"),
+    ("pairwise AUROC", "metrics:pairwise_auroc"),
+    ("Δ", "delta:pairwise_auroc"),
+    ("TPIR@FPIR 0.1 (other clients)", "metrics:tpir_clients@0.1"),
+    ("TPIR@FPIR 0.01 (other clients)", "metrics:tpir_clients@0.01"),
+    ("Δ TPIR@0.1", "delta:tpir_clients@0.1"),
+    ("TAR@FAR=1e-2", "metrics:tar@0.01"),
+    ("TPIR@FPIR 0.1 (new users)", "metrics:tpir_new@0.1"),
+    ("warm-up TPR", "metrics:warmup_tpr"),
+    ("FPR others", "metrics:fpr_others"),
+)
+"""Columns of :func:`seeds_markdown_table`: ``metrics:NAME`` (mean ± sd over seeds) or
+``delta:KEY`` (:func:`fmt_seed_delta`)."""
+
+
+def seeds_markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None) -> str:
+    """Markdown of :func:`combine_seeds` rows: a table of mean ± sd over seeds (Δ cells add
+    on how many seeds the paired Δ exceeds 2 SE), then a per-seed table of the paired
+    ``Δ ± SE (wins/losses)`` of each method against the reference."""
+    head = ["method", "seeds", *(h for h, _ in SEED_COLUMNS), "train s"]
+    lines = [f"### {title}", ""] if title else []
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ref = next((r.get("delta_reference") for r in rows if r.get("delta_reference")), None)
+    for r in rows:
+        cells = [r["label"], str(r["n_seeds"])]
+        for _, src in SEED_COLUMNS:
+            kind, key = src.split(":", 1)
+            if kind == "metrics":
+                cells.append(_fmt_ms(r["metrics"].get(key)))
+            else:
+                cells.append("ref" if r["label"] == ref else fmt_seed_delta(r["delta"].get(key)))
+        s = r.get("seconds") or {}
+        cells.append(f"{s['mean']:.0f}" if _finite(s.get("mean")) else "–")
+        lines.append("| " + " | ".join(cells) + " |")
+    keys = [k for k in DELTA_METRICS if any(k in r["delta"] for r in rows)]
+    if keys:
+        lines += ["", f"Paired Δ ± SE per seed (vs {ref}; wins/losses over clients):", "",
+                  "| method | seed | " + " | ".join(f"Δ {k}" for k in keys) + " |",
+                  "|" + "---|" * (len(keys) + 2)]
+        for r in rows:
+            if not r["delta"]:
+                continue
+            for i, seed in enumerate(r["seeds"]):
+                cells = [r["label"], str(seed)]
+                for k in keys:
+                    d = r["delta"].get(k, {}).get("per_seed", [None] * (i + 1))[i]
+                    cells.append(f"{fmt_delta(d)} ({d['wins']}/{d['losses']})" if d and _finite(d.get("mean")) else "–")
+                lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -75,11 +329,17 @@ def write_results(out_dir: str | Path, results: Mapping[str, Any], title: str) -
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "roc": out / "roc.png"}
+    add_deltas(results["methods"])
     atomic_write_bytes(paths["json"], json.dumps(results, indent=1, default=_json_default).encode())
     table = markdown_table(results["methods"], title)
-    notes = ["", "Means over clients. AUROC/EER/TAR: each client's verifier on its own test images vs other "
-             "participants' test images. TPIR@FPIR: FedFR 1:N protocol with new users' images as non-mated probes. "
-             f"Warm-up: FedUV Alg. 2 threshold at q = {results.get('eval_config', {}).get('q', 0.9)} from the "
+    ref = next((r["delta_reference"] for r in results["methods"] if "delta_reference" in r), None)
+    notes = ["", "Means over clients (docs/evaluation.md). Template AUROC/TAR: each client's verifier enrolls on its "
+             "training images and scores its own test images vs other participants' test images. Pairwise AUROC "
+             "(FedFR 1:1): cosine of the client's verifier's embeddings, every pair of its own test images vs each "
+             "own test image × other participants' images. TPIR@FPIR: FedFR 1:N protocol with the other clients' "
+             "images or new users' images as non-mated probes. "
+             + (f"Δ ±SE: paired per-client difference to {ref} (mean ± standard error over clients). " if ref else "")
+             + f"Warm-up: FedUV Alg. 2 threshold at q = {results.get('eval_config', {}).get('q', 0.9)} from the "
              "client's training images; TPR on its test images, FPR on other participants ('others') and on "
              "new users ('new'). New-user columns: users who never trained enroll with the shipped model.", ""]
     atomic_write_bytes(paths["md"], (table + "\n".join(notes)).encode())
@@ -102,4 +362,5 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-__all__ = ["markdown_table", "write_results", "lookup", "slug", "COLUMNS"]
+__all__ = ["markdown_table", "write_results", "lookup", "slug", "COLUMNS", "DELTA_METRICS", "HEADLINE",
+           "add_deltas", "fmt_delta", "combine_seeds", "fmt_seed_delta", "seeds_markdown_table", "SEED_COLUMNS"]

@@ -150,3 +150,65 @@ def test_plot_roc_writes_png(tmp_path) -> None:
     assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     p2 = plot_roc({"a": (fpr, tpr)}, tmp_path / "lin.png", log_x=False)
     assert p2.stat().st_size > 1000
+
+
+def test_pairwise_scores_and_auroc_hand_case() -> None:
+    own = np.array([[1.0, 0.0], [0.0, 2.0], [3.0, 3.0]])     # unit: e1, e2, (e1+e2)/√2
+    others = np.array([[5.0, 0.0], [-1.0, 0.0]])            # unit: e1, −e1
+    r = 1 / math.sqrt(2)
+    g, i = M.pairwise_scores(own, others)
+    # genuine: every unordered pair i < j of own (no self pairs): (1,2)=0, (1,3)=r, (2,3)=r
+    assert np.allclose(g, [0.0, r, r])
+    # impostor: each own × each other, row-major
+    assert np.allclose(i, [1.0, -1.0, 0.0, 0.0, r, -r])
+    # Mann–Whitney by hand: g=0 beats −1, −r and ties 0, 0 → 3; each g=r beats −1, 0, 0, −r
+    # and ties r → 4.5; total 3 + 9 = 12 of 3·6 = 18 pairs
+    assert M.pairwise_auroc(own, others) == pytest.approx(12 / 18)
+
+
+def test_pairwise_degenerate_and_bad_input() -> None:
+    with pytest.raises(InputError, match="≥ 2 own"):
+        M.pairwise_auroc(np.ones((1, 3)), np.ones((4, 3)))
+    with pytest.raises(InputError, match="empty"):
+        M.pairwise_auroc(np.eye(3), np.zeros((0, 3)))
+    with pytest.raises(InputError, match="dimension"):
+        M.pairwise_scores(np.eye(3), np.ones((2, 4)))
+    with pytest.raises(InputError, match="NaN"):
+        M.pairwise_scores(np.array([[1.0, math.nan], [1.0, 0.0]]), np.ones((2, 2)))
+
+
+def test_tpir_with_other_clients_as_nonmated_hand_case() -> None:
+    mated = [0.9, 0.6, 0.4]                                  # client 0's own test images
+    pool = [0.95, 0.8, 0.5, 0.3, 0.2, 0.7]
+    owner = [0, 1, 1, 2, 2, 0]                               # 0.95 and 0.7 are client 0's own: dropped
+    # non-mated = 0.8, 0.5, 0.3, 0.2. FPIR 0.25: ⌊0.25·4⌋ = 1 may pass → threshold just above
+    # 0.5 → 0.9, 0.6 identified. FPIR 0: above 0.8 → 0.9 only. FPIR 0.5: above 0.3 → all.
+    # (with client 0's own pool images as non-mated, FPIR 0.25 would give 1/3)
+    got = M.tpir_other_clients(mated, pool, owner, client=0, fpirs=(0.0, 0.25, 0.5))
+    assert got == {0.0: pytest.approx(1 / 3), 0.25: pytest.approx(2 / 3), 0.5: 1.0}
+    # client 1's view of the same pool: non-mated = 0.95, 0.3, 0.2, 0.7 → FPIR 0.25 above 0.7
+    assert M.tpir_other_clients(mated, pool, owner, client=1, fpirs=(0.25,)) == {0.25: pytest.approx(1 / 3)}
+    with pytest.raises(InputError, match="length"):
+        M.tpir_other_clients(mated, pool, owner[:-1], client=0)
+    # per-client lists are kept next to the aggregate
+    ident = M.per_client_identification([([1.0], [2.0, 3.0]), ([3.0], [0.0, 1.0]), ([], [1.0])], fpirs=(0.5,))
+    assert ident["per_client"][0.5][:2] == [0.0, 1.0] and math.isnan(ident["per_client"][0.5][2])
+    assert ident["tpir_at_fpir"][0.5]["n_degenerate"] == 1
+
+
+def test_paired_delta_hand_numbers() -> None:
+    a = [0.9, 0.8, math.nan, 0.7, 0.6]
+    b = [0.8, 0.85, 0.5, 0.6, math.nan]
+    d = M.paired_delta(a, b)
+    # pairs 0, 1, 3 are finite: Δ = 0.1, −0.05, 0.1 → mean 0.05; deviations .05, −.1, .05 →
+    # var (ddof=1) = 0.015 / 2 = 0.0075 → se = √(0.0075 / 3) = 0.05
+    assert d["n"] == 3 and d["wins"] == 2 and d["losses"] == 1
+    assert d["mean"] == pytest.approx(0.05) and d["se"] == pytest.approx(0.05)
+    tie = M.paired_delta([1.0, 2.0], [1.0, 1.0])            # a zero Δ is neither a win nor a loss
+    assert tie == {"mean": 0.5, "se": pytest.approx(0.5), "n": 2, "wins": 1, "losses": 0}
+    one = M.paired_delta([1.0, None], [0.5, 0.5])
+    assert one["n"] == 1 and one["mean"] == 0.5 and math.isnan(one["se"])
+    none = M.paired_delta([math.nan], [1.0])
+    assert none["n"] == 0 and math.isnan(none["mean"]) and math.isnan(none["se"])
+    with pytest.raises(InputError, match="length"):
+        M.paired_delta([1.0, 2.0], [1.0])
