@@ -14,7 +14,9 @@ from fedfs_sdk.errors import CheckpointError, InputError
 
 from .datasets import IdentityDataset, ImageFolderDataset, SynthDataset
 from .pretrain import PretrainConfig, load_xi, pretrain_cached
-from .splits import FaceSplits, make_splits
+from .scenarios import SCENARIOS, apply_scenario, scenario_help
+from .splits import FaceSplits, UserSplit, make_splits
+from .synth_domains import DOMAINS
 from .synthfaces import SynthFaces
 
 SYNTH_UNIVERSE = 1_000_000
@@ -39,15 +41,25 @@ def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users
     g.add_argument("--public-images", type=int, default=20, help="images per public identity (synth)")
     g.add_argument("--split-seed", type=int, default=0, help="seed of the identity / image split")
     g.add_argument("--detect-face", action="store_true", help="crop the largest detected face (folders)")
+    g.add_argument("--domain", default="none", help="SynthFaces look of the clients' images "
+                   f"(synth data): one of {', '.join(DOMAINS)}")
+    g.add_argument("--pretrain-data", default=None, help="where ξ is pre-trained when it differs from --data: "
+                   "'synth' or an ImageFolder root (every identity public). Default: --data's public identities")
+    g.add_argument("--pretrain-domain", default=None, help="SynthFaces look of ξ's images (default: --domain)")
+    g.add_argument("--pretrain-difficulty", type=float, default=None,
+                   help="SynthFaces nuisance strength of ξ's images (default: --difficulty)")
+    g.add_argument("--pretrain-public", type=int, default=300,
+                   help="public SynthFaces identities of ξ when --pretrain-data synth differs from --data")
+    g.add_argument("--scenario", default=None, choices=sorted(SCENARIOS),
+                   help="a named setting of the options above: " + scenario_help())
 
 
 def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
-    """The dataset and the public / client / new-user split the arguments describe."""
+    """The clients' dataset and the public / client / new-user split the arguments describe
+    (``--scenario`` applied first)."""
+    apply_scenario(args)
     if args.data == "synth":
-        per = args.train_per_client + args.test_per_client
-        faces = SynthFaces(args.synth_seed, args.image_size, args.difficulty)
-        ds = SynthDataset(faces, images_per_identity=max(per, args.public_images), num_identities=SYNTH_UNIVERSE,
-                          cache_bytes=1 << 30)
+        ds = _synth_dataset(args, getattr(args, "domain", "none"), args.difficulty)
         splits = make_splits(SYNTH_UNIVERSE, args.public, args.clients, args.new_users,
                              args.train_per_client, args.test_per_client, seed=args.split_seed,
                              public_images=args.public_images)
@@ -62,6 +74,52 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
                          args.train_per_client if fixed else None, args.test_per_client if fixed else None,
                          seed=args.split_seed, public_images=None)
     return ds, splits
+
+
+def _synth_dataset(args: argparse.Namespace, domain: str | None, difficulty: float) -> SynthDataset:
+    per = args.train_per_client + args.test_per_client
+    faces = SynthFaces(args.synth_seed, args.image_size, difficulty, domain=domain or "none")
+    return SynthDataset(faces, images_per_identity=max(per, args.public_images), num_identities=SYNTH_UNIVERSE,
+                        cache_bytes=1 << 30)
+
+
+def _all_public(ds: IdentityDataset) -> FaceSplits:
+    """Every identity of ``ds`` public, with all its images (ξ's own pre-training folder)."""
+    counts = [ds.count(i) for i in range(ds.num_identities)]
+    public = [UserSplit(i, np.arange(n, dtype=np.int64), np.zeros(0, dtype=np.int64)) for i, n in enumerate(counts) if n]
+    return FaceSplits(public=public, clients=[], new_users=[], seed=0, meta={"mode": "all-public"})
+
+
+def build_pretrain_data(args: argparse.Namespace, ds: IdentityDataset,
+                        splits: FaceSplits) -> tuple[IdentityDataset, FaceSplits]:
+    """ξ's dataset and the split whose ``public`` group it trains on.
+
+    * no ``--pretrain-data`` (or the same source) and the same look: the clients' dataset
+      and its public identities;
+    * ``synth`` clients with another ``--pretrain-domain`` / ``--pretrain-difficulty``: the
+      same public identities rendered in ξ's look (one universe, so ξ never sees a client);
+    * ``synth`` ξ for folder clients: ``--pretrain-public`` SynthFaces identities;
+    * a folder: every identity of that folder.
+    """
+    src = getattr(args, "pretrain_data", None) or args.data
+    dom = getattr(args, "pretrain_domain", None) or getattr(args, "domain", "none")
+    diff = args.pretrain_difficulty if getattr(args, "pretrain_difficulty", None) is not None else args.difficulty
+    if src == "synth" and args.data == "synth":
+        if dom == getattr(args, "domain", "none") and diff == args.difficulty:
+            return ds, splits
+        return _synth_dataset(args, dom, diff), splits
+    if src == "synth":
+        pub = make_splits(SYNTH_UNIVERSE, args.pretrain_public, 1, 0, args.public_images, 1,
+                          seed=args.split_seed, public_images=args.public_images)
+        return _synth_dataset(args, dom, diff), FaceSplits(pub.public, [], [], pub.seed, {"mode": "synth-public"})
+    if args.data != "synth" and Path(src) == Path(args.data):
+        return ds, splits
+    root = Path(src)
+    if not root.is_dir():
+        raise InputError(f"--pretrain-data must be 'synth' or an ImageFolder directory; {root} is not a directory")
+    src_ds = ImageFolderDataset(root, args.image_size, detect_face=args.detect_face, validate=True,
+                                cache_bytes=1 << 30)
+    return src_ds, _all_public(src_ds)
 
 
 def add_pretrain_arguments(p: argparse.ArgumentParser, epochs: int = 10) -> None:
@@ -133,7 +191,8 @@ def check_xi_disjoint(xi_meta: dict[str, Any], splits: FaceSplits, dataset: Iden
 
 
 def resolve_xi(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits, quiet: bool = False):
-    """ξ from ``--pretrained`` or pre-trained (cached) on the split's public identities."""
+    """ξ from ``--pretrained`` or pre-trained (cached) on the public identities of
+    :func:`build_pretrain_data` (``--pretrain-data``, ``--pretrain-domain``)."""
     if getattr(args, "pretrained", None):
         from fedfs_sdk.checkpoint import read_checkpoint
         _, _, meta = read_checkpoint(args.pretrained)
@@ -142,7 +201,8 @@ def resolve_xi(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits
         if xi.input_size != ds.image_size:
             raise InputError(f"ξ expects {xi.input_size}px inputs but --image-size is {ds.image_size}")
         return xi, {"path": str(args.pretrained), "cached": True, "stats": meta.get("stats", {})}
-    res = run_pretrain(args, ds, splits, quiet=quiet)
+    src_ds, src_splits = build_pretrain_data(args, ds, splits)
+    res = run_pretrain(args, src_ds, src_splits, quiet=quiet)
     return res.model, {"path": str(res.path), "cached": res.cached, "stats": res.stats}
 
 
@@ -159,4 +219,4 @@ def setup_device(args: argparse.Namespace) -> None:
 
 
 __all__ = ["add_data_arguments", "build_data", "add_pretrain_arguments", "pretrain_config", "run_pretrain",
-           "resolve_xi", "check_xi_disjoint", "add_device_argument", "setup_device", "progress_bar", "SYNTH_UNIVERSE"]
+           "resolve_xi", "check_xi_disjoint", "build_pretrain_data", "add_device_argument", "setup_device", "progress_bar", "SYNTH_UNIVERSE"]

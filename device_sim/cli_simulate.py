@@ -15,10 +15,13 @@ with ``--resume``.
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from fedfs_sdk.checkpoint import atomic_write_bytes
 from fedfs_sdk.errors import InputError
 
 from .cli_common import (add_data_arguments, add_device_argument, add_pretrain_arguments, build_data,
@@ -28,7 +31,7 @@ from .executors import LocalConfig
 from .federation import Federation, FederationConfig, checkpoint_path, latest_checkpoint
 from .methods import REGISTRY, parse_method
 from .population import Population
-from .report import markdown_table, slug, write_results
+from .report import combine_seeds, markdown_table, seeds_markdown_table, slug, write_results
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum")
     p.add_argument("--weight-decay", type=float, default=0.0, help="local SGD weight decay")
     p.add_argument("--seed", type=int, default=0, help="federation seed (sampling, init, local shuffles)")
+    p.add_argument("--seeds", type=int, default=1, help="repeat the whole experiment K times with seed and "
+                   "--split-seed advanced by 0 … K−1 (other clients, other ξ) and report mean ± sd and "
+                   "each seed's paired Δ vs pretrained")
     p.add_argument("--pretrained", default=None, help="ξ checkpoint (default: pre-train on the public identities, cached)")
     p.add_argument("--executor", default="auto", choices=["auto", "sequential", "batched"],
                    help="auto: batched (vmap) on CUDA, sequential on CPU")
@@ -81,6 +87,8 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
     (and put the federation in ``keep[spec]`` when given)."""
     method = parse_method(spec)
     cfg = federation_config(args)
+    if method.local_only:       # a per-client baseline: one pass, every client, no federation
+        cfg = replace(cfg, rounds=min(cfg.rounds, 1) if cfg.rounds else 1)
     ckdir = out / "checkpoints" / slug(method.label)
     fed = Federation(method, pop, xi, cfg, store_path=ckdir / "store.mmap")
     if args.resume and (ck := latest_checkpoint(ckdir)) is not None:
@@ -152,7 +160,36 @@ def run_simulation(args: argparse.Namespace, title: str = "fedfs simulate",
     return results
 
 
+def run_seeds(args: argparse.Namespace, title: str = "fedfs simulate") -> dict[str, Any]:
+    """``--seeds K``: :func:`run_simulation` K times (seed and split seed ``+k``) into
+    ``--out/seed_k``, then the combined table (mean ± sd over seeds, each seed's paired Δ)
+    in ``--out/results.md`` and ``--out/results.json``."""
+    if args.seeds < 1:
+        raise InputError(f"--seeds must be ≥ 1, got {args.seeds}")
+    out = Path(args.out)
+    per_seed = []
+    for k in range(args.seeds):
+        a = argparse.Namespace(**vars(args))
+        a.seed, a.split_seed, a.out = args.seed + k, args.split_seed + k, str(out / f"seed_{k}")
+        per_seed.append(run_simulation(a, title=f"{title} (seed {a.seed})"))
+    rows = combine_seeds(per_seed)
+    head = f"{title}: {per_seed[0]['population']['clients']} clients, {args.rounds} rounds, " \
+           f"p = {args.participation}, {args.seeds} seeds"
+    table = seeds_markdown_table(rows, head)
+    combined = {"title": title, "seeds": [r["settings"]["seed"] for r in per_seed], "methods": rows,
+                "per_seed": [str(out / f"seed_{k}" / "results.json") for k in range(args.seeds)]}
+    atomic_write_bytes(out / "results.json", json.dumps(combined, indent=1, default=str).encode())
+    atomic_write_bytes(out / "results.md", table.encode())
+    return {"table": table, "combined": combined, "per_seed": per_seed,
+            "files": {"json": str(out / "results.json"), "md": str(out / "results.md")}}
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.seeds > 1:
+        res = run_seeds(args)
+        print(res["table"])
+        print(f"wrote {', '.join(res['files'].values())} and seed_*/")
+        return 0
     results = run_simulation(args)
     print(markdown_table(results["methods"], f"{results['population']['clients']} clients, "
                                              f"{args.rounds} rounds, p = {args.participation}"))
@@ -160,4 +197,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["add_arguments", "run", "run_simulation", "run_method", "federation_config"]
+__all__ = ["add_arguments", "run", "run_simulation", "run_seeds", "run_method", "federation_config"]

@@ -150,6 +150,8 @@ def sgd_update(params: Params, grads: Params, lrs: Mapping[str, Mapping[str, flo
     ``started`` [K] tells which clients already have a momentum buffer.
     """
     for g, weights in params.items():
+        if g not in grads:      # a group the objective does not train (FederatedMethod.trained_groups)
+            continue
         for k, p in weights.items():
             d = grads[g][k]
             if cfg.weight_decay:
@@ -255,9 +257,10 @@ class SequentialExecutor:
     def _train_one(self, method: FederatedMethod, plan: RoundPlan, task: ClientTask,
                    cfg: LocalConfig) -> tuple[Params, list[dict[str, float]], int]:
         dev = self.device
-        params = {g: {k: v.detach().to(dev, torch.float32).clone().requires_grad_(True) for k, v in w.items()}
-                  for g, w in task.params.items()}
-        leaves = [(g, k) for g, w in params.items() for k in w]
+        trained = method.trained_groups()
+        params = {g: {k: v.detach().to(dev, torch.float32).clone().requires_grad_(trained is None or g in trained)
+                      for k, v in w.items()} for g, w in task.params.items()}
+        leaves = [(g, k) for g, w in params.items() for k in w if trained is None or g in trained]
         consts = {k: v.to(dev) for k, v in task.consts.items()}
         lrs = learning_rates(method, params, cfg)
         bufs: dict[str, dict[str, torch.Tensor]] = {g: {} for g in params}
@@ -275,7 +278,7 @@ class SequentialExecutor:
                 raise FloatingPointError(f"client {task.client}: local loss became {loss.item()} "
                                          f"(lr={cfg.lr_for(method)} too high?)")
             grads_flat = torch.autograd.grad(loss * scale, [params[g][k] for g, k in leaves])
-            grads: Params = {g: {} for g in params}
+            grads: Params = {g: {} for g in params if trained is None or g in trained}
             for (g, k), gr in zip(leaves, grads_flat):
                 grads[g][k] = gr.float() / scale
             if scale != 1.0 and not all(torch.isfinite(gr).all() for gr in grads_flat):
@@ -347,6 +350,7 @@ class BatchedExecutor:
             return loss.float() * scale, {n_: v.float() for n_, v in parts.items()}
 
         step_fn = vmap(grad_and_value(loss_fn, has_aux=True))
+        trained = method.trained_groups()
         metrics = _Metrics(k, dev)
         rows = torch.arange(k, device=dev)[:, None]
         if not self._calibrated:
@@ -354,6 +358,8 @@ class BatchedExecutor:
         for t in range(n_steps):
             x = images[rows, idx[t]]                                   # [K, B, 3, S, S]
             grads, (_, parts) = step_fn(params, consts, x, valid[t])
+            if trained is not None:
+                grads = {g: w for g, w in grads.items() if g in trained}
             act = active[t]
             if scale != 1.0:
                 grads = {g: {n_: gr / scale for n_, gr in w.items()} for g, w in grads.items()}

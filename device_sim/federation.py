@@ -159,6 +159,7 @@ class Federation:
         self.method, self.data, self.config = method, data, config
         self.ctx = SimContext(xi.config, xi, data.num_clients, config.seed, config.device)
         method.setup(self.ctx)
+        method.prepare(data)
         self.global_weights: Weights = method.init_global()
         self.executor = make_executor(config.executor, config.device, config.chunk_size)
         template = method.init_private(self.global_weights)
@@ -174,6 +175,8 @@ class Federation:
     # ---- one round ---------------------------------------------------------------------
     @property
     def clients_per_round(self) -> int:
+        if self.method.local_only:      # a per-client baseline: everyone trains once, no federation
+            return self.data.num_clients
         return max(1, min(self.data.num_clients, round(self.config.participation * self.data.num_clients)))
 
     def sample_participants(self) -> np.ndarray:
@@ -245,6 +248,8 @@ class Federation:
             on_round: Callable[["Federation", RoundRecord], None] | None = None) -> list[RoundRecord]:
         """Run until ``rounds`` (default ``config.rounds``) rounds are done in total."""
         target = self.config.rounds if rounds is None else rounds
+        if self.method.local_only:
+            target = min(target, 1)
         out = []
         while self.method.trains and self.round < target:
             rec = self.run_round()

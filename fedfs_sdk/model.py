@@ -143,10 +143,16 @@ class VerifierNet(nn.Module):
     ``export`` writes to ONNX / Core ML.
     """
 
-    def __init__(self, backbone: nn.Module, uv_head: FedUVHead | None = None) -> None:
+    def __init__(self, backbone: nn.Module, uv_head: FedUVHead | None = None, project: bool = False) -> None:
         super().__init__()
+        if project and uv_head is None:
+            raise InputError("project=True verifies with the FedUV head's projection W·e: give the head")
         self.backbone = backbone
         self.uv_head = uv_head
+        self.project = project
+        """``True``: the verifier's embedding is the head projection ``W·e`` (before σ), and
+        it has no ``uv`` output — a cosine template of ``W·e`` verifies, no codeword needed
+        (``score=head-template``, docs/personalization.md)."""
 
     @property
     def input_size(self) -> int:
@@ -156,6 +162,8 @@ class VerifierNet(nn.Module):
         e = self.backbone(x)
         if self.uv_head is None:
             return (e,)
+        if self.project:
+            return (e @ self.uv_head.weight.t(),)
         return (e, self.uv_head(e))
 
 

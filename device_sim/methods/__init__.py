@@ -38,6 +38,12 @@ from .baselines import BASELINES  # noqa: E402  (after register(), which it uses
 for _name, _factory in BASELINES.items():
     register(_name, _factory)
 
+# ---- honest personalization references (device_sim.methods.reference, docs/personalization.md)
+from .reference import REFERENCE_METHODS  # noqa: E402
+
+for _name, _factory in REFERENCE_METHODS.items():
+    register(_name, _factory)
+
 
 def _value(text: str) -> Any:
     for conv in (int, float):

@@ -121,6 +121,9 @@ class FederatedMethod(ABC):
     name: str = "method"
     trains: bool = True
     private_groups: tuple[str, ...] = ()
+    local_only: bool = False
+    """True for a per-client baseline with no federation (``local-compact``): the loop runs
+    one round in which every client trains once, and the server never changes ``global``."""
 
     def __init__(self) -> None:
         self.ctx: SimContext | None = None
@@ -138,6 +141,17 @@ class FederatedMethod(ABC):
     def setup(self, ctx: SimContext) -> None:
         """Bind the context and build module skeletons. Called once before round 1."""
         self.ctx = ctx
+
+    def prepare(self, data: Any) -> None:
+        """Called once by the federation after :meth:`setup` with its client data (a
+        :class:`device_sim.population.Population` in the CLI). Methods that fit something
+        before the rounds or instead of them (``norm-adapt``'s pooled statistics, the
+        ``oracle``'s supervised fine-tune) do it here; a no-op by default."""
+
+    def trained_groups(self) -> tuple[str, ...] | None:
+        """Parameter groups the local objective differentiates (``None``: all). The others
+        are carried through a client's local training unchanged."""
+        return None
 
     @property
     def context(self) -> SimContext:
@@ -228,11 +242,11 @@ def backbone_weights(weights: Mapping[str, torch.Tensor], prefix: str = "backbon
     return {k: v for k, v in weights.items() if k.startswith(prefix)}
 
 
-def verifier_net(config: ModelConfig, with_head: bool) -> VerifierNet:
+def verifier_net(config: ModelConfig, with_head: bool, project: bool = False) -> VerifierNet:
     """A VerifierNet skeleton whose parameter names match a FaceNet state dict
-    (``backbone.*`` and ``uv_head.weight``)."""
+    (``backbone.*`` and ``uv_head.weight``); ``project``: its embedding is ``W·e``."""
     face = FaceNet(config)
-    return VerifierNet(face.backbone, face.uv_head if with_head else None)
+    return VerifierNet(face.backbone, face.uv_head if with_head else None, project=project)
 
 
 def frozen(module: nn.Module) -> nn.Module:

@@ -72,6 +72,11 @@ class SDKMethod(FederatedMethod):
         verify: ``fedfs+feduv`` only — ``personal`` (default, ambiguity 6 in docs/methods.md:
             ``σ(W q')`` with the client's ``θ_c``) or ``global`` (``σ(W r')``, the shared model
             alone, as FedUV verifies).
+        score: FedUV methods only — ``codeword`` (FedUV Eq. 5: ``(1/c) v_uᵀ σ(W g)`` against the
+            client's secret codeword) or ``head-template`` (a cosine template of the head
+            projection ``W·g``, the FedUV-trained space; no codeword at verification time).
+        lr, epochs: this method's local SGD learning rate / epochs (default: the paper's;
+            the CLI's ``--lr`` / ``--local-epochs`` override every method).
         fedfs_loss: FedFS loss options (``⊕``, logit mode, K, γ, λ); the keyword options
             ``combine``, ``logits``, ``logit_scale``, ``top_k``, ``gamma``, ``lam`` and
             ``soft_score`` override single fields (CLI: ``fedfs:soft_score=cosine,lam=0.5``).
@@ -83,8 +88,16 @@ class SDKMethod(FederatedMethod):
                  lambda_neg: float = 1.0, neg_samples: int = 64, uv_weight: float = DEFAULT_UV_WEIGHT,
                  verify: str = "personal", fedfs_loss: FedFSLossConfig | None = None, combine: str | None = None,
                  logits: str | None = None, logit_scale: float | None = None, top_k: float | None = None,
-                 gamma: float | None = None, lam: float | None = None, soft_score: str | None = None) -> None:
+                 gamma: float | None = None, lam: float | None = None, soft_score: str | None = None,
+                 score: str = "codeword", lr: float | None = None, epochs: int | None = None) -> None:
         super().__init__()
+        if score not in ("codeword", "head-template"):
+            raise InputError(f"score must be 'codeword' or 'head-template', got {score!r}")
+        if score != "codeword" and not uses_feduv(self.sdk_method):
+            raise InputError(f"score={score!r} needs the FedUV head; method {self.sdk_method!r} has none")
+        if (lr is not None and not lr > 0) or (epochs is not None and epochs < 1):
+            raise InputError(f"lr must be > 0 and epochs ≥ 1, got lr={lr}, epochs={epochs}")
+        self.score, self.lr, self.epochs = score, lr, epochs
         if uses_feduv(self.sdk_method) and code_length not in KNOWN_CODES:
             raise InputError(f"code_length must be one of {sorted(KNOWN_CODES)} (FedUV Table 1), got {code_length}")
         if neg not in NEG_MODES:
@@ -117,6 +130,12 @@ class SDKMethod(FederatedMethod):
             opts.append(f"μ={self.uv_weight:g}")
         if self.verify != "personal":
             opts.append(f"verify={self.verify}")
+        if self.score != "codeword":
+            opts.append(f"score={self.score}")
+        if self.lr is not None:
+            opts.append(f"lr={self.lr:g}")
+        if self.epochs is not None:
+            opts.append(f"epochs={self.epochs}")
         if self.code_length is not None:
             neg = {"none": [], "all": ["ℓ_neg"], "early": [f"ℓ_neg≤r{self.neg_rounds}"]}[self.neg]
             opts = [f"c={self.code_length}", *neg, *opts]
@@ -130,13 +149,17 @@ class SDKMethod(FederatedMethod):
         if self.sdk_method == "fedfs+feduv":
             opts["uv_weight"] = self.uv_weight
             opts["verify"] = self.verify
+        if self.score != "codeword":
+            opts["score"] = self.score
+        if self.lr is not None or self.epochs is not None:
+            opts.update(lr=self.lr, epochs=self.epochs)
         return opts
 
     def default_lr(self) -> float:
-        return DEFAULT_LR[self.sdk_method]
+        return self.lr if self.lr is not None else DEFAULT_LR[self.sdk_method]
 
     def default_local_epochs(self) -> int:
-        return DEFAULT_EPOCHS[self.sdk_method]
+        return self.epochs if self.epochs is not None else DEFAULT_EPOCHS[self.sdk_method]
 
     def default_head_lr(self) -> float | None:
         """The FedUV head's own rate, the same default a device uses
@@ -160,6 +183,8 @@ class SDKMethod(FederatedMethod):
         self.xi = frozen(ctx.xi).to(dev) if uses_fedfs(self.sdk_method) else None
         self._personal_vnet = verifier_net(personal_config(self.model_config), with_head=False)
         self._global_vnet = verifier_net(self.model_config, with_head=self.code_length is not None)
+        if self.score == "head-template":
+            self._global_vnet = verifier_net(self.model_config, with_head=True, project=True)
 
     def init_global(self) -> Weights:
         ctx = self.context
@@ -259,14 +284,18 @@ class SDKMethod(FederatedMethod):
         if self.sdk_method == "fedfs":
             return VerifierSpec(self._personal_vnet, weights, None)
         weights = {**weights, "uv_head.weight": global_weights["uv_head.weight"]}
-        return VerifierSpec(self._global_vnet, weights, state.codeword)
+        return VerifierSpec(self._global_vnet, weights, self._codeword_for(state))
+
+    def _codeword_for(self, state: ClientState) -> np.ndarray | None:
+        """The codeword a verifier scores against (None: cosine template of ``W·g``)."""
+        return state.codeword if self.score == "codeword" else None
 
     def new_user_verifier(self, state: ClientState, global_weights: Weights) -> VerifierSpec:
         """A new user starts from the shipped global model: ``r'`` template for FedFS,
         global backbone + head + a fresh codeword for the FedUV methods."""
         if self.code_length is None:
             return VerifierSpec(self._personal_vnet, backbone_weights(global_weights), None, shared_key="global")
-        return VerifierSpec(self._global_vnet, self._global_head_weights(global_weights), state.codeword,
+        return VerifierSpec(self._global_vnet, self._global_head_weights(global_weights), self._codeword_for(state),
                             shared_key="global")
 
     @staticmethod

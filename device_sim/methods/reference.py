@@ -1,0 +1,285 @@
+"""Honest reference rows for personalization: what a user gets without FedFS.
+
+* ``local-compact`` — a positives-only fine-tune of ξ on each client's own images, no
+  federation: every image is pulled towards the (detached) mean direction of its batch,
+  ``L = mean_i (1 − cos(e_i, sg(ē)))``. It is the trivial thing a phone could do alone.
+* ``norm-adapt`` — no learning and no labels: the embedding layer's normalization affine
+  (``embed_norm``, a per-sample ``GroupNormP(1, D)``) is re-fitted to the clients' domain
+  so the pooled embedding is centred (``center``) or standardized per channel (``standardize``):
+  ``γ' = γ/s``, ``β' = (β − μ)/s``. The statistics are a FedAvg of per-client sums (what
+  a federation would compute in one round); the model keeps its architecture.
+* ``oracle`` — a supervised CosFace fine-tune of ξ with every client's identity label and
+  every other client as a negative. Only a simulation can do this (it pools all clients'
+  images): it is an upper bound, the headroom a scenario leaves for personalization.
+
+All three verify with a cosine template of their embedding, like ``pretrained``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from fedfs_sdk.backbones.layers import l2_normalize
+from fedfs_sdk.errors import InputError
+from fedfs_sdk.losses.common import masked_mean
+
+from .base import (ClientState, FederatedMethod, Params, SimContext, VerifierSpec, Weights, backbone_weights, frozen,
+                   verifier_net)
+
+
+def compact_loss(e: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``mean_i (1 − cos(e_i, sg(ē)))`` with ``ē`` the mean unit embedding of the (real)
+    batch, detached: positives only, each image pulled to its own client's centre."""
+    u = l2_normalize(e)
+    w = torch.ones(u.shape[0], dtype=u.dtype, device=u.device) if mask is None else mask.to(u.dtype)
+    centre = l2_normalize((u * w[:, None]).sum(0) / w.sum().clamp_min(1.0)).detach()
+    return masked_mean(1.0 - u @ centre, mask)
+
+
+class LocalCompact(FederatedMethod):
+    """Per-client positives-only fine-tune of ξ (no federation); see module docstring.
+
+    Args:
+        lr: SGD learning rate (CLI ``--lr`` overrides).
+        epochs: local epochs (CLI ``--local-epochs`` overrides); 10 epochs of 20 images at
+            batch 10 are 20 steps.
+    """
+
+    name = "local-compact"
+    private_groups = ("personal",)
+    local_only = True
+
+    def __init__(self, lr: float = 0.05, epochs: int = 10) -> None:
+        super().__init__()
+        if not lr > 0 or epochs < 1:
+            raise InputError(f"local-compact needs lr > 0 and epochs ≥ 1, got lr={lr}, epochs={epochs}")
+        self.lr, self.epochs = float(lr), int(epochs)
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+    def options(self) -> dict[str, Any]:
+        return {"lr": self.lr, "epochs": self.epochs}
+
+    def default_lr(self) -> float:
+        return self.lr
+
+    def default_local_epochs(self) -> int:
+        return self.epochs
+
+    def min_batch(self) -> int:
+        return 2
+
+    def setup(self, ctx: SimContext) -> None:
+        super().setup(ctx)
+        self._net = verifier_net(ctx.model_config.resolved(), with_head=False)
+        self._skeleton = frozen(verifier_net(ctx.model_config.resolved(), with_head=False)).to(ctx.device)
+
+    def init_global(self) -> Weights:
+        return backbone_weights({k: v.detach().clone() for k, v in self.context.xi.state_dict().items()})
+
+    def init_private(self, global_weights: Weights) -> Params:
+        return {"personal": {k: v.detach() for k, v in global_weights.items()}}
+
+    def trained_groups(self) -> tuple[str, ...]:
+        return ("personal",)
+
+    def objective(self, plan, params: Params, consts, x: torch.Tensor, mask: torch.Tensor | None):
+        from torch.func import functional_call
+
+        e = functional_call(self._skeleton, dict(params["personal"]), (x,))[0]
+        loss = compact_loss(e, mask)
+        return loss, {"loss": loss}
+
+    def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
+        if private is None or "personal" not in private:
+            return VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="xi")
+        return VerifierSpec(self._net, backbone_weights(private["personal"]), None)
+
+
+def embedding_norm_prefix(weights: Mapping[str, torch.Tensor]) -> str:
+    """The state-dict prefix of the backbone's embedding normalization (``embed_norm``)."""
+    for k in weights:
+        if k.endswith("embed_norm.weight"):
+            return k[: -len("weight")]
+    raise InputError("norm-adapt needs a backbone whose embedding ends in a GroupNormP 'embed_norm' layer")
+
+
+@torch.no_grad()
+def pooled_embedding_stats(net: torch.nn.Module, weights: Weights, data: Any, clients: range,
+                           batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(μ, s, n)``: per-channel mean and standard deviation of the embeddings of every
+    client's training images — the FedAvg (weighted by ``n_c``) of per-client sums, which
+    equals the pooled statistic exactly."""
+    from torch.func import functional_call
+
+    total, total_sq, n = None, None, 0
+    for c in clients:
+        x = data.train_images(c)
+        for a in range(0, x.shape[0], batch_size):
+            e = functional_call(net, weights, (x[a:a + batch_size],))[0].double()
+            total = e.sum(0) if total is None else total + e.sum(0)
+            total_sq = (e * e).sum(0) if total_sq is None else total_sq + (e * e).sum(0)
+            n += e.shape[0]
+    if n == 0 or total is None or total_sq is None:
+        raise InputError("norm-adapt needs at least one client image")
+    mu = total / n
+    var = (total_sq / n - mu * mu).clamp_min(0.0)
+    return mu.float(), var.sqrt().float(), n
+
+
+def fold_standardization(weights: Weights, mu: torch.Tensor, sd: torch.Tensor | None) -> Weights:
+    """New weights whose embedding is ``(e − μ)/s`` (``s = 1`` when ``sd`` is None), folded
+    into the ``embed_norm`` affine: ``γ' = γ/s``, ``β' = (β − μ)/s``."""
+    pre = embedding_norm_prefix(weights)
+    s = torch.ones_like(mu) if sd is None else sd.clamp_min(1e-6)
+    out = dict(weights)
+    out[pre + "weight"] = weights[pre + "weight"] / s
+    out[pre + "bias"] = (weights[pre + "bias"] - mu) / s
+    return out
+
+
+def mismatch(mu: torch.Tensor, sd: torch.Tensor | None) -> float:
+    """norm-adapt's own loss: ``‖μ‖² (+ ‖log s‖²)`` — 0 once the pooled embedding is centred
+    (and standardized)."""
+    loss = float((mu.double() ** 2).sum())
+    if sd is not None:
+        loss += float((sd.double().clamp_min(1e-12).log() ** 2).sum())
+    return loss
+
+
+class NormAdapt(FederatedMethod):
+    """Label-free normalization adaptation of ξ to the clients' domain (module docstring).
+
+    Args:
+        mode: ``center`` (subtract the pooled mean) or ``standardize`` (also divide by the
+            per-channel standard deviation).
+    """
+
+    name = "norm-adapt"
+    trains = False
+
+    def __init__(self, mode: str = "standardize") -> None:
+        super().__init__()
+        if mode not in ("center", "standardize"):
+            raise InputError(f"norm-adapt mode must be 'center' or 'standardize', got {mode!r}")
+        self.mode = mode
+        self.loss_before: float | None = None
+        self.loss_after: float | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} ({self.mode})"
+
+    def options(self) -> dict[str, Any]:
+        return {"mode": self.mode}
+
+    def setup(self, ctx: SimContext) -> None:
+        super().setup(ctx)
+        self._net = frozen(verifier_net(ctx.model_config.resolved(), with_head=False))
+        self._weights = backbone_weights({k: v.detach().clone() for k, v in ctx.xi.state_dict().items()})
+
+    def prepare(self, data: Any) -> None:
+        clients = range(int(data.num_clients))
+        std = self.mode == "standardize"
+        mu, sd, _ = pooled_embedding_stats(self._net, self._weights, data, clients)
+        self.loss_before = mismatch(mu, sd if std else None)
+        self._weights = fold_standardization(self._weights, mu, sd if std else None)
+        mu2, sd2, _ = pooled_embedding_stats(self._net, self._weights, data, clients)
+        self.loss_after = mismatch(mu2, sd2 if std else None)
+
+    def init_global(self) -> Weights:
+        return dict(self._weights)
+
+    def objective(self, plan, params, consts, x, mask):
+        raise RuntimeError("norm-adapt does not train")
+
+    def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
+        return VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="norm-adapt")
+
+
+class Oracle(FederatedMethod):
+    """Supervised CosFace fine-tune of ξ on all clients' labelled images (an upper bound).
+
+    Args:
+        epochs: passes over all clients' training images.
+        lr: AdamW learning rate.
+        scale, margin: CosFace ``s`` and ``m`` (ξ's pre-training values).
+        batch_size: images per step.
+    """
+
+    name = "oracle"
+    trains = False
+
+    def __init__(self, epochs: int = 10, lr: float = 2e-3, scale: float = 16.0, margin: float = 0.2,
+                 batch_size: int = 64) -> None:
+        super().__init__()
+        if epochs < 1 or not lr > 0 or batch_size < 2:
+            raise InputError("oracle needs epochs ≥ 1, lr > 0 and batch_size ≥ 2")
+        self.epochs, self.lr, self.scale, self.margin, self.batch_size = int(epochs), float(lr), float(scale), \
+            float(margin), int(batch_size)
+        self.losses: list[float] = []
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} (supervised, all labels)"
+
+    def options(self) -> dict[str, Any]:
+        return {"epochs": self.epochs, "lr": self.lr, "scale": self.scale, "margin": self.margin,
+                "batch_size": self.batch_size}
+
+    def setup(self, ctx: SimContext) -> None:
+        super().setup(ctx)
+        self._net = verifier_net(ctx.model_config.resolved(), with_head=False)
+        self._weights = backbone_weights({k: v.detach().clone() for k, v in ctx.xi.state_dict().items()})
+
+    def prepare(self, data: Any) -> None:
+        from device_sim.pretrain import MarginHead
+
+        ctx = self.context
+        xs = [data.train_images(c) for c in range(int(data.num_clients))]
+        x = torch.cat(xs)
+        y = torch.cat([torch.full((len(t),), c, dtype=torch.long) for c, t in enumerate(xs)])
+        model = verifier_net(ctx.model_config.resolved(), with_head=False)
+        model.load_state_dict(self._weights)
+        model.train().requires_grad_(True)
+        head = MarginHead(int(ctx.model_config.resolved().embedding_dim), len(xs), "cosface", self.scale, self.margin)
+        with torch.no_grad():   # class centres start at each client's ξ template
+            e = l2_normalize(torch.cat([model(x[a:a + 512])[0] for a in range(0, len(x), 512)]))
+            head.weight.copy_(l2_normalize(torch.zeros_like(head.weight).index_add_(0, y, e)))
+        opt = torch.optim.AdamW(list(model.parameters()) + list(head.parameters()), lr=self.lr, weight_decay=5e-4)
+        gen = torch.Generator().manual_seed(int(ctx.seed))
+        self.losses = []
+        for _ in range(self.epochs):
+            order = torch.randperm(len(x), generator=gen)
+            total, steps = 0.0, 0
+            for a in range(0, len(x), self.batch_size):
+                i = order[a:a + self.batch_size]
+                loss = F.cross_entropy(head(model(x[i])[0], y[i]), y[i])
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total, steps = total + float(loss.detach()), steps + 1
+            self.losses.append(total / max(steps, 1))
+            if not math.isfinite(self.losses[-1]):
+                raise FloatingPointError(f"oracle loss became {self.losses[-1]} (lr={self.lr} too high?)")
+        self._weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def init_global(self) -> Weights:
+        return dict(self._weights)
+
+    def objective(self, plan, params, consts, x, mask):
+        raise RuntimeError("the oracle trains centrally in prepare(), not per client")
+
+    def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
+        return VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="oracle")
+
+
+REFERENCE_METHODS = {"local-compact": LocalCompact, "norm-adapt": NormAdapt, "oracle": Oracle}
+
+__all__ = ["LocalCompact", "NormAdapt", "Oracle", "compact_loss", "pooled_embedding_stats", "fold_standardization",
+           "mismatch", "embedding_norm_prefix", "REFERENCE_METHODS"]
