@@ -31,7 +31,7 @@ from .executors import LocalConfig
 from .federation import Federation, FederationConfig, checkpoint_path, latest_checkpoint
 from .methods import REGISTRY, parse_method
 from .population import Population
-from .report import combine_seeds, markdown_table, seeds_markdown_table, slug, write_results
+from .report import combine_seeds, headroom_line, markdown_table, seeds_markdown_table, slug, write_results
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -193,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     results = run_simulation(args)
     print(markdown_table(results["methods"], f"{results['population']['clients']} clients, "
                                              f"{args.rounds} rounds, p = {args.participation}"))
+    print(headroom_line(results["methods"]))
     print(f"wrote {', '.join(results['files'].values())} ({results['wall_seconds']:.0f} s)")
     return 0
 

@@ -110,7 +110,8 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def _names(spec: VerifierSpec) -> tuple[str, ...]:
-    return ("embedding", "uv") if spec.net.uv_head is not None else ("embedding",)
+    has_uv = spec.net.uv_head is not None and not getattr(spec.net, "project", False)
+    return ("embedding", "uv") if has_uv else ("embedding",)
 
 
 @torch.no_grad()

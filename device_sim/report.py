@@ -324,16 +324,39 @@ def slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", label).strip("-").lower() or "method"
 
 
-def write_results(out_dir: str | Path, results: Mapping[str, Any], title: str) -> dict[str, Path]:
+def headroom(rows: Sequence[Mapping[str, Any]]) -> dict[str, float] | None:
+    """How much room a scenario leaves for personalization: the ``oracle`` row (supervised
+    fine-tune with every client's labels) minus the ``pretrained`` row (ξ), for the template
+    and pairwise AUROC; None unless both rows are there."""
+    by = {r.get("method"): r for r in rows}
+    if "oracle" not in by or "pretrained" not in by:
+        return None
+    out = {}
+    for name, path in (("template_auroc", "verification.auroc.mean"), ("pairwise_auroc", "pairwise.auroc.mean")):
+        a, b = lookup(by["oracle"]["eval"], path), lookup(by["pretrained"]["eval"], path)
+        out[name] = float(a) - float(b) if a is not None and b is not None else float("nan")
+    return out
+
+
+def headroom_line(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One line for the table: ``headroom (oracle − ξ): template +0.218, pairwise +0.144``."""
+    h = headroom(rows)
+    if h is None:
+        return "headroom: run the 'oracle' and 'pretrained' rows too to see how much room personalization has"
+    return f"headroom (oracle − ξ): template AUROC {h['template_auroc']:+.4f}, pairwise AUROC {h['pairwise_auroc']:+.4f}"
+
+
+def write_results(out_dir: str | Path, results: dict[str, Any], title: str) -> dict[str, Path]:
     """Write ``results.json``, ``results.md`` and ``roc.png`` (mean ROC per method) to ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "roc": out / "roc.png"}
     add_deltas(results["methods"])
+    results["headroom"] = headroom(results["methods"])
     atomic_write_bytes(paths["json"], json.dumps(results, indent=1, default=_json_default).encode())
     table = markdown_table(results["methods"], title)
     ref = next((r["delta_reference"] for r in results["methods"] if "delta_reference" in r), None)
-    notes = ["", "Means over clients (docs/evaluation.md). Template AUROC/TAR: each client's verifier enrolls on its "
+    notes = ["", headroom_line(results["methods"]), "", "Means over clients (docs/evaluation.md). Template AUROC/TAR: each client's verifier enrolls on its "
              "training images and scores its own test images vs other participants' test images. Pairwise AUROC "
              "(FedFR 1:1): cosine of the client's verifier's embeddings, every pair of its own test images vs each "
              "own test image × other participants' images. TPIR@FPIR: FedFR 1:N protocol with the other clients' "
@@ -362,5 +385,5 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-__all__ = ["markdown_table", "write_results", "lookup", "slug", "COLUMNS", "DELTA_METRICS", "HEADLINE",
+__all__ = ["markdown_table", "write_results", "headroom", "headroom_line", "lookup", "slug", "COLUMNS", "DELTA_METRICS", "HEADLINE",
            "add_deltas", "fmt_delta", "combine_seeds", "fmt_seed_delta", "seeds_markdown_table", "SEED_COLUMNS"]

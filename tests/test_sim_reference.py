@@ -154,3 +154,40 @@ def test_synth_xi_for_folder_clients_uses_synth_public_identities(tmp_path) -> N
     assert len(src_splits.public) == 7 and "studio" in repr(src)
     assert math.isfinite(float(src.images(src_splits.public[0].identity, src_splits.public[0].train).mean()))
     assert np.all([u.train.size == a.public_images for u in src_splits.public])
+
+
+TINY = ["--clients", "4", "--new-users", "2", "--public", "6", "--train-per-client", "10", "--test-per-client", "3",
+        "--public-images", "6", "--width", "4", "--embedding-dim", "16", "--pretrain-epochs", "1",
+        "--pretrain-batch-size", "12", "--quiet"]
+
+
+def test_cli_cross_domain_table_has_references_deltas_and_headroom(tmp_path, capsys) -> None:
+    import json
+
+    from fedfs_sdk.cli.main import main
+    out = tmp_path / "run"
+    assert main(["simulate", "--scenario", "cross-domain", "--method", "pretrained", "local-compact:epochs=1",
+                 "norm-adapt", "oracle:epochs=1", "feduv:score=head-template", "--rounds", "1",
+                 "--cache-dir", str(tmp_path / "c"), "--out", str(out), *TINY]) == 0
+    printed = capsys.readouterr().out
+    assert "headroom (oracle − ξ)" in printed and "pairwise AUROC" in printed
+    res = json.loads((out / "results.json").read_text())
+    labels = [m["label"] for m in res["methods"]]
+    assert labels[:3] == ["pretrained", "local-compact", "norm-adapt (standardize)"]
+    assert res["settings"]["domain"] == "phone" and res["settings"]["pretrain_domain"] == "studio"
+    assert all("template_auroc" in m["delta"] for m in res["methods"][1:])
+    assert res["headroom"] is not None and set(res["headroom"]) == {"template_auroc", "pairwise_auroc"}
+
+
+def test_cli_seeds_combines_runs(tmp_path, capsys) -> None:
+    import json
+
+    from fedfs_sdk.cli.main import main
+    out = tmp_path / "seeds"
+    assert main(["simulate", "--method", "pretrained", "norm-adapt", "--seeds", "2", "--rounds", "0",
+                 "--cache-dir", str(tmp_path / "c"), "--out", str(out), *TINY]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["seeds"] == [0, 1] and (out / "seed_1" / "results.json").is_file()
+    row = next(r for r in res["methods"] if r["method"] == "norm-adapt")
+    assert row["n_seeds"] == 2 and len(row["delta"]["template_auroc"]["values"]) == 2
+    assert "seeds" in capsys.readouterr().out
