@@ -696,6 +696,8 @@ class DeviceAgent:
                             meta={"global_version": version, "method": method, "runtime": self.runtime.name})
         key = self.config.enrollment_key or self.state.enrollment_key()
         save_enrollment(self.state.file("enrollment.fedfs"), enrollment, key, overwrite=True)
+        self._emit("enrollment_outliers", {"rule": enrollment.meta["outlier_rule"], "dropped": enrollment.meta["dropped"],
+                                           "n_given": enrollment.meta["n_given"]})
         self._emit("enrolled", {"mode": enrollment.mode, "threshold": enrollment.threshold,
                                 "model_id": backend.model_id, "n_warmup": enrollment.n_warmup})
         return enrollment

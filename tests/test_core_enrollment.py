@@ -92,7 +92,7 @@ def test_enroll_template_and_codeword_and_verify(backend: TorchBackend) -> None:
     template = unit.mean(0) / np.linalg.norm(unit.mean(0))
     np.testing.assert_allclose(e.template, template, atol=1e-6)
     loo = sorted(_cos(unit[j], np.delete(unit, j, 0).mean(0)) for j in range(12))
-    assert e.threshold == pytest.approx(loo[0], abs=1e-7)          # i = ⌊12·0.1⌋ = 1 → smallest
+    assert e.threshold == pytest.approx(loo[0], abs=2e-6)          # i = ⌊12·0.1⌋ = 1 → smallest (− 1e-6)
     own = score(backend, e, owner)
     np.testing.assert_allclose(own, [_cos(u, template) for u in unit], atol=1e-6)
     assert (own >= e.threshold).all()           # each image is closer to the full template than to its LOO one
@@ -101,18 +101,18 @@ def test_enroll_template_and_codeword_and_verify(backend: TorchBackend) -> None:
     ec = enroll(backend, owner, q=0.9, codeword=v)
     assert ec.mode == "codeword" and np.array_equal(ec.codeword, v)
     code_scores = np.array([sum(float(v[k]) * uv[j, k] for k in range(127)) / 127 for j in range(12)])
-    assert ec.threshold == pytest.approx(np.sort(code_scores)[0], abs=1e-7)
+    assert ec.threshold == pytest.approx(np.sort(code_scores)[0], abs=2e-6)
     s = score(backend, ec, owner)
     np.testing.assert_allclose(s, code_scores, atol=1e-6)
     impostor = _embeddings_and_uv(backend, other)[1] @ v.astype(np.float64) / 127
-    # images clearly on either side of τ (the warm-up image AT τ may score a few 1e-8 lower when
-    # run alone instead of in the warm-up batch: float noise, not a decision to test)
-    for img, ind in [(owner[j], code_scores[j]) for j in range(12)] + [(other[j], impostor[j]) for j in range(12)]:
-        if abs(ind - ec.threshold) < 1e-6:
-            continue
+    # every warm-up image is accepted alone (i = 1), the one AT τ included: enroll scores each
+    # warm-up image as verify does, so the ~1e-7 batch-vs-single float noise cannot reject it
+    for img, ind, genuine in ([(owner[j], code_scores[j], True) for j in range(12)]
+                              + [(other[j], impostor[j], False) for j in range(12)]):
         r = verify(backend, ec, img)
         assert r.score == pytest.approx(ind, abs=1e-6) and r.threshold == ec.threshold
-        assert r.accepted == bool(ind > ec.threshold)
+        assert r.accepted == (genuine or bool(ind > ec.threshold))
+    assert ec.meta["dropped"] == [] and ec.meta["outlier_rule"].startswith("mad")
 
 
 def test_warmup_scores_are_leave_one_out(backend: TorchBackend, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -131,11 +131,11 @@ def test_warmup_scores_are_leave_one_out(backend: TorchBackend, monkeypatch: pyt
     loo = np.array([_cos(unit[j], unit[[i for i in range(10) if i != j]].sum(0)) for j in range(10)])
     with_self = np.array([_cos(unit[j], unit.sum(0)) for j in range(10)])
     assert np.abs(loo - with_self).min() > 1e-4            # the test can tell the two apart
-    np.testing.assert_allclose(got, loo, rtol=0, atol=1e-7)
+    np.testing.assert_allclose(got, loo, rtol=0, atol=1e-6)    # one image per forward vs batched: ~1e-7
     seen.clear()
     v, _ = make_codeword(11, 127)
     enroll(backend, owner, q=0.9, codeword=v)              # codeword mode: no template, plain Eq. 5
-    np.testing.assert_allclose(seen[0], (uv * v).mean(1), rtol=0, atol=1e-7)
+    np.testing.assert_allclose(seen[0], (uv * v).mean(1), rtol=0, atol=1e-6)
 
 
 def test_q_is_the_decimal_written() -> None:
@@ -256,7 +256,7 @@ def test_torch_backend_maps_facenet_outputs_by_name(proj_dim, code_length) -> No
     faces = _faces(10, 5)
     if code_length:
         assert enroll(TorchBackend(net, "m"), faces, codeword=v).threshold == pytest.approx(
-            enroll(TorchBackend(VerifierNet(net.backbone, net.uv_head), "m"), faces, codeword=v).threshold, abs=1e-7)
+            enroll(TorchBackend(VerifierNet(net.backbone, net.uv_head), "m"), faces, codeword=v).threshold, abs=1e-6)
 
 
 def test_torch_backend_rejects_unexpected_outputs() -> None:

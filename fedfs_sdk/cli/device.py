@@ -47,6 +47,11 @@ def _printer(name: str, fields: dict[str, Any]) -> None:
         print(f"[device] server unreachable, retrying until {fields['retrying_until']}: {fields['error']}",
               file=sys.stderr, flush=True)
         return
+    if name == "enrollment_outliers":          # warm-up images dropped before τ was set (one line each)
+        from .enroll import outlier_lines
+        for line in outlier_lines(fields["rule"], fields["dropped"], fields["n_given"]):
+            print(f"[device] enrollment {line}", file=sys.stderr, flush=True)
+        return
     parts = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
     print(f"[device] {name} {parts}", file=sys.stderr, flush=True)
 

@@ -19,6 +19,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="device state dir holding the FedUV codeword (codeword mode); template mode without it")
     p.add_argument("--detect-face", action="store_true", help="crop the largest face (OpenCV Haar cascade)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing enrollment")
+    p.add_argument("--outliers", choices=("mad", "none"), default="mad",
+                   help="drop warm-up images whose score is far below the others (e.g. someone else's photo) "
+                        "before the threshold is set: 'mad' (default; robust z-score, k=3.5) or 'none'")
+
+
+def outlier_lines(rule: str, dropped: list[dict], n_given: int) -> list[str]:
+    """What outlier rejection did, for the user: the rule, then the dropped images (one line each).
+    ``rule``/``dropped``/``n_given`` are an enrollment's ``meta["outlier_rule"]``, ``meta["dropped"]``
+    and ``meta["n_given"]``."""
+    lines = [f"outlier rule: {rule}"]
+    if dropped:
+        names = ", ".join(d.get("file", f"#{d['index']}") for d in dropped)
+        lines.append(f"dropped {len(dropped)} of {n_given} warm-up images as outliers (not the owner?): {names}")
+    return lines
 
 
 def _codeword(state_dir: str, key: bytes | None):
@@ -53,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     codeword = _codeword(args.device_state, key) if args.device_state else None
     files = list_images(args.images)
     e = enroll(backend, [str(f) for f in files], q=args.q, codeword=codeword, detect_face=args.detect_face,
-               meta={"model_path": str(Path(args.model).resolve())})
+               meta={"model_path": str(Path(args.model).resolve())}, outliers=args.outliers)
     created = key is None
     if created:
         key = read_key(args.key_file, create=True)
@@ -63,5 +77,7 @@ def run(args: argparse.Namespace) -> int:
         if created:
             key_path.unlink(missing_ok=True)
         raise
+    for line in outlier_lines(e.meta["outlier_rule"], e.meta["dropped"], e.meta["n_given"]):
+        print(line)
     print(f"enrolled from {e.n_warmup} images: mode={e.mode} τ={e.threshold:.4f} (q={e.q}) model={e.model_id} → {args.out}")
     return 0
