@@ -191,3 +191,16 @@ def test_cli_seeds_combines_runs(tmp_path, capsys) -> None:
     row = next(r for r in res["methods"] if r["method"] == "norm-adapt")
     assert row["n_seeds"] == 2 and len(row["delta"]["template_auroc"]["values"]) == 2
     assert "seeds" in capsys.readouterr().out
+
+
+def test_simulated_base_vectors_are_unique_and_codewords_uncorrelated(xi) -> None:
+    """b_u = client index made 25 of 127 codeword positions equal for every client (mean
+    pairwise cosine 0.20); the simulator now draws b_u like the server: random, unique."""
+    from device_sim.methods.sdk_methods import base_vector
+    b = [base_vector(0, c) for c in range(50000)]
+    assert len(set(b)) == len(b) and max(b) < 1 << 32 and base_vector(1, 7) != base_vector(0, 7)
+    m = setup_method("feduv", xi, num_clients=100)
+    v = np.stack([m.codeword(c) for c in range(100)]).astype(np.float64)
+    cos = v @ v.T / v.shape[1]
+    assert abs(cos[~np.eye(100, dtype=bool)].mean()) < 0.02
+    assert int((np.abs(v.mean(0)) == 1).sum()) == 0          # no position shared by every client

@@ -36,6 +36,27 @@ from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, 
 NEG_MODES = ("none", "all", "early")
 
 
+def base_vector(seed: int, client: int) -> int:
+    """A unique 32-bit FedUV base vector ``b_u`` for simulated client ``client``.
+
+    The server draws ``b_u`` at random (``server_agg.rounds``); the simulator must too. With
+    ``b_u`` = the client index, the high bits of every ``b_u`` are 0, so with a systematic BCH
+    code 25 of 127 codeword positions were the same for every client (mean pairwise codeword
+    cosine 0.20 instead of ≈ 0): every client's target shared one direction. Here ``b_u`` is
+    a bijection of the 32-bit index (xor with a seed key, then the murmur3 finalizer, itself
+    a bijection), so distinct clients still get distinct ``b_u``."""
+    if not 0 <= client < 1 << 32:
+        raise InputError(f"client index {client} does not fit a 32-bit base vector")
+    key = int(np.random.SeedSequence([seed, 0xBA5E]).generate_state(1, np.uint32)[0])
+    x = (client ^ key) & 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
+    x ^= x >> 16
+    return x
+
+
 class PretrainedOnly(FederatedMethod):
     """No federation: every client verifies with ξ and a cosine template (FedFS Table 1's
     "pre-trained model" row)."""
@@ -206,14 +227,15 @@ class SDKMethod(FederatedMethod):
 
     # ---- codewords ---------------------------------------------------------------------
     def codeword(self, client: int) -> np.ndarray:
-        """Client ``client``'s FedUV codeword ``v_u = C(b_u ‖ r_u)`` (FedUV Alg. 2): ``b_u``
-        is the client index (unique, as the server assigns), ``r_u`` drawn from a generator
-        seeded by ``(seed, client)`` so it is regenerated on demand, never stored."""
+        """Client ``client``'s FedUV codeword ``v_u = C(b_u ‖ r_u)`` (FedUV Alg. 2): ``b_u`` =
+        :func:`base_vector` (32 pseudo-random bits, unique per client, as the server draws
+        them), ``r_u`` drawn from a generator seeded by ``(seed, client)`` so it is regenerated
+        on demand, never stored."""
         assert self.code_length is not None
         v = self._codewords.get(client)
         if v is None:
             rng = np.random.default_rng([self.context.seed, 0xC0DE, client])
-            v, _ = make_codeword(int(client), self.code_length, rng=rng)
+            v, _ = make_codeword(base_vector(self.context.seed, int(client)), self.code_length, rng=rng)
             if len(self._codewords) < 65536:  # bounded cache; regeneration is cheap
                 self._codewords[client] = v
         return v
