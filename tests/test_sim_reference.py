@@ -204,3 +204,20 @@ def test_simulated_base_vectors_are_unique_and_codewords_uncorrelated(xi) -> Non
     cos = v @ v.T / v.shape[1]
     assert abs(cos[~np.eye(100, dtype=bool)].mean()) < 0.02
     assert int((np.abs(v.mean(0)) == 1).sum()) == 0          # no position shared by every client
+
+
+def test_presets_paper_and_default_and_explicit_overrides() -> None:
+    from device_sim.methods.sdk_methods import PRESETS
+    paper = parse_method("fedfs:paper")
+    assert paper.preset == "paper" and paper.label == "fedfs (paper)" and paper.default_lr() == 5e-3
+    assert paper.fedfs_loss.soft_score == "dot"                     # Eq. 5 as printed
+    assert parse_method("fedfs+feduv:paper").score == "codeword"
+    assert parse_method("fedfs+feduv:paper,lr=0.3").default_lr() == 0.3     # explicit beats the preset
+    assert parse_method("fedfs+feduv:preset=paper").preset == "paper"
+    for name, presets in PRESETS.items():
+        assert set(presets) >= {"paper", "default"}
+        parse_method(f"{name}:paper"), parse_method(name)
+    with pytest.raises(InputError, match="unknown preset"):
+        parse_method("fedfs:bogus")
+    with pytest.raises(InputError, match="key=value"):
+        parse_method("oracle:paper")            # a bare word is a preset only where presets exist

@@ -61,9 +61,13 @@ def parse_method(spec: str) -> FederatedMethod:
     if factory is None:
         raise InputError(f"unknown method {name!r}; choose one of {sorted(REGISTRY)}")
     kwargs: dict[str, Any] = {}
+    accepts_preset = "preset" in inspect.signature(factory).parameters
     if opts:
         for item in opts.split(","):
             key, eq, val = item.partition("=")
+            if not eq and key.strip() and accepts_preset:     # a bare word names a preset: fedfs:paper
+                kwargs["preset"] = key.strip()
+                continue
             if not eq or not key:
                 raise InputError(f"method option {item!r} in {spec!r} is not key=value")
             kwargs[ALIASES.get(key.strip(), key.strip())] = _value(val.strip())

@@ -36,6 +36,18 @@ from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, 
 NEG_MODES = ("none", "all", "early")
 
 
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "fedfs": {"paper": {}, "default": {}},
+    "feduv": {"paper": {}, "default": {}},
+    "fedfs+feduv": {"paper": {}, "default": {}},
+}
+"""Named configurations of each method. ``paper``: the papers' values as printed (FedFS lr
+5e-3, 2 epochs, Eq. 5 dot-product soft scores; FedUV lr 0.1, codeword scoring). ``default``:
+the best configuration measured on the cross-domain benchmark (docs/personalization.md
+gives the search and its commands). Keys: ``score``, ``lr``, ``epochs``, ``uv_weight`` and
+``loss`` (FedFS loss fields)."""
+
+
 def base_vector(seed: int, client: int) -> int:
     """A unique 32-bit FedUV base vector ``b_u`` for simulated client ``client``.
 
@@ -101,17 +113,30 @@ class SDKMethod(FederatedMethod):
         fedfs_loss: FedFS loss options (``⊕``, logit mode, K, γ, λ); the keyword options
             ``combine``, ``logits``, ``logit_scale``, ``top_k``, ``gamma``, ``lam`` and
             ``soft_score`` override single fields (CLI: ``fedfs:soft_score=cosine,lam=0.5``).
+        preset: ``default`` (the best measured configuration, :data:`PRESETS`,
+            docs/personalization.md) or ``paper`` (the papers' values as printed: lr, epochs,
+            codeword scoring); explicit options override the preset. CLI: ``fedfs+feduv:paper``.
     """
 
     sdk_method = "fedfs"
 
     def __init__(self, code_length: int = 127, neg: str = "none", neg_rounds: int = 5,
-                 lambda_neg: float = 1.0, neg_samples: int = 64, uv_weight: float = DEFAULT_UV_WEIGHT,
+                 lambda_neg: float = 1.0, neg_samples: int = 64, uv_weight: float | None = None,
                  verify: str = "personal", fedfs_loss: FedFSLossConfig | None = None, combine: str | None = None,
                  logits: str | None = None, logit_scale: float | None = None, top_k: float | None = None,
                  gamma: float | None = None, lam: float | None = None, soft_score: str | None = None,
-                 score: str = "codeword", lr: float | None = None, epochs: int | None = None) -> None:
+                 score: str | None = None, lr: float | None = None, epochs: int | None = None,
+                 preset: str = "default") -> None:
         super().__init__()
+        chosen = PRESETS.get(self.sdk_method, {}).get(preset)
+        if chosen is None:
+            raise InputError(f"unknown preset {preset!r} for {self.sdk_method!r}; "
+                             f"choose one of {sorted(PRESETS.get(self.sdk_method, {}))}")
+        self.preset = preset
+        score = score if score is not None else chosen.get("score", "codeword")
+        lr = lr if lr is not None else chosen.get("lr")
+        epochs = epochs if epochs is not None else chosen.get("epochs")
+        uv_weight = uv_weight if uv_weight is not None else chosen.get("uv_weight", DEFAULT_UV_WEIGHT)
         if score not in ("codeword", "head-template"):
             raise InputError(f"score must be 'codeword' or 'head-template', got {score!r}")
         if score != "codeword" and not uses_feduv(self.sdk_method):
@@ -135,8 +160,10 @@ class SDKMethod(FederatedMethod):
         self.code_length = int(code_length) if uses_feduv(self.sdk_method) else None
         self.neg, self.neg_rounds, self.lambda_neg = neg, int(neg_rounds), float(lambda_neg)
         self.neg_samples, self.uv_weight = int(neg_samples), float(uv_weight)
-        overrides = {k: v for k, v in dict(combine=combine, logits=logits, logit_scale=logit_scale, top_k=top_k,
-                                           gamma=gamma, lam=lam, soft_score=soft_score).items() if v is not None}
+        given = dict(combine=combine, logits=logits, logit_scale=logit_scale, top_k=top_k, gamma=gamma, lam=lam,
+                     soft_score=soft_score)
+        overrides = {k: v for k, v in {**chosen.get("loss", {}), **{k: v for k, v in given.items() if v is not None}
+                                       }.items()}
         if overrides and not uses_fedfs(self.sdk_method):
             raise InputError(f"FedFS loss options {sorted(overrides)} do not apply to {self.sdk_method!r}")
         self.fedfs_loss = replace(fedfs_loss or FedFSLossConfig(), **overrides)
@@ -146,7 +173,8 @@ class SDKMethod(FederatedMethod):
     # ---- description -------------------------------------------------------------------
     @property
     def label(self) -> str:
-        opts = [f"{k}={v}" for k, v in sorted(self._loss_overrides.items())]
+        opts = ["paper"] if self.preset == "paper" else []
+        opts += [f"{k}={v}" for k, v in sorted(self._loss_overrides.items())]
         if self.sdk_method == "fedfs+feduv" and self.uv_weight != DEFAULT_UV_WEIGHT:
             opts.append(f"μ={self.uv_weight:g}")
         if self.verify != "personal":
@@ -170,6 +198,7 @@ class SDKMethod(FederatedMethod):
         if self.sdk_method == "fedfs+feduv":
             opts["uv_weight"] = self.uv_weight
             opts["verify"] = self.verify
+        opts["preset"] = self.preset
         if self.score != "codeword":
             opts["score"] = self.score
         if self.lr is not None or self.epochs is not None:
