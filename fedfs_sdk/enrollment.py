@@ -114,6 +114,10 @@ class Enrollment:
     template: np.ndarray | None = None   # float32 unit vector [D]
     created_at: float = field(default_factory=time.time)
     meta: dict[str, Any] = field(default_factory=dict)
+    template_output: str = "embedding"
+    """Template mode: which backend output the template is built on — ``embedding`` (the
+    backbone's) or ``uv`` (the FedUV head ``σ(W g)``: its cosine is that of ``W·g``, the
+    ``head-template`` verifier of docs/personalization.md). Files without it are ``embedding``."""
 
     @property
     def dropped(self) -> list[int]:
@@ -221,15 +225,16 @@ def _run_alone(backend: InferenceBackend, batch: np.ndarray) -> list[dict[str, n
 
 
 def _verify_scores(out: dict[str, np.ndarray], mode: str, codeword: np.ndarray | None,
-                   template: np.ndarray | None) -> np.ndarray:
+                   template: np.ndarray | None, output: str = "embedding") -> np.ndarray:
     """Verification scores of a backend output: the one formula :func:`score` and :func:`enroll` share."""
-    if mode == "codeword":
-        assert codeword is not None
+    if mode == "codeword" or output == "uv":
         if "uv" not in out:
             raise InputError("this enrollment needs a model with a FedUV head (backend has no 'uv' output)")
+    if mode == "codeword":
+        assert codeword is not None
         return uv_scores(out["uv"], codeword)
     assert template is not None
-    return _unit(out["embedding"].astype(np.float64)) @ template.astype(np.float64)
+    return _unit(out[output].astype(np.float64)) @ template.astype(np.float64)
 
 
 def _loo_scores(emb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -241,11 +246,13 @@ def _loo_scores(emb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.ndarray | None = None,
            detect_face: bool = False, meta: dict[str, Any] | None = None, outliers: str = "mad",
-           outlier_k: float = OUTLIER_K) -> Enrollment:
+           outlier_k: float = OUTLIER_K, template_output: str = "embedding") -> Enrollment:
     """Enroll the owner from ``n`` warm-up images with target TPR ``q`` (FedUV Alg. 2).
 
     ``images``: paths / bytes / uint8 arrays, or an already preprocessed float32 batch.
-    With ``codeword`` the FedUV score is used, else a cosine template.
+    With ``codeword`` the FedUV score is used, else a cosine template of the backend output
+    ``template_output``: ``embedding`` or ``uv`` (the FedUV head; its cosine equals that of
+    ``W·g``, the ``head-template`` scoring that the fedfs+feduv default uses).
 
     ``outliers="mad"`` (default) first drops warm-up images whose score is an outlier by
     :func:`mad_outliers` (``k = outlier_k``); in template mode the template and the
@@ -275,6 +282,12 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
         raise InsufficientWarmupError(f"{n} warm-up image(s) are too few for target TPR q={q}; "
                                       f"at least {min_n} are needed")
     v = None if codeword is None else check_codeword(codeword, backend)
+    if template_output not in ("embedding", "uv"):
+        raise InputError(f"template_output must be 'embedding' or 'uv', got {template_output!r}")
+    if v is not None and template_output != "embedding":
+        raise InputError("template_output applies to template enrollments; a codeword enrollment scores the uv output")
+    if template_output == "uv" and "uv" not in backend.outputs:
+        raise InputError("template_output='uv' needs a model with a FedUV head (backend has no 'uv' output)")
     batch = _as_batch(backend, images, detect_face)
     outs = _run_alone(backend, batch)
     mode = "template" if v is None else "codeword"
@@ -306,7 +319,7 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
         tau = warmup_threshold(scores, q)
         template = None
     else:
-        emb = _unit(np.concatenate([o["embedding"] for o in outs]).astype(np.float64))
+        emb = _unit(np.concatenate([o[template_output] for o in outs]).astype(np.float64))
         for _ in range(_MAX_PASSES):
             scores, template = _loo_scores(emb[keep])
             out_mask = mad_outliers(scores, k, OUTLIER_MARGIN["template"]) if outliers == "mad" else None
@@ -316,13 +329,14 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
         else:
             scores, template = _loo_scores(emb[keep])
         tau = warmup_threshold(scores, q)
-        alone = np.array([_verify_scores(outs[j], "template", None, template)[0] for j in np.flatnonzero(keep)])
+        alone = np.array([_verify_scores(outs[j], "template", None, template, template_output)[0]
+                          for j in np.flatnonzero(keep)])
         tau = min(tau, float(alone[scores >= tau].min()))
     tau -= WARMUP_TOLERANCE
     info = {**dict(meta or {}), "dropped": sorted(dropped, key=lambda d: d["index"]),
             "outlier_rule": outlier_rule(mode, outliers, k), "n_given": n}
     return Enrollment(backend.model_id, mode, tau, q_stored, int(keep.sum()), codeword=v, template=template,
-                      meta=info)
+                      meta=info, template_output=template_output)
 
 
 def score(backend: InferenceBackend, enrollment: Enrollment, images: Any, detect_face: bool = False) -> np.ndarray:
@@ -333,7 +347,8 @@ def score(backend: InferenceBackend, enrollment: Enrollment, images: Any, detect
     if not (isinstance(images, np.ndarray) and images.ndim == 4) and not isinstance(images, (list, tuple)):
         images = [images]
     out = backend.run(_as_batch(backend, images, detect_face))
-    return _verify_scores(out, enrollment.mode, enrollment.codeword, enrollment.template)
+    return _verify_scores(out, enrollment.mode, enrollment.codeword, enrollment.template,
+                          getattr(enrollment, "template_output", "embedding"))
 
 
 def verify(backend: InferenceBackend, enrollment: Enrollment, image: Any, detect_face: bool = False) -> VerifyResult:

@@ -281,3 +281,26 @@ def test_torch_backend_rejects_unexpected_outputs() -> None:
         TorchBackend(NoUV(), "m").run(x)
     with pytest.raises(InputError, match="needs a torch module"):
         TorchBackend(object(), "m")
+
+
+def test_head_template_enrollment_is_a_cosine_template_of_w_g(backend: TorchBackend, tmp_path: Path) -> None:
+    """template_output='uv': the template is the mean unit σ(W g), whose cosine is that of W·g
+    (σ only rescales each row) — the fedfs+feduv head-template verifier."""
+    own, other = _faces(12, 0), _faces(3, 7)
+    e = enroll(backend, own, q=0.9, template_output="uv", outliers="none")
+    assert e.mode == "template" and e.template_output == "uv" and e.template.shape == (127,)
+    emb, _ = _embeddings_and_uv(backend, own)
+    w = backend.verifier.uv_head.weight.detach().double().numpy()
+    wg = emb @ w.T                                                # W·g, no σ
+    unit = wg / np.linalg.norm(wg, axis=1, keepdims=True)
+    t = unit.sum(0) / np.linalg.norm(unit.sum(0))
+    assert np.allclose(e.template, t, atol=1e-5)
+    g_probe, _ = _embeddings_and_uv(backend, other[:1])
+    assert float(score(backend, e, other[:1])[0]) == pytest.approx(_cos(g_probe[0] @ w.T, t), abs=1e-4)
+    key = generate_key()
+    save_enrollment(tmp_path / "h.enr", e, key)
+    again = load_enrollment(tmp_path / "h.enr", key)
+    assert again.template_output == "uv"
+    assert float(score(backend, again, own[:1])[0]) == pytest.approx(float(score(backend, e, own[:1])[0]), abs=1e-9)
+    with pytest.raises(InputError, match="template_output"):
+        enroll(backend, own, q=0.9, template_output="logits")

@@ -113,6 +113,9 @@ class SDKMethod(FederatedMethod):
         fedfs_loss: FedFS loss options (``⊕``, logit mode, K, γ, λ); the keyword options
             ``combine``, ``logits``, ``logit_scale``, ``top_k``, ``gamma``, ``lam`` and
             ``soft_score`` override single fields (CLI: ``fedfs:soft_score=cosine,lam=0.5``).
+        norm_init: ``none``, ``center`` or ``standardize``: start ϕ from ξ whose embedding
+            normalization affine is re-fitted to the clients' pooled embedding statistics
+            (``norm-adapt``'s fold; a federation computes them as a FedAvg of per-client sums).
         preset: ``default`` (the best measured configuration, :data:`PRESETS`,
             docs/personalization.md) or ``paper`` (the papers' values as printed: lr, epochs,
             codeword scoring); explicit options override the preset. CLI: ``fedfs+feduv:paper``.
@@ -126,13 +129,16 @@ class SDKMethod(FederatedMethod):
                  logits: str | None = None, logit_scale: float | None = None, top_k: float | None = None,
                  gamma: float | None = None, lam: float | None = None, soft_score: str | None = None,
                  score: str | None = None, lr: float | None = None, epochs: int | None = None,
-                 preset: str = "default") -> None:
+                 preset: str = "default", norm_init: str | None = None) -> None:
         super().__init__()
         chosen = PRESETS.get(self.sdk_method, {}).get(preset)
         if chosen is None:
             raise InputError(f"unknown preset {preset!r} for {self.sdk_method!r}; "
                              f"choose one of {sorted(PRESETS.get(self.sdk_method, {}))}")
         self.preset = preset
+        self.norm_init = norm_init if norm_init is not None else chosen.get("norm_init", "none")
+        if self.norm_init not in ("none", "center", "standardize"):
+            raise InputError(f"norm_init must be 'none', 'center' or 'standardize', got {self.norm_init!r}")
         score = score if score is not None else chosen.get("score", "codeword")
         lr = lr if lr is not None else chosen.get("lr")
         epochs = epochs if epochs is not None else chosen.get("epochs")
@@ -181,6 +187,8 @@ class SDKMethod(FederatedMethod):
             opts.append(f"verify={self.verify}")
         if self.score != "codeword":
             opts.append(f"score={self.score}")
+        if self.norm_init != "none":
+            opts.append(f"norm_init={self.norm_init}")
         if self.lr is not None:
             opts.append(f"lr={self.lr:g}")
         if self.epochs is not None:
@@ -199,6 +207,8 @@ class SDKMethod(FederatedMethod):
             opts["uv_weight"] = self.uv_weight
             opts["verify"] = self.verify
         opts["preset"] = self.preset
+        if self.norm_init != "none":
+            opts["norm_init"] = self.norm_init
         if self.score != "codeword":
             opts["score"] = self.score
         if self.lr is not None or self.epochs is not None:
@@ -236,9 +246,28 @@ class SDKMethod(FederatedMethod):
         if self.score == "head-template":
             self._global_vnet = verifier_net(self.model_config, with_head=True, project=True)
 
+    def prepare(self, data: Any) -> None:
+        """``norm_init``: start ϕ from ξ with its embedding normalization re-fitted to the
+        clients' pooled statistics (``norm-adapt``'s fold, :mod:`.reference`)."""
+        self._norm_fold: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        if self.norm_init == "none":
+            return
+        from .reference import pooled_embedding_stats
+
+        net = frozen(verifier_net(self.context.model_config.resolved(), with_head=False))
+        w = backbone_weights(self.context.xi.state_dict())
+        mu, sd, _ = pooled_embedding_stats(net, w, data, range(int(data.num_clients)))
+        self._norm_fold = (mu, sd if self.norm_init == "standardize" else None)
+
     def init_global(self) -> Weights:
         ctx = self.context
-        return initial_global_weights(self.model_config, ctx.xi, seed=ctx.seed)
+        weights = initial_global_weights(self.model_config, ctx.xi, seed=ctx.seed)
+        fold = getattr(self, "_norm_fold", None)
+        if fold is not None:
+            from .reference import fold_standardization
+
+            weights = fold_standardization(weights, *fold)
+        return weights
 
     def init_private(self, global_weights: Weights) -> Params:
         """``θ_c`` of a client's first participation: the global weights it receives in that
