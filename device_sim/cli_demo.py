@@ -2,8 +2,10 @@
 
 1. generates SynthFaces identities (public / clients / new users);
 2. pre-trains a small ξ on the public identities (CosFace; cached);
-3. runs pretrained-only, FedFS, FedUV and FedFS+FedUV side by side on the same ~100
-   clients (same seed, same sampled participants each round);
+3. on the cross-domain scenario (ξ pre-trained on SynthFaces 'studio', clients on 'phone',
+   docs/personalization.md) runs ξ, the honest references (local-compact, norm-adapt, the
+   supervised oracle), FedFS as printed (``fedfs:paper``) and the default FedFS and
+   FedFS+FedUV side by side on the same 100 clients (same seed, same sampled participants);
 4. enrolls one client with :func:`fedfs_sdk.enrollment.enroll` on its FedFS+FedUV verifier
    (personalized backbone + shared head + its secret codeword) and verifies one of its own
    held-out images and one stranger's image with :func:`fedfs_sdk.enrollment.verify`;
@@ -20,10 +22,14 @@ from fedfs_sdk.inference import TorchBackend
 from . import cli_simulate
 from .federation import Federation
 from .population import Population
-from .report import markdown_table
+from .report import headroom_line, markdown_table
+from .scenarios import SCENARIOS
 
 DEMO_DEFAULTS = dict(clients=100, new_users=10, public=300, train_per_client=20, test_per_client=10,
-                     public_images=20, rounds=10, participation=0.5, pretrain_epochs=10, image_size=32)
+                     public_images=20, rounds=20, participation=0.5, pretrain_epochs=10, image_size=32,
+                     scenario="cross-domain")
+DEMO_METHODS = ["pretrained", "local-compact", "norm-adapt", "oracle", "fedfs:paper", "fedfs", "fedfs+feduv"]
+"""ξ, the honest references (docs/personalization.md), FedFS as printed and the defaults."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,8 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=d["rounds"], help="federated rounds T")
     p.add_argument("--participation", type=float, default=d["participation"], help="fraction of clients per round")
     p.add_argument("--pretrain-epochs", type=int, default=d["pretrain_epochs"], help="epochs of ξ pre-training")
-    p.add_argument("--method", nargs="+", default=["pretrained", "fedfs", "feduv", "fedfs+feduv"],
+    p.add_argument("--method", nargs="+", default=DEMO_METHODS,
                    help="methods to run side by side (see fedfs simulate --help)")
+    p.add_argument("--scenario", default=d["scenario"], choices=sorted(SCENARIOS),
+                   help="where ξ is pre-trained and where the clients live (see fedfs simulate --help)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="federation seed (sampling, init, local shuffles)")
@@ -79,9 +87,11 @@ def run(args: argparse.Namespace) -> int:
     sim = simulate_args(args)
     feds: dict[str, Federation] = {}
     results = cli_simulate.run_simulation(sim, title="fedfs demo", keep=feds)
-    table = markdown_table(results["methods"], f"fedfs demo — {results['population']['clients']} SynthFaces "
-                                               f"clients, {sim.rounds} rounds, participation {sim.participation}")
+    table = markdown_table(results["methods"], f"fedfs demo — {sim.scenario} scenario, "
+                                               f"{results['population']['clients']} SynthFaces clients, "
+                                               f"{sim.rounds} rounds, participation {sim.participation}")
     print(table)
+    print(headroom_line(results["methods"]))
     xi_stats = results["xi"]["stats"]
     print(f"ξ: pre-trained on {results['population']['public']} public identities "
           f"(train acc {xi_stats.get('final_train_acc', float('nan')):.2f}{', cached' if results['xi']['cached'] else ''})")

@@ -167,6 +167,30 @@ class VerifierNet(nn.Module):
         return (e, self.uv_head(e))
 
 
+class DualVerifierNet(nn.Module):
+    """Verifies with both FedFS models through the FedUV head: the embedding is
+    ``unit(W q') ⊕ unit(W r')`` (personalized ``ϕ(θ_c)`` and global ``ϕ(w)``), so a cosine
+    template of it averages the two head-space cosines (``verify=both``,
+    docs/personalization.md). Weight names: ``backbone.*`` (θ_c), ``global_backbone.*``
+    (w) and ``uv_head.weight``."""
+
+    project = True
+
+    def __init__(self, backbone: nn.Module, global_backbone: nn.Module, uv_head: FedUVHead) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.global_backbone = global_backbone
+        self.uv_head = uv_head
+
+    @property
+    def input_size(self) -> int:
+        return int(self.backbone.input_size)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        w = self.uv_head.weight.t()
+        return (torch.cat([l2_normalize(self.backbone(x) @ w), l2_normalize(self.global_backbone(x) @ w)], dim=-1),)
+
+
 def personal_config(global_config: ModelConfig) -> ModelConfig:
     """The personalized model ``ϕ(θ_c)``: same backbone and projection, no FedUV head
     (``W`` is global and shared, FedFS+FedUV uses the global ``W`` on ``q'``)."""

@@ -21,8 +21,10 @@ def test_parse_specs_and_errors() -> None:
         parse_method("fedprox")
     with pytest.raises(InputError, match="no option"):
         parse_method("feduv:k=3")
-    with pytest.raises(InputError, match="key=value"):
+    with pytest.raises(InputError, match="unknown preset 'c'"):    # a bare word names a preset
         parse_method("feduv:c")
+    with pytest.raises(InputError, match="key=value"):
+        parse_method("oracle:c")
     with pytest.raises(InputError, match="code_length"):
         parse_method("feduv:c=100")
     with pytest.raises(InputError, match="FedUV term"):

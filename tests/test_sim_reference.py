@@ -221,3 +221,22 @@ def test_presets_paper_and_default_and_explicit_overrides() -> None:
         parse_method("fedfs:bogus")
     with pytest.raises(InputError, match="key=value"):
         parse_method("oracle:paper")            # a bare word is a preset only where presets exist
+
+
+def test_verify_both_concatenates_personal_and_global_head_embeddings(xi) -> None:
+    m = setup_method("fedfs+feduv:score=head-template,verify=both", xi)
+    g = m.init_global()
+    torch.manual_seed(3)
+    personal = {k: v + 0.05 * torch.randn_like(v) for k, v in m.init_private(g)["personal"].items()}
+    spec = m.verifier(m.client_state_init(0), g, {"personal": personal})
+    spec.net.load_state_dict(spec.weights)
+    x = RandomClients(1).train_images(0)
+    (emb,) = spec.net(x)
+    w = g["uv_head.weight"]
+    unit = lambda t: t / t.norm(dim=1, keepdim=True)  # noqa: E731
+    q = spec.net.backbone(x) @ w.t()
+    r = spec.net.global_backbone(x) @ w.t()
+    assert torch.allclose(emb, torch.cat([unit(q), unit(r)], 1), atol=1e-5)
+    assert not torch.allclose(q, r, atol=1e-3)                    # the two halves are different models
+    with pytest.raises(InputError, match="score=head-template"):
+        parse_method("fedfs+feduv:verify=both")

@@ -25,7 +25,7 @@ import torch
 from fedfs_sdk.codes import KNOWN_CODES, make_codeword, random_codewords
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.losses.fedfs import FedFSLossConfig
-from fedfs_sdk.model import FaceNet, ModelConfig, personal_config
+from fedfs_sdk.model import DualVerifierNet, FaceNet, ModelConfig, personal_config
 from fedfs_sdk.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
 from fedfs_sdk.methods import DEFAULT_UV_WEIGHT
 from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initial_global_weights
@@ -125,7 +125,7 @@ class SDKMethod(FederatedMethod):
 
     def __init__(self, code_length: int = 127, neg: str = "none", neg_rounds: int = 5,
                  lambda_neg: float = 1.0, neg_samples: int = 64, uv_weight: float | None = None,
-                 verify: str = "personal", fedfs_loss: FedFSLossConfig | None = None, combine: str | None = None,
+                 verify: str | None = None, fedfs_loss: FedFSLossConfig | None = None, combine: str | None = None,
                  logits: str | None = None, logit_scale: float | None = None, top_k: float | None = None,
                  gamma: float | None = None, lam: float | None = None, soft_score: str | None = None,
                  score: str | None = None, lr: float | None = None, epochs: int | None = None,
@@ -136,10 +136,12 @@ class SDKMethod(FederatedMethod):
             raise InputError(f"unknown preset {preset!r} for {self.sdk_method!r}; "
                              f"choose one of {sorted(PRESETS.get(self.sdk_method, {}))}")
         self.preset = preset
+        self._preset_values = chosen
         self.norm_init = norm_init if norm_init is not None else chosen.get("norm_init", "none")
         if self.norm_init not in ("none", "center", "standardize"):
             raise InputError(f"norm_init must be 'none', 'center' or 'standardize', got {self.norm_init!r}")
         score = score if score is not None else chosen.get("score", "codeword")
+        verify = verify if verify is not None else chosen.get("verify", "personal")
         lr = lr if lr is not None else chosen.get("lr")
         epochs = epochs if epochs is not None else chosen.get("epochs")
         uv_weight = uv_weight if uv_weight is not None else chosen.get("uv_weight", DEFAULT_UV_WEIGHT)
@@ -158,8 +160,10 @@ class SDKMethod(FederatedMethod):
             raise InputError(f"ℓ_neg is a FedUV term; method {self.sdk_method!r} has no codewords")
         if neg_rounds < 0 or neg_samples < 1 or lambda_neg < 0:
             raise InputError("neg_rounds must be ≥ 0, neg_samples ≥ 1 and lambda_neg ≥ 0")
-        if verify not in ("personal", "global"):
-            raise InputError(f"verify must be 'personal' or 'global', got {verify!r}")
+        if verify not in ("personal", "global", "both"):
+            raise InputError(f"verify must be 'personal', 'global' or 'both', got {verify!r}")
+        if verify == "both" and score != "head-template":
+            raise InputError("verify=both verifies with a head-space template: it needs score=head-template")
         if verify != "personal" and self.sdk_method != "fedfs+feduv":
             raise InputError(f"verify={verify!r} is a fedfs+feduv option")
         self.verify = verify
@@ -180,18 +184,22 @@ class SDKMethod(FederatedMethod):
     @property
     def label(self) -> str:
         opts = ["paper"] if self.preset == "paper" else []
-        opts += [f"{k}={v}" for k, v in sorted(self._loss_overrides.items())]
-        if self.sdk_method == "fedfs+feduv" and self.uv_weight != DEFAULT_UV_WEIGHT:
+        opts += [f"{k}={v}" for k, v in sorted(self._loss_overrides.items())
+                 if self._preset_values.get("loss", {}).get(k) != v]
+        if self.sdk_method == "fedfs+feduv" and self.uv_weight != self._preset_values.get("uv_weight",
+                                                                                          DEFAULT_UV_WEIGHT):
             opts.append(f"μ={self.uv_weight:g}")
-        if self.verify != "personal":
+        if self.verify != self._preset_values.get("verify", "personal"):
             opts.append(f"verify={self.verify}")
-        if self.score != "codeword":
+        # options that differ from the preset's (the preset's own values are its name)
+        p = self._preset_values
+        if self.score != p.get("score", "codeword"):
             opts.append(f"score={self.score}")
-        if self.norm_init != "none":
+        if self.norm_init != p.get("norm_init", "none"):
             opts.append(f"norm_init={self.norm_init}")
-        if self.lr is not None:
+        if self.lr is not None and self.lr != p.get("lr"):
             opts.append(f"lr={self.lr:g}")
-        if self.epochs is not None:
+        if self.epochs is not None and self.epochs != p.get("epochs"):
             opts.append(f"epochs={self.epochs}")
         if self.code_length is not None:
             neg = {"none": [], "all": ["ℓ_neg"], "early": [f"ℓ_neg≤r{self.neg_rounds}"]}[self.neg]
@@ -245,6 +253,9 @@ class SDKMethod(FederatedMethod):
         self._global_vnet = verifier_net(self.model_config, with_head=self.code_length is not None)
         if self.score == "head-template":
             self._global_vnet = verifier_net(self.model_config, with_head=True, project=True)
+        if self.verify == "both":
+            face, glob = FaceNet(self.model_config), FaceNet(self.model_config)
+            self._dual_vnet = DualVerifierNet(face.backbone, glob.backbone, face.uv_head)
 
     def prepare(self, data: Any) -> None:
         """``norm_init``: start ϕ from ξ with its embedding normalization re-fitted to the
@@ -364,6 +375,9 @@ class SDKMethod(FederatedMethod):
         if self.sdk_method == "fedfs":
             return VerifierSpec(self._personal_vnet, weights, None)
         weights = {**weights, "uv_head.weight": global_weights["uv_head.weight"]}
+        if self.verify == "both":
+            weights.update({"global_" + k: v for k, v in backbone_weights(global_weights).items()})
+            return VerifierSpec(self._dual_vnet, weights, None)
         return VerifierSpec(self._global_vnet, weights, self._codeword_for(state))
 
     def _codeword_for(self, state: ClientState) -> np.ndarray | None:
