@@ -69,7 +69,9 @@ class TorchBackend:
         self.model_id = model_id
         self.input_size = int(verifier.input_size)
         self.batch_size = batch_size
-        self.outputs = ("embedding", "uv") if getattr(verifier, "uv_head", None) is not None else ("embedding",)
+        # a head-space verifier (VerifierNet(project=True), DualVerifierNet) has one output: W·g
+        has_uv = getattr(verifier, "uv_head", None) is not None and not getattr(verifier, "project", False)
+        self.outputs = ("embedding", "uv") if has_uv else ("embedding",)
 
     def _named(self, out) -> dict:
         from .errors import InputError

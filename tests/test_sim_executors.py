@@ -11,7 +11,8 @@ from device_sim.executors import (BatchedExecutor, LocalConfig, SequentialExecut
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.trainer import LocalTrainer, TrainConfig
 
-SPECS = ["fedfs", "feduv", "fedfs+feduv", "feduv:c=255,neg=all,neg_samples=3"]
+SPECS = ["fedfs", "feduv", "fedfs+feduv:paper", "feduv:c=255,neg=all,neg_samples=3"]
+# (the paper preset: the device trainer implements its lr; the default differs in lr and verifier only)
 
 
 @pytest.fixture(scope="module")
@@ -19,13 +20,13 @@ def data() -> RandomClients:
     return RandomClients()
 
 
-@pytest.mark.parametrize("spec", ["fedfs", "feduv", "fedfs+feduv"])
+@pytest.mark.parametrize("spec", ["fedfs", "feduv", "fedfs+feduv:paper"])
 def test_sequential_equals_local_trainer(spec: str, xi, data) -> None:
     m = setup_method(spec, xi)
     plan, tasks = make_tasks(m, data, [1])
     res = SequentialExecutor().train(m, plan, tasks, LocalConfig(batch_size=4))   # both default to DEFAULT_HEAD_LR
     t = tasks[0]
-    ref = LocalTrainer(m.model_config, TrainConfig(method=spec, batch_size=4), xi=xi).train(
+    ref = LocalTrainer(m.model_config, TrainConfig(method=m.sdk_method, batch_size=4), xi=xi).train(
         t.params["global"], t.images, personal_weights=t.params.get("personal", {}).copy() or None,
         codeword=t.consts.get("codeword"), seed=t.seed)
     got = {k: v[0] for k, v in res.params["global"].items()}
@@ -89,7 +90,7 @@ def test_bad_learning_rate_and_empty_clients(xi, data) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["fedfs+feduv", "feduv:neg=all,neg_samples=3"])
+@pytest.mark.parametrize("spec", ["fedfs+feduv:paper", "feduv:neg=all,neg_samples=3"])
 def test_batched_cuda_matches_sequential_cpu(spec: str, xi, data) -> None:
     m_cpu = setup_method(spec, xi)
     plan, tasks = make_tasks(m_cpu, data, [0, 1, 2, 3])

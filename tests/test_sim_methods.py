@@ -64,8 +64,10 @@ def test_neg_codewords_are_other_participants(xi) -> None:
 def test_verifier_specs(xi) -> None:
     gw = {}
     for spec, mode, shared, head in [("pretrained", "template", "xi", False), ("fedfs", "template", None, False),
-                                     ("feduv", "codeword", "global", True), ("fedfs+feduv", "codeword", None, True),
-                                     ("fedfs+feduv:verify=global", "codeword", "global", True)]:
+                                     ("feduv", "codeword", "global", True),
+                                     ("fedfs+feduv:paper", "codeword", None, True),
+                                     ("fedfs+feduv:paper,verify=global", "codeword", "global", True),
+                                     ("fedfs+feduv", "template", None, True)]:    # default: head-space, both models
         m = setup_method(spec, xi)
         gw = m.init_global()
         priv = m.init_private(gw) or None
@@ -73,10 +75,10 @@ def test_verifier_specs(xi) -> None:
         assert (v.mode, v.shared_key, v.net.uv_head is not None) == (mode, shared, head), spec
         v.net.load_state_dict(v.weights, strict=True)                        # names match the skeleton
         out = v.net(torch.zeros(2, 3, 32, 32))
-        assert out[0].shape == (2, 16)
+        assert out[0].shape == ((2, 2 * 127) if spec == "fedfs+feduv" else (2, 16))   # unit(W q') ⊕ unit(W r')
         nu = m.new_user_verifier(m.client_state_init(99), gw)
         assert nu.shared_key in ("global", "xi")
-        if spec in ("fedfs", "fedfs+feduv"):
+        if spec in ("fedfs", "fedfs+feduv:paper"):
             # never trained: the current global backbone (the θ_c it would start from), not θ_0
             later = {k: t + 0.5 for k, t in gw.items()}
             nt, nu_later = m.verifier(m.client_state_init(3), later, None), m.new_user_verifier(m.client_state_init(3), later)
@@ -92,8 +94,8 @@ def test_verifier_specs(xi) -> None:
     assert m.label == "fedfs+feduv (c=127, verify=global)"
     with pytest.raises(InputError, match=r"fedfs\+feduv option"):
         parse_method("feduv:verify=global")
-    with pytest.raises(InputError, match="personal' or 'global"):
-        parse_method("fedfs+feduv:verify=both")
+    with pytest.raises(InputError, match="'personal', 'global' or 'both'"):
+        parse_method("fedfs+feduv:verify=all")
 
 
 def test_fedfs_projection_matches_xi(xi) -> None:

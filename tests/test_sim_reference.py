@@ -91,7 +91,7 @@ def test_oracle_lowers_its_supervised_loss(xi) -> None:
 
 
 def test_head_template_verifier_is_the_projection(xi) -> None:
-    m = setup_method("fedfs+feduv:score=head-template", xi)
+    m = setup_method("fedfs+feduv:score=head-template,verify=personal", xi)
     g = m.init_global()
     spec = m.verifier(m.client_state_init(0), g, m.init_private(g))
     assert spec.codeword is None and spec.mode == "template"
@@ -239,4 +239,4 @@ def test_verify_both_concatenates_personal_and_global_head_embeddings(xi) -> Non
     assert torch.allclose(emb, torch.cat([unit(q), unit(r)], 1), atol=1e-5)
     assert not torch.allclose(q, r, atol=1e-3)                    # the two halves are different models
     with pytest.raises(InputError, match="score=head-template"):
-        parse_method("fedfs+feduv:verify=both")
+        parse_method("fedfs+feduv:verify=both,score=codeword")

@@ -39,7 +39,8 @@ NEG_MODES = ("none", "all", "early")
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "fedfs": {"paper": {}, "default": {}},
     "feduv": {"paper": {}, "default": {}},
-    "fedfs+feduv": {"paper": {}, "default": {}},
+    "fedfs+feduv": {"paper": {},
+                    "default": {"score": "head-template", "lr": 0.02, "norm_init": "standardize", "verify": "both"}},
 }
 """Named configurations of each method. ``paper``: the papers' values as printed (FedFS lr
 5e-3, 2 epochs, Eq. 5 dot-product soft scores; FedUV lr 0.1, codeword scoring). ``default``:
