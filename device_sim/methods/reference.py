@@ -152,7 +152,28 @@ def mismatch(mu: torch.Tensor, sd: torch.Tensor | None) -> float:
     return loss
 
 
-class NormAdapt(FederatedMethod):
+class FittedReference(FederatedMethod):
+    """A reference whose one shared model is fitted in :meth:`prepare` (from ξ) instead of
+    trained in rounds; every client verifies with it and a cosine template."""
+
+    trains = False
+
+    def setup(self, ctx: SimContext) -> None:
+        super().setup(ctx)
+        self._net = frozen(verifier_net(ctx.model_config.resolved(), with_head=False))
+        self._weights = backbone_weights({k: v.detach().clone() for k, v in ctx.xi.state_dict().items()})
+
+    def init_global(self) -> Weights:
+        return dict(self._weights)
+
+    def objective(self, plan, params, consts, x, mask):
+        raise RuntimeError(f"{self.name} is fitted in prepare(), it does not train per client")
+
+    def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
+        return VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key=self.name)
+
+
+class NormAdapt(FittedReference):
     """Label-free normalization adaptation of ξ to the clients' domain (module docstring).
 
     Args:
@@ -161,7 +182,6 @@ class NormAdapt(FederatedMethod):
     """
 
     name = "norm-adapt"
-    trains = False
 
     def __init__(self, mode: str = "standardize") -> None:
         super().__init__()
@@ -178,11 +198,6 @@ class NormAdapt(FederatedMethod):
     def options(self) -> dict[str, Any]:
         return {"mode": self.mode}
 
-    def setup(self, ctx: SimContext) -> None:
-        super().setup(ctx)
-        self._net = frozen(verifier_net(ctx.model_config.resolved(), with_head=False))
-        self._weights = backbone_weights({k: v.detach().clone() for k, v in ctx.xi.state_dict().items()})
-
     def prepare(self, data: Any) -> None:
         clients = range(int(data.num_clients))
         std = self.mode == "standardize"
@@ -192,17 +207,7 @@ class NormAdapt(FederatedMethod):
         mu2, sd2, _ = pooled_embedding_stats(self._net, self._weights, data, clients)
         self.loss_after = mismatch(mu2, sd2 if std else None)
 
-    def init_global(self) -> Weights:
-        return dict(self._weights)
-
-    def objective(self, plan, params, consts, x, mask):
-        raise RuntimeError("norm-adapt does not train")
-
-    def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
-        return VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="norm-adapt")
-
-
-class Oracle(FederatedMethod):
+class Oracle(FittedReference):
     """Supervised CosFace fine-tune of ξ on all clients' labelled images (an upper bound).
 
     Args:
@@ -213,7 +218,6 @@ class Oracle(FederatedMethod):
     """
 
     name = "oracle"
-    trains = False
 
     def __init__(self, epochs: int = 10, lr: float = 2e-3, scale: float = 16.0, margin: float = 0.2,
                  batch_size: int = 64) -> None:
@@ -231,11 +235,6 @@ class Oracle(FederatedMethod):
     def options(self) -> dict[str, Any]:
         return {"epochs": self.epochs, "lr": self.lr, "scale": self.scale, "margin": self.margin,
                 "batch_size": self.batch_size}
-
-    def setup(self, ctx: SimContext) -> None:
-        super().setup(ctx)
-        self._net = verifier_net(ctx.model_config.resolved(), with_head=False)
-        self._weights = backbone_weights({k: v.detach().clone() for k, v in ctx.xi.state_dict().items()})
 
     def prepare(self, data: Any) -> None:
         from device_sim.pretrain import MarginHead
@@ -269,17 +268,8 @@ class Oracle(FederatedMethod):
                 raise FloatingPointError(f"oracle loss became {self.losses[-1]} (lr={self.lr} too high?)")
         self._weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
-    def init_global(self) -> Weights:
-        return dict(self._weights)
-
-    def objective(self, plan, params, consts, x, mask):
-        raise RuntimeError("the oracle trains centrally in prepare(), not per client")
-
-    def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
-        return VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="oracle")
-
 
 REFERENCE_METHODS = {"local-compact": LocalCompact, "norm-adapt": NormAdapt, "oracle": Oracle}
 
-__all__ = ["LocalCompact", "NormAdapt", "Oracle", "compact_loss", "pooled_embedding_stats", "fold_standardization",
+__all__ = ["LocalCompact", "FittedReference", "NormAdapt", "Oracle", "compact_loss", "pooled_embedding_stats", "fold_standardization",
            "mismatch", "embedding_norm_prefix", "REFERENCE_METHODS"]
