@@ -4,8 +4,8 @@
 2. pre-trains a small ξ on the public identities (CosFace; cached);
 3. on the cross-domain scenario (ξ pre-trained on SynthFaces 'studio', clients on 'phone',
    docs/personalization.md) runs ξ, the honest references (local-compact, norm-adapt, the
-   supervised oracle), FedFS as printed (``fedfs:paper``) and the default FedFS and
-   FedFS+FedUV side by side on the same 100 clients (same seed, same sampled participants);
+   supervised oracle), FedFS (the paper's configuration) and the default FedFS+FedUV side
+   by side on the same 100 clients (same seed, same sampled participants);
 4. enrolls one client with :func:`fedfs_sdk.enrollment.enroll` on its FedFS+FedUV verifier
    (personalized backbone + shared head + its secret codeword) and verifies one of its own
    held-out images and one stranger's image with :func:`fedfs_sdk.enrollment.verify`;
@@ -28,8 +28,9 @@ from .scenarios import SCENARIOS
 DEMO_DEFAULTS = dict(clients=100, new_users=10, public=300, train_per_client=20, test_per_client=10,
                      public_images=20, rounds=20, participation=0.5, pretrain_epochs=10, image_size=32,
                      scenario="cross-domain")
-DEMO_METHODS = ["pretrained", "local-compact", "norm-adapt", "oracle", "fedfs:paper", "fedfs", "fedfs+feduv"]
-"""ξ, the honest references (docs/personalization.md), FedFS as printed and the defaults."""
+DEMO_METHODS = ["pretrained", "local-compact", "norm-adapt", "oracle", "fedfs", "fedfs+feduv"]
+"""ξ, the honest references (docs/personalization.md), FedFS (its default is the paper's
+configuration) and the default FedFS+FedUV."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
