@@ -130,3 +130,21 @@ def test_device_rejects_negative_rounds(tmp_path: Path) -> None:
     r = fedfs("device", "--server", "http://127.0.0.1:9", "--images", str(tmp_path / "img"),
               "--state", str(tmp_path / "state"), "--rounds", "-1")
     assert r.returncode == 2 and "--rounds must be ≥ 0" in r.stderr and not (tmp_path / "state").exists()
+
+
+def test_enroll_head_template_then_verify(workspace: Path) -> None:
+    """--template-output uv: a cosine template on the FedUV head output of a FedUV verifier;
+    a verifier without a head is refused with a clear line."""
+    d = workspace
+    torch.manual_seed(1)
+    m = FaceNet(ModelConfig("tiny", code_length=127)).eval()
+    save_verifier(d / "uv_verifier.safetensors", m.backbone, m.config, m.uv_head)
+    r = fedfs("enroll", "--model", str(d / "uv_verifier.safetensors"), "--images", str(d / "owner"),
+              "--out", str(d / "uv.enr"), "--key-file", str(d / "uv.key"), "--template-output", "uv")
+    assert r.returncode == 0, r.stderr
+    assert "mode=template on uv" in r.stdout
+    ok = fedfs("verify", "--enrollment", str(d / "uv.enr"), "--key-file", str(d / "uv.key"), str(d / "owner" / "00.png"))
+    assert ok.returncode == 0 and ok.stdout.startswith("ACCEPT"), ok.stdout + ok.stderr
+    bad = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
+                "--out", str(d / "nohead.enr"), "--key-file", str(d / "uv.key"), "--template-output", "uv")
+    assert bad.returncode == 2 and "FedUV head" in bad.stderr and not (d / "nohead.enr").exists()

@@ -17,6 +17,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--q", type=float, default=0.9, help="target true-positive rate (default 0.9)")
     p.add_argument("--device-state", default=None,
                    help="device state dir holding the FedUV codeword (codeword mode); template mode without it")
+    p.add_argument("--template-output", choices=("embedding", "uv"), default="embedding",
+                   help="template mode only: build the template on the backbone embedding (default) or on the "
+                        "FedUV head output 'uv' (a cosine template in the head space W·g — the head-template "
+                        "scoring measured in docs/personalization.md; needs a model with a FedUV head)")
     p.add_argument("--detect-face", action="store_true", help="crop the largest face (OpenCV Haar cascade)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing enrollment")
     p.add_argument("--outliers", choices=("mad", "none"), default="mad",
@@ -67,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     codeword = _codeword(args.device_state, key) if args.device_state else None
     files = list_images(args.images)
     e = enroll(backend, [str(f) for f in files], q=args.q, codeword=codeword, detect_face=args.detect_face,
-               meta={"model_path": str(Path(args.model).resolve())}, outliers=args.outliers)
+               meta={"model_path": str(Path(args.model).resolve())}, outliers=args.outliers,
+               template_output=args.template_output)
     created = key is None
     if created:
         key = read_key(args.key_file, create=True)
@@ -79,5 +84,6 @@ def run(args: argparse.Namespace) -> int:
         raise
     for line in outlier_lines(e.meta["outlier_rule"], e.meta["dropped"], e.meta["n_given"]):
         print(line)
-    print(f"enrolled from {e.n_warmup} images: mode={e.mode} τ={e.threshold:.4f} (q={e.q}) model={e.model_id} → {args.out}")
+    mode = e.mode if e.mode == "codeword" else f"template on {e.template_output}"
+    print(f"enrolled from {e.n_warmup} images: mode={mode} τ={e.threshold:.4f} (q={e.q}) model={e.model_id} → {args.out}")
     return 0
