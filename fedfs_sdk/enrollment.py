@@ -114,10 +114,17 @@ class Enrollment:
     template: np.ndarray | None = None   # float32 unit vector [D]
     created_at: float = field(default_factory=time.time)
     meta: dict[str, Any] = field(default_factory=dict)
-    template_output: str = "embedding"
-    """Template mode: which backend output the template is built on — ``embedding`` (the
-    backbone's) or ``uv`` (the FedUV head ``σ(W g)``: its cosine is that of ``W·g``, the
-    ``head-template`` verifier of docs/personalization.md). Files without it are ``embedding``."""
+
+    @property
+    def template_output(self) -> str:
+        """Template mode: which backend output the template is built on — ``embedding`` (the
+        backbone's) or ``uv`` (the FedUV head ``σ(W g)``: its cosine is that of ``W·g``, the
+        ``head-template`` verifier of docs/personalization.md). Kept in ``meta`` so the file's
+        keys stay those older readers know; files without it are ``embedding``."""
+        out = self.meta.get("template_output", "embedding")
+        if out not in ("embedding", "uv"):
+            raise EnrollmentError(f"enrollment names an unknown template output {out!r}; re-enroll")
+        return str(out)
 
     @property
     def dropped(self) -> list[int]:
@@ -335,8 +342,10 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
     tau -= WARMUP_TOLERANCE
     info = {**dict(meta or {}), "dropped": sorted(dropped, key=lambda d: d["index"]),
             "outlier_rule": outlier_rule(mode, outliers, k), "n_given": n}
+    if template_output != "embedding":
+        info["template_output"] = template_output
     return Enrollment(backend.model_id, mode, tau, q_stored, int(keep.sum()), codeword=v, template=template,
-                      meta=info, template_output=template_output)
+                      meta=info)
 
 
 def score(backend: InferenceBackend, enrollment: Enrollment, images: Any, detect_face: bool = False) -> np.ndarray:
@@ -348,7 +357,7 @@ def score(backend: InferenceBackend, enrollment: Enrollment, images: Any, detect
         images = [images]
     out = backend.run(_as_batch(backend, images, detect_face))
     return _verify_scores(out, enrollment.mode, enrollment.codeword, enrollment.template,
-                          getattr(enrollment, "template_output", "embedding"))
+                          enrollment.template_output)
 
 
 def verify(backend: InferenceBackend, enrollment: Enrollment, image: Any, detect_face: bool = False) -> VerifyResult:
