@@ -38,6 +38,10 @@ def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users
     g.add_argument("--train-per-client", type=int, default=20, help="local training images per client "
                    "(synth; FedFS uses 57). For a folder: 0 = 80/20 split of each identity")
     g.add_argument("--test-per-client", type=int, default=10, help="held-out test images per client (FedFS: 13)")
+    g.add_argument("--warmup-per-client", type=int, default=0,
+                   help="fresh images per client / new user for FedUV's warm-up threshold, never trained on "
+                        "(fixed train/test counts only). 0: the warm-up scores the training images, which a "
+                        "personalized model has seen, so τ is optimistic and the warm-up TPR falls below q")
     g.add_argument("--public-images", type=int, default=20, help="images per public identity (synth)")
     g.add_argument("--split-seed", type=int, default=0, help="seed of the identity / image split")
     g.add_argument("--detect-face", action="store_true", help="crop the largest detected face (folders)")
@@ -62,7 +66,8 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
         ds = _synth_dataset(args, getattr(args, "domain", "none"), args.difficulty)
         splits = make_splits(SYNTH_UNIVERSE, args.public, args.clients, args.new_users,
                              args.train_per_client, args.test_per_client, seed=args.split_seed,
-                             public_images=args.public_images)
+                             public_images=args.public_images,
+                             warmup_per_user=getattr(args, "warmup_per_client", 0))
         return ds, splits
     root = Path(args.data)
     if not root.is_dir():
@@ -72,12 +77,13 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     clients = args.clients or (ds.num_identities - args.public - args.new_users)
     splits = make_splits(ds, args.public, clients, args.new_users,
                          args.train_per_client if fixed else None, args.test_per_client if fixed else None,
-                         seed=args.split_seed, public_images=None)
+                         seed=args.split_seed, public_images=None,
+                         warmup_per_user=getattr(args, "warmup_per_client", 0))
     return ds, splits
 
 
 def _synth_dataset(args: argparse.Namespace, domain: str | None, difficulty: float) -> SynthDataset:
-    per = args.train_per_client + args.test_per_client
+    per = args.train_per_client + args.test_per_client + getattr(args, "warmup_per_client", 0)
     faces = SynthFaces(args.synth_seed, args.image_size, difficulty, domain=domain or "none")
     return SynthDataset(faces, images_per_identity=max(per, args.public_images), num_identities=SYNTH_UNIVERSE,
                         cache_bytes=1 << 30)

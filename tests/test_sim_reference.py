@@ -240,3 +240,19 @@ def test_verify_both_concatenates_personal_and_global_head_embeddings(xi) -> Non
     assert not torch.allclose(q, r, atol=1e-3)                    # the two halves are different models
     with pytest.raises(InputError, match="score=head-template"):
         parse_method("fedfs+feduv:verify=both,score=codeword")
+
+
+def test_warmup_per_client_draws_fresh_warmup_images(tmp_path) -> None:
+    """--warmup-per-client: the warm-up scores images the client never trained on."""
+    import json
+
+    from fedfs_sdk.cli.main import main
+    a = _args(warmup_per_client=10)
+    ds, splits = build_data(a)
+    c = splits.clients[0]
+    assert c.warmup.size == 10 and not set(c.warmup) & (set(c.train) | set(c.test))
+    out = tmp_path / "w"
+    assert main(["simulate", "--method", "pretrained", "--rounds", "0", "--warmup-per-client", "10",
+                 "--cache-dir", str(tmp_path / "c"), "--out", str(out), *TINY]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["warmup_per_client"] == 10 and res["methods"][0]["eval"]["warmup"]["tpr"]["n"] == 4
