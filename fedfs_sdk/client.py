@@ -368,6 +368,8 @@ class DeviceConfig:
         detect_face: crop faces with OpenCV before training / enrolling.
         enroll: after the last round, enroll the owner with the final model.
         q: target TPR of the enrollment warm-up (FedUV Alg. 2).
+        outliers: the enrollment's outlier rule (``mad``: drop photos scoring far below the
+            others before τ is set, :func:`fedfs_sdk.enrollment.enroll`; ``none``: keep all).
         enrollment_key: the device key (16/24/32 bytes): encrypts the enrollment and the
             FedUV secrets (else ``enrollment.key`` in the state).
         registration_token: presented at registration when the server requires one.
@@ -383,6 +385,7 @@ class DeviceConfig:
     q: float = 0.9
     enrollment_key: bytes | None = None
     registration_token: str | None = None
+    outliers: str = "mad"
 
     def __post_init__(self) -> None:
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
@@ -394,6 +397,8 @@ class DeviceConfig:
             raise InputError(f"q (the enrollment's target TPR) must be in (0, 1), got {self.q!r}")
         if self.enrollment_key is not None and len(self.enrollment_key) not in (16, 24, 32):
             raise InputError(f"the enrollment key must be 16, 24 or 32 raw bytes, got {len(self.enrollment_key)}")
+        if self.outliers not in ("mad", "none"):
+            raise InputError(f"outliers (the enrollment's outlier rule) must be 'mad' or 'none', got {self.outliers!r}")
 
 
 def check_xi_file(path: str | os.PathLike[str]) -> Path:
@@ -692,7 +697,7 @@ class DeviceAgent:
         backend = self.runtime.verifier(method, self.model_bytes(version, info["sha256"]), self, version)
         codeword = self.state.load_codeword() if uses_feduv(method) else None
         enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
-                            detect_face=self.config.detect_face,
+                            detect_face=self.config.detect_face, outliers=self.config.outliers,
                             meta={"global_version": version, "method": method, "runtime": self.runtime.name})
         key = self.config.enrollment_key or self.state.enrollment_key()
         save_enrollment(self.state.file("enrollment.fedfs"), enrollment, key, overwrite=True)

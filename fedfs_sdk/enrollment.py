@@ -312,7 +312,7 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
                 f"{n} warm-up images given, {len(dropped)} dropped as outliers ({listed}; rule: "
                 f"{outlier_rule(mode, outliers, k)}): {int(keep.sum())} inliers remain but target TPR q={q} needs at "
                 f"least {min_n} — add more photos of the owner, or turn outlier rejection off "
-                f"(outliers=\"none\", `fedfs enroll --outliers none`)")
+                f"(outliers=\"none\", `fedfs enroll --outliers none`, `fedfs device --enroll --outliers none`)")
 
     if v is not None:
         if outs[0]["uv"].shape[1] != v.size:

@@ -247,3 +247,17 @@ def test_device_prints_the_outlier_lines(capsys: pytest.CaptureFixture[str]) -> 
         "[device] enrollment outlier rule: mad: …",
         "[device] enrollment dropped 1 of 13 warm-up images as outliers (not the owner?): x.jpg",
         "[device] enrollment outlier rule: mad: …"]
+
+
+def test_device_config_outlier_rule_is_checked_and_passed_to_the_cli() -> None:
+    import argparse
+
+    from fedfs_sdk.cli import device as device_cli
+    from fedfs_sdk.client import DeviceConfig
+    assert DeviceConfig().outliers == "mad" and DeviceConfig(outliers="none").outliers == "none"
+    with pytest.raises(InputError, match="outliers"):
+        DeviceConfig(outliers="median")
+    p = argparse.ArgumentParser()
+    device_cli.add_arguments(p)
+    args = p.parse_args(["--server", "http://127.0.0.1:1", "--images", "x", "--state", "y", "--outliers", "none"])
+    assert args.outliers == "none"

@@ -66,6 +66,7 @@ def test_device_sends_only_weights_and_counts(tmp_path):
             report = DeviceAgent(client, state, [str(p) for p in images],
                                  DeviceConfig(rounds=1, enroll=True, q=0.8)).run()
             assert len(report.rounds) == 1 and report.enrollment is not None
+            assert report.enrollment.meta["outlier_rule"].startswith("mad")      # DeviceConfig.outliers default
             codeword = state.load_codeword()
             r_bits = state.r_bits()
             personal, _ = state.load_weights("personal")

@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enroll", action="store_true", help="after the last round, enroll the owner (writes "
                    "STATE/verifier.safetensors and the encrypted STATE/enrollment.fedfs)")
     p.add_argument("--q", type=float, default=0.9, help="enrollment target TPR (default 0.9)")
+    p.add_argument("--outliers", choices=("mad", "none"), default="mad",
+                   help="with --enroll: drop warm-up images whose score is far below the others (e.g. someone "
+                        "else's photo) before the threshold is set: 'mad' (default; robust z-score, k=3.5) or 'none'")
     p.add_argument("--key-file", type=Path, help="32-byte device key: encrypts the enrollment and the FedUV "
                    "secrets (default: STATE/enrollment.key, created 0600)")
     p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what "
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     config = DeviceConfig(rounds=args.rounds, device=args.device, artifacts=args.artifacts, xi_path=args.xi,
                           wait_timeout_s=args.wait_timeout,
                           detect_face=args.detect_face, enroll=args.enroll, q=args.q, enrollment_key=key,
-                          registration_token=args.registration_token)
+                          registration_token=args.registration_token, outliers=args.outliers)
     runtime = OrtRuntime(args.artifacts) if args.artifacts is not None else None
     batches = check_local_inputs(images, config, runtime)
     if args.key_file is not None and key is None:
