@@ -18,7 +18,7 @@ import copy
 import json
 from pathlib import Path
 
-from device_sim.report import add_deltas
+from device_sim.report import add_deltas, fmt_delta
 
 KEYS = (("template_auroc", "template AUROC"), ("pairwise_auroc", "pairwise AUROC"),
         ("tpir_clients@0.1", "TPIR@0.1 (others)"))
@@ -28,7 +28,7 @@ def _cell(d: dict | None) -> str:
     if not d or d.get("n", 0) == 0:
         return "–"
     flag = " ✓" if d["mean"] > 2 * d["se"] else (" ✗" if d["mean"] < -2 * d["se"] else "")
-    return f"{d['mean']:+.4f} ± {d['se']:.4f} ({d['wins']}/{d['losses']}){flag}"
+    return f"{fmt_delta(d)} ({d['wins']}/{d['losses']}){flag}"
 
 
 def report(folder: Path, references: tuple[str, ...] = ("pretrained", "local-compact")) -> str:

@@ -63,11 +63,11 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     (``--scenario`` applied first)."""
     apply_scenario(args)
     if args.data == "synth":
-        ds = _synth_dataset(args, getattr(args, "domain", "none"), args.difficulty)
+        ds = _synth_dataset(args, args.domain, args.difficulty)
         splits = make_splits(SYNTH_UNIVERSE, args.public, args.clients, args.new_users,
                              args.train_per_client, args.test_per_client, seed=args.split_seed,
                              public_images=args.public_images,
-                             warmup_per_user=getattr(args, "warmup_per_client", 0))
+                             warmup_per_user=args.warmup_per_client)
         return ds, splits
     root = Path(args.data)
     if not root.is_dir():
@@ -78,13 +78,13 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     splits = make_splits(ds, args.public, clients, args.new_users,
                          args.train_per_client if fixed else None, args.test_per_client if fixed else None,
                          seed=args.split_seed, public_images=None,
-                         warmup_per_user=getattr(args, "warmup_per_client", 0))
+                         warmup_per_user=args.warmup_per_client)
     return ds, splits
 
 
 def _synth_dataset(args: argparse.Namespace, domain: str | None, difficulty: float) -> SynthDataset:
-    per = args.train_per_client + args.test_per_client + getattr(args, "warmup_per_client", 0)
-    faces = SynthFaces(args.synth_seed, args.image_size, difficulty, domain=domain or "none")
+    per = args.train_per_client + args.test_per_client + args.warmup_per_client
+    faces = SynthFaces(args.synth_seed, args.image_size, difficulty, domain=domain)
     return SynthDataset(faces, images_per_identity=max(per, args.public_images), num_identities=SYNTH_UNIVERSE,
                         cache_bytes=1 << 30)
 
@@ -107,11 +107,11 @@ def build_pretrain_data(args: argparse.Namespace, ds: IdentityDataset,
     * ``synth`` ξ for folder clients: ``--pretrain-public`` SynthFaces identities;
     * a folder: every identity of that folder.
     """
-    src = getattr(args, "pretrain_data", None) or args.data
-    dom = getattr(args, "pretrain_domain", None) or getattr(args, "domain", "none")
-    diff = args.pretrain_difficulty if getattr(args, "pretrain_difficulty", None) is not None else args.difficulty
+    src = args.pretrain_data or args.data
+    dom = args.pretrain_domain or args.domain
+    diff = args.pretrain_difficulty if args.pretrain_difficulty is not None else args.difficulty
     if src == "synth" and args.data == "synth":
-        if dom == getattr(args, "domain", "none") and diff == args.difficulty:
+        if dom == args.domain and diff == args.difficulty:
             return ds, splits
         return _synth_dataset(args, dom, diff), splits
     if src == "synth":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -87,15 +86,14 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
     (and put the federation in ``keep[spec]`` when given)."""
     method = parse_method(spec)
     cfg = federation_config(args)
-    if method.local_only:       # a per-client baseline: one pass, every client, no federation
-        cfg = replace(cfg, rounds=min(cfg.rounds, 1) if cfg.rounds else 1)
     ckdir = out / "checkpoints" / slug(method.label)
     fed = Federation(method, pop, xi, cfg, store_path=ckdir / "store.mmap")
     if args.resume and (ck := latest_checkpoint(ckdir)) is not None:
         fed.load(ck)
+    planned = fed.planned_rounds          # one pass for a per-client baseline (local_only)
     t0 = time.perf_counter()
-    if method.trains and fed.round < cfg.rounds:
-        with progress_bar(f"{method.label}", total=cfg.rounds, unit="round", disable=args.quiet) as bar:
+    if method.trains and fed.round < planned:
+        with progress_bar(f"{method.label}", total=planned, unit="round", disable=args.quiet) as bar:
             bar.update(fed.round)
 
             def on_round(f: Federation, rec) -> None:
@@ -103,12 +101,12 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
                 bar.set_postfix(loss=f"{rec.metrics.get('loss_mean', float('nan')):.4f}",
                                 upd_s=f"{rec.client_updates_per_s:.1f}")
                 # evaluate first, so a checkpoint of this round holds its eval in the history
-                if args.eval_every and f.round % args.eval_every == 0 and f.round < cfg.rounds:
+                if args.eval_every and f.round % args.eval_every == 0 and f.round < planned:
                     rec.eval = _summary(_evaluate(f, pop, eval_cfg, args, quiet=True))
-                if args.checkpoint_every and (f.round % args.checkpoint_every == 0 or f.round == cfg.rounds):
+                if args.checkpoint_every and (f.round % args.checkpoint_every == 0 or f.round == planned):
                     f.save(checkpoint_path(ckdir, f.round))
 
-            fed.run(cfg.rounds, on_round=on_round)
+            fed.run(planned, on_round=on_round)
     train_s = time.perf_counter() - t0
     result = _evaluate(fed, pop, eval_cfg, args, quiet=args.quiet)
     if keep is not None:

@@ -110,8 +110,7 @@ def _unit(x: torch.Tensor) -> torch.Tensor:
 
 
 def _names(spec: VerifierSpec) -> tuple[str, ...]:
-    has_uv = spec.net.uv_head is not None and not getattr(spec.net, "project", False)
-    return ("embedding", "uv") if has_uv else ("embedding",)
+    return tuple(spec.net.output_names)
 
 
 @torch.no_grad()
@@ -249,8 +248,8 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
             pool_scores = scorer(f["pool"])         # one matmul; the client's own pool images are dropped below
             impostor = pool_scores[others]
             ver.append((genuine, impostor))
-            try:   # FedFR 1:N: the other clients' images are the non-mated probes of the one-entry gallery
-                ident_clients.append(M.tpir_other_clients(genuine, pool_scores, probes.pool_owner, c, fars))
+            try:   # FedFR 1:N: the other clients' images (= `impostor`) are the non-mated probes
+                ident_clients.append(M.tpir_at_fpir(genuine, impostor, fars))
             except InputError:
                 ident_clients.append({f_: float("nan") for f_ in fars})
             try:   # FedFR 1:1: cosine of the verifier's embedding output, every mode (codeword ones too)

@@ -344,22 +344,26 @@ class BatchedExecutor:
         started = torch.zeros(k, dtype=torch.bool, device=dev)
         scale = FP16_LOSS_SCALE if (cfg.amp == "fp16" and dev.type == "cuda") else 1.0
 
-        def loss_fn(p: Params, c: dict[str, torch.Tensor], x: torch.Tensor, m: torch.Tensor):
+        # Only the groups the objective trains are differentiated (FederatedMethod.trained_groups);
+        # the others ride along with the constants, so no [K, …] zero gradients are built for them.
+        trained = method.trained_groups()
+        train_groups = [g for g in params if trained is None or g in trained]
+        fixed = {g: w for g, w in params.items() if g not in train_groups}
+
+        def loss_fn(p: Params, aux: tuple[Params, dict[str, torch.Tensor]], x: torch.Tensor, m: torch.Tensor):
             with _autocast(dev, cfg.amp):
-                loss, parts = method.objective(plan, p, c, x, m)
+                loss, parts = method.objective(plan, {**aux[0], **p}, aux[1], x, m)
             return loss.float() * scale, {n_: v.float() for n_, v in parts.items()}
 
         step_fn = vmap(grad_and_value(loss_fn, has_aux=True))
-        trained = method.trained_groups()
+        trainable = {g: params[g] for g in train_groups}       # the same tensors: sgd_update writes into them
         metrics = _Metrics(k, dev)
         rows = torch.arange(k, device=dev)[:, None]
         if not self._calibrated:
-            self._calibrate(step_fn, params, consts, images[:, :1].expand(-1, bsz, *shape), valid[0])
+            self._calibrate(step_fn, (trainable, (fixed, consts), images[:, :1].expand(-1, bsz, *shape), valid[0]))
         for t in range(n_steps):
             x = images[rows, idx[t]]                                   # [K, B, 3, S, S]
-            grads, (_, parts) = step_fn(params, consts, x, valid[t])
-            if trained is not None:
-                grads = {g: w for g, w in grads.items() if g in trained}
+            grads, (_, parts) = step_fn(trainable, (fixed, consts), x, valid[t])
             act = active[t]
             if scale != 1.0:
                 grads = {g: {n_: gr / scale for n_, gr in w.items()} for g, w in grads.items()}
@@ -376,11 +380,13 @@ class BatchedExecutor:
         return ChunkResult([t.client for t in tasks], torch.tensor(ns), params, metrics.result(),
                            int(active.sum()), metrics.steps())
 
-    def _calibrate(self, step_fn, params: Params, consts, x: torch.Tensor, mask: torch.Tensor) -> None:
-        """Measure one step's peak CUDA memory for 2 clients and size chunks to fit."""
-        k = min(2, x.shape[0])
-        sub = ({g: {n: v[:k] for n, v in w.items()} for g, w in params.items()},
-               {n: v[:k] for n, v in consts.items()}, x[:k], mask[:k])
+    def _calibrate(self, step_fn, args: tuple) -> None:
+        """Measure one step's peak CUDA memory for 2 clients (``step_fn(*args)`` on the first
+        two of every stacked tensor) and size chunks to fit."""
+        from torch.utils._pytree import tree_map
+
+        k = min(2, args[2].shape[0])
+        sub = tree_map(lambda v: v[:k], args)
         torch.cuda.synchronize(self.device)
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -179,6 +179,12 @@ class Federation:
             return self.data.num_clients
         return max(1, min(self.data.num_clients, round(self.config.participation * self.data.num_clients)))
 
+    @property
+    def planned_rounds(self) -> int:
+        """Rounds :meth:`run` runs by default: ``config.rounds``, at most 1 for a per-client
+        baseline without federation (``method.local_only``)."""
+        return min(self.config.rounds, 1) if self.method.local_only else self.config.rounds
+
     def sample_participants(self) -> np.ndarray:
         """``κ = max(round(p·N), 1)`` clients, uniformly without replacement (sorted)."""
         return np.sort(self.sampler.choice(self.data.num_clients, self.clients_per_round, replace=False))
@@ -247,7 +253,7 @@ class Federation:
     def run(self, rounds: int | None = None,
             on_round: Callable[["Federation", RoundRecord], None] | None = None) -> list[RoundRecord]:
         """Run until ``rounds`` (default ``config.rounds``) rounds are done in total."""
-        target = self.config.rounds if rounds is None else rounds
+        target = self.planned_rounds if rounds is None else rounds
         if self.method.local_only:
             target = min(target, 1)
         out = []

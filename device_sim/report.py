@@ -363,7 +363,7 @@ def write_results(out_dir: str | Path, results: dict[str, Any], title: str) -> d
              "images or new users' images as non-mated probes. "
              + (f"Δ ±SE: paired per-client difference to {ref} (mean ± standard error over clients). " if ref else "")
              + f"Warm-up: FedUV Alg. 2 threshold at q = {results.get('eval_config', {}).get('q', 0.9)} from the "
-             "client's training images; TPR on its test images, FPR on other participants ('others') and on "
+             "client's training images (fresh warm-up images with --warmup-per-client); TPR on its test images, FPR on other participants ('others') and on "
              "new users ('new'). New-user columns: users who never trained enroll with the shipped model.", ""]
     atomic_write_bytes(paths["md"], (table + "\n".join(notes)).encode())
     curves = {r["label"]: (np.asarray(r["eval"]["roc"]["fpr"]), np.asarray(r["eval"]["roc"]["tpr"]))

@@ -67,7 +67,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 
 def apply_scenario(args: argparse.Namespace) -> None:
     """Set the data arguments of ``args.scenario`` (no-op without one); say what is missing."""
-    name = getattr(args, "scenario", None)
+    name = args.scenario
     if not name:
         return
     sc = SCENARIOS.get(name)
@@ -79,7 +79,7 @@ def apply_scenario(args: argparse.Namespace) -> None:
     else:
         args.data = sc.data
     if sc.pretrain_data is None:
-        if not getattr(args, "pretrain_data", None):
+        if not args.pretrain_data:
             raise InputError(f"--scenario {name} needs ξ's images: pass --pretrain-data PATH (an ImageFolder)")
     elif sc.pretrain_data == "synth":
         args.pretrain_data = "synth"

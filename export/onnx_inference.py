@@ -35,7 +35,10 @@ SCORE_SEMANTICS = (
 
 
 def verifier_outputs(verifier: torch.nn.Module) -> tuple[str, ...]:
-    return (OUTPUT_EMBEDDING, OUTPUT_UV) if getattr(verifier, "uv_head", None) is not None else (OUTPUT_EMBEDDING,)
+    names = getattr(verifier, "output_names", None)
+    if names is None:
+        return (OUTPUT_EMBEDDING, OUTPUT_UV) if getattr(verifier, "uv_head", None) is not None else (OUTPUT_EMBEDDING,)
+    return tuple({"embedding": OUTPUT_EMBEDDING, "uv": OUTPUT_UV}[n] for n in names)
 
 
 def inference_metadata(verifier: torch.nn.Module, *, model_id: str, model_version: str,

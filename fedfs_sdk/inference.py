@@ -69,9 +69,10 @@ class TorchBackend:
         self.model_id = model_id
         self.input_size = int(verifier.input_size)
         self.batch_size = batch_size
-        # a head-space verifier (VerifierNet(project=True), DualVerifierNet) has one output: W·g
-        has_uv = getattr(verifier, "uv_head", None) is not None and not getattr(verifier, "project", False)
-        self.outputs = ("embedding", "uv") if has_uv else ("embedding",)
+        names = getattr(verifier, "output_names", None)     # VerifierNet / DualVerifierNet say it
+        if names is None:                                   # a FaceNet: its head (if any) is its uv output
+            names = ("embedding", "uv") if getattr(verifier, "uv_head", None) is not None else ("embedding",)
+        self.outputs = tuple(names)
 
     def _named(self, out) -> dict:
         from .errors import InputError

@@ -158,6 +158,11 @@ class VerifierNet(nn.Module):
     def input_size(self) -> int:
         return int(self.backbone.input_size)
 
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """Names of :meth:`forward`'s outputs, in order (what backends and exports label them)."""
+        return ("embedding", "uv") if self.uv_head is not None and not self.project else ("embedding",)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         e = self.backbone(x)
         if self.uv_head is None:
@@ -174,7 +179,7 @@ class DualVerifierNet(nn.Module):
     docs/personalization.md). Weight names: ``backbone.*`` (θ_c), ``global_backbone.*``
     (w) and ``uv_head.weight``."""
 
-    project = True
+    output_names = ("embedding",)
 
     def __init__(self, backbone: nn.Module, global_backbone: nn.Module, uv_head: FedUVHead) -> None:
         super().__init__()

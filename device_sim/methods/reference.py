@@ -143,6 +143,14 @@ def fold_standardization(weights: Weights, mu: torch.Tensor, sd: torch.Tensor | 
     return out
 
 
+def norm_fold(net: torch.nn.Module, weights: Weights, data: Any,
+              mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(μ, s)`` that :func:`fold_standardization` folds in: the pooled per-channel statistics
+    of every client's training embeddings; ``s`` is None for ``mode="center"``."""
+    mu, sd, _ = pooled_embedding_stats(net, weights, data, range(int(data.num_clients)))
+    return mu, (sd if mode == "standardize" else None)
+
+
 def mismatch(mu: torch.Tensor, sd: torch.Tensor | None) -> float:
     """norm-adapt's own loss: ``‖μ‖² (+ ‖log s‖²)`` — 0 once the pooled embedding is centred
     (and standardized)."""
@@ -199,13 +207,11 @@ class NormAdapt(FittedReference):
         return {"mode": self.mode}
 
     def prepare(self, data: Any) -> None:
-        clients = range(int(data.num_clients))
-        std = self.mode == "standardize"
-        mu, sd, _ = pooled_embedding_stats(self._net, self._weights, data, clients)
-        self.loss_before = mismatch(mu, sd if std else None)
-        self._weights = fold_standardization(self._weights, mu, sd if std else None)
-        mu2, sd2, _ = pooled_embedding_stats(self._net, self._weights, data, clients)
-        self.loss_after = mismatch(mu2, sd2 if std else None)
+        fold = norm_fold(self._net, self._weights, data, self.mode)
+        self.loss_before = mismatch(*fold)
+        self._weights = fold_standardization(self._weights, *fold)
+        self.loss_after = mismatch(*norm_fold(self._net, self._weights, data, self.mode))
+
 
 class Oracle(FittedReference):
     """Supervised CosFace fine-tune of ξ on all clients' labelled images (an upper bound).
@@ -272,4 +278,4 @@ class Oracle(FittedReference):
 REFERENCE_METHODS = {"local-compact": LocalCompact, "norm-adapt": NormAdapt, "oracle": Oracle}
 
 __all__ = ["LocalCompact", "FittedReference", "NormAdapt", "Oracle", "compact_loss", "pooled_embedding_stats", "fold_standardization",
-           "mismatch", "embedding_norm_prefix", "REFERENCE_METHODS"]
+           "norm_fold", "mismatch", "embedding_norm_prefix", "REFERENCE_METHODS"]

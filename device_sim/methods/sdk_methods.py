@@ -32,6 +32,7 @@ from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initi
 
 from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, VerifierSpec, Weights,
                    backbone_weights, frozen, verifier_net)
+from .reference import fold_standardization, norm_fold
 
 NEG_MODES = ("none", "all", "early")
 
@@ -173,13 +174,13 @@ class SDKMethod(FederatedMethod):
         self.neg_samples, self.uv_weight = int(neg_samples), float(uv_weight)
         given = dict(combine=combine, logits=logits, logit_scale=logit_scale, top_k=top_k, gamma=gamma, lam=lam,
                      soft_score=soft_score)
-        overrides = {k: v for k, v in {**chosen.get("loss", {}), **{k: v for k, v in given.items() if v is not None}
-                                       }.items()}
+        overrides = {**chosen.get("loss", {}), **{k: v for k, v in given.items() if v is not None}}
         if overrides and not uses_fedfs(self.sdk_method):
             raise InputError(f"FedFS loss options {sorted(overrides)} do not apply to {self.sdk_method!r}")
         self.fedfs_loss = replace(fedfs_loss or FedFSLossConfig(), **overrides)
         self._loss_overrides = overrides
         self._codewords: dict[int, np.ndarray] = {}
+        self._norm_fold: tuple[torch.Tensor, torch.Tensor | None] | None = None   # set by prepare()
 
     # ---- description -------------------------------------------------------------------
     @property
@@ -190,18 +191,12 @@ class SDKMethod(FederatedMethod):
         if self.sdk_method == "fedfs+feduv" and self.uv_weight != self._preset_values.get("uv_weight",
                                                                                           DEFAULT_UV_WEIGHT):
             opts.append(f"μ={self.uv_weight:g}")
-        if self.verify != self._preset_values.get("verify", "personal"):
-            opts.append(f"verify={self.verify}")
         # options that differ from the preset's (the preset's own values are its name)
-        p = self._preset_values
-        if self.score != p.get("score", "codeword"):
-            opts.append(f"score={self.score}")
-        if self.norm_init != p.get("norm_init", "none"):
-            opts.append(f"norm_init={self.norm_init}")
-        if self.lr is not None and self.lr != p.get("lr"):
-            opts.append(f"lr={self.lr:g}")
-        if self.epochs is not None and self.epochs != p.get("epochs"):
-            opts.append(f"epochs={self.epochs}")
+        for key, value, unset in (("verify", self.verify, "personal"), ("score", self.score, "codeword"),
+                                  ("norm_init", self.norm_init, "none"), ("lr", self.lr, None),
+                                  ("epochs", self.epochs, None)):
+            if value is not None and value != self._preset_values.get(key, unset):
+                opts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
         if self.code_length is not None:
             neg = {"none": [], "all": ["ℓ_neg"], "early": [f"ℓ_neg≤r{self.neg_rounds}"]}[self.neg]
             opts = [f"c={self.code_length}", *neg, *opts]
@@ -261,25 +256,14 @@ class SDKMethod(FederatedMethod):
     def prepare(self, data: Any) -> None:
         """``norm_init``: start ϕ from ξ with its embedding normalization re-fitted to the
         clients' pooled statistics (``norm-adapt``'s fold, :mod:`.reference`)."""
-        self._norm_fold: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        if self.norm_init == "none":
-            return
-        from .reference import pooled_embedding_stats
-
-        net = frozen(verifier_net(self.context.model_config.resolved(), with_head=False))
-        w = backbone_weights(self.context.xi.state_dict())
-        mu, sd, _ = pooled_embedding_stats(net, w, data, range(int(data.num_clients)))
-        self._norm_fold = (mu, sd if self.norm_init == "standardize" else None)
+        if self.norm_init != "none":
+            net = frozen(verifier_net(self.context.model_config.resolved(), with_head=False))
+            self._norm_fold = norm_fold(net, backbone_weights(self.context.xi.state_dict()), data, self.norm_init)
 
     def init_global(self) -> Weights:
         ctx = self.context
         weights = initial_global_weights(self.model_config, ctx.xi, seed=ctx.seed)
-        fold = getattr(self, "_norm_fold", None)
-        if fold is not None:
-            from .reference import fold_standardization
-
-            weights = fold_standardization(weights, *fold)
-        return weights
+        return weights if self._norm_fold is None else fold_standardization(weights, *self._norm_fold)
 
     def init_private(self, global_weights: Weights) -> Params:
         """``θ_c`` of a client's first participation: the global weights it receives in that
