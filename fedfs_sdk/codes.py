@@ -6,17 +6,20 @@ draws ``r_u`` (the remaining ``k − 32`` message bits) at random and computes
 and a linear code maps distinct messages to codewords at Hamming distance ≥ ``d_min``.
 
 The codes of FedUV Table 1 — (127, 64) d_min 21, (255, 71) d_min 59, (511, 67) d_min 175 —
-come from :mod:`galois`. Building them takes seconds, so the systematic generator matrix is
-cached in memory and on disk (``$FEDFS_CACHE_DIR`` or ``~/.cache/fedfs``); encoding is then
-one GF(2) matrix product in numpy, which is also all a phone needs.
+were built with :mod:`galois` (``galois.BCH(n, k).G``, the systematic generator). They are
+constants, so they ship as package data (``fedfs_sdk/data/bch_generators.npz``: each
+``k × n`` 0/1 matrix bit-packed along rows, 8 KB for all three) and are checked against
+:data:`GENERATOR_SHA256` when loaded: a phone never imports galois nor spends the ~20 s a
+cold build takes. Encoding is one GF(2) matrix product in numpy. ``tools/regenerate_bch_data.py``
+rebuilds the file with galois and checks the pins; ``tests/test_core_codes.py`` does too.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import secrets
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +41,12 @@ GENERATOR_SHA256: dict[int, str] = {
     511: "3ce074a54b28a409b89933569935e27fa4f0e965aef15222f25af5d1811a153d",
 }
 """sha256 of each systematic generator matrix ``G`` as ``k × n`` uint8 0/1 bytes in C order
-(computed from ``galois.BCH(n, k).G``, galois 0.4). A cached ``G`` is used only if it hashes
-to this; a fresh galois build that does not is refused (:class:`CodeError`)."""
+(computed from ``galois.BCH(n, k).G``, galois 0.4). The shipped ``G`` is used only if it
+hashes to this; a galois build that does not is refused (:class:`CodeError`)."""
+
+DATA_FILE = "bch_generators.npz"
+"""Package data (``fedfs_sdk/data/``): ``G<n>`` = ``np.packbits(G, axis=1)`` (uint8
+``[k, ⌈n/8⌉]``) and ``d<n>`` = ``d_min`` for each ``n`` of :data:`KNOWN_CODES`."""
 
 
 def generator_sha256(g: np.ndarray) -> str:
@@ -47,8 +54,9 @@ def generator_sha256(g: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(g, dtype=np.uint8).tobytes()).hexdigest()
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("FEDFS_CACHE_DIR", Path.home() / ".cache" / "fedfs"))
+def data_path() -> Path:
+    """Where the shipped generator matrices are (inside the installed package)."""
+    return Path(str(resources.files("fedfs_sdk") / "data" / DATA_FILE))
 
 
 @dataclass(frozen=True)
@@ -70,11 +78,26 @@ class BCHCode:
         return (m.astype(np.int64) @ self.generator.astype(np.int64)) % 2
 
 
-def _build_with_galois(n: int, k: int) -> tuple[np.ndarray, int]:
-    import galois  # slow import and construction: only on a cache miss
+def build_with_galois(n: int) -> tuple[np.ndarray, int]:
+    """``(G, d_min)`` of BCH(n, k) built by galois — maintenance and tests only (slow: a cold
+    build takes seconds to tens of seconds; the SDK loads :data:`DATA_FILE` instead)."""
+    import galois
 
-    code = galois.BCH(n, k)
+    code = galois.BCH(n, KNOWN_CODES[n])
     return np.asarray(code.G, dtype=np.uint8), int(code.d)
+
+
+def pack_generators(generators: dict[int, tuple[np.ndarray, int]]) -> dict[str, np.ndarray]:
+    """The arrays of :data:`DATA_FILE` for ``{n: (G, d_min)}``; every ``G`` must match its pin."""
+    out: dict[str, np.ndarray] = {}
+    for n, (g, d) in sorted(generators.items()):
+        if not _valid(g, d, n, KNOWN_CODES[n]):
+            raise CodeError(f"BCH({n},{KNOWN_CODES[n]}) generator (d_min {d}, sha256 {generator_sha256(g)[:16]}…) "
+                            f"is not the pinned one (d_min {DESIGN_DISTANCE[n]}, sha256 {GENERATOR_SHA256[n][:16]}…); "
+                            "codewords would not match other devices' — check the galois version")
+        out[f"G{n}"] = np.packbits(np.asarray(g, dtype=np.uint8), axis=1)
+        out[f"d{n}"] = np.array(d, dtype=np.int64)
+    return out
 
 
 def _valid(g: np.ndarray, d: int, n: int, k: int) -> bool:
@@ -85,34 +108,25 @@ def _valid(g: np.ndarray, d: int, n: int, k: int) -> bool:
 def get_code(n: int) -> BCHCode:
     """The BCH code of length ``n`` ∈ {127, 255, 511} from FedUV Table 1.
 
-    The generator comes from the disk cache if it hashes to :data:`GENERATOR_SHA256`
-    (a corrupt or tampered cache file is rebuilt), else from galois."""
+    Loaded from the package data and checked against :data:`GENERATOR_SHA256`; a missing,
+    unreadable or altered file is a :class:`CodeError` (reinstall the package)."""
     if n not in KNOWN_CODES:
         raise CodeError(f"no BCH code of length {n}; FedUV Table 1 provides lengths {sorted(KNOWN_CODES)}")
     k = KNOWN_CODES[n]
-    path = _cache_dir() / f"bch_{n}_{k}.npz"
-    if path.is_file():
-        try:
-            with np.load(path) as data:
-                raw, d = data["G"], int(data["d"])
-            if raw.shape == (k, n) and np.isin(raw, (0, 1)).all():
-                g = raw.astype(np.uint8)
-                if _valid(g, d, n, k):
-                    return _code(n, k, d, g)
-        except Exception:  # noqa: BLE001 - any unreadable cache (bad zip, pickle, truncation) is rebuilt below
-            pass
-    g, d = _build_with_galois(n, k)
-    if not _valid(g, d, n, k):
-        raise CodeError(f"galois built a BCH({n},{k}) generator (d_min {d}, sha256 {generator_sha256(g)[:16]}…) "
-                        f"that is not the pinned one (d_min {DESIGN_DISTANCE[n]}, sha256 {GENERATOR_SHA256[n][:16]}…); "
-                        "codewords would not match other devices' — check the galois version")
+    path = data_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
-        np.savez(tmp, G=g, d=d)
-        os.replace(tmp, path)
-    except OSError:
-        pass  # read-only home: the in-memory cache still applies
+        with np.load(path, allow_pickle=False) as data:
+            packed, d = data[f"G{n}"], int(data[f"d{n}"])
+        if packed.dtype != np.uint8 or packed.shape != (k, (n + 7) // 8):
+            raise ValueError(f"G{n} is {packed.dtype} {list(packed.shape)}, expected uint8 {[k, (n + 7) // 8]}")
+        g = np.unpackbits(packed, axis=1, count=n)
+    except Exception as e:  # noqa: BLE001 - any unreadable file (missing, bad zip, pickle, wrong key) is one error
+        raise CodeError(f"cannot read the BCH({n},{k}) generator from {path} ({type(e).__name__}: {e}); "
+                        "the fedfs package is damaged: reinstall it") from None
+    if not _valid(g, d, n, k):
+        raise CodeError(f"the BCH({n},{k}) generator in {path} (d_min {d}, sha256 {generator_sha256(g)[:16]}…) "
+                        f"is not the pinned one (d_min {DESIGN_DISTANCE[n]}, sha256 {GENERATOR_SHA256[n][:16]}…); "
+                        "the fedfs package is damaged: reinstall it")
     return _code(n, k, d, g)
 
 

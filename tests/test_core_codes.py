@@ -108,50 +108,67 @@ def test_generators_match_the_pinned_hashes() -> None:
 
 
 @pytest.fixture
-def fresh_cache(tmp_path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setenv("FEDFS_CACHE_DIR", str(tmp_path))
+def shipped_copy(tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """A copy of the package's generator file that a test may damage; get_code reads it."""
+    path = tmp_path / codes.DATA_FILE
+    path.write_bytes(codes.data_path().read_bytes())
+    monkeypatch.setattr(codes, "data_path", lambda: path)
     get_code.cache_clear()
-    yield tmp_path
+    yield path
     get_code.cache_clear()
 
 
-@pytest.mark.parametrize("corrupt", ["zeros", "one_bit", "wrong_d", "pickle", "garbage"])
-def test_corrupt_cache_with_the_right_shape_is_rebuilt(fresh_cache, corrupt: str) -> None:
-    path = fresh_cache / "bch_127_64.npz"
-    g = get_code(127).generator.copy()       # builds and caches in the temp folder
-    assert path.is_file()
-    get_code.cache_clear()
-    if corrupt == "zeros":
-        np.savez(path, G=np.zeros((64, 127), np.uint8), d=21)        # right shape, all codewords +1
-    elif corrupt == "one_bit":
-        bad = g.copy()
-        bad[10, 100] ^= 1
-        np.savez(path, G=bad, d=21)
-    elif corrupt == "wrong_d":
-        np.savez(path, G=g, d=3)
-    elif corrupt == "pickle":
-        np.savez(path, G=np.array([object()] * 3), d=21)
+@pytest.mark.parametrize("n", sorted(KNOWN_CODES))
+def test_shipped_generators_equal_the_galois_build(n: int) -> None:
+    g, d = codes.build_with_galois(n)
+    assert generator_sha256(g) == GENERATOR_SHA256[n] and d == DESIGN_DISTANCE[n]
+    assert np.array_equal(get_code(n).generator, g) and get_code(n).d_min == d     # 0/1 integers: exact
+
+
+def test_loading_the_codes_never_imports_galois() -> None:
+    """A phone loads the shipped matrices: galois (and its numba JIT) is never imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import fedfs_sdk.codes as c\n"
+            "for n in c.KNOWN_CODES: assert c.generator_sha256(c.get_code(n).generator) == c.GENERATOR_SHA256[n]\n"
+            "c.make_codeword(5, 511)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('galois', 'numba')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("damage", ["one_bit", "wrong_d", "pickle", "garbage", "missing_key", "missing_file"])
+def test_damaged_package_data_is_a_clear_error(shipped_copy, damage: str) -> None:
+    with np.load(shipped_copy) as data:
+        arrays = {k: data[k] for k in data.files}
+    if damage == "one_bit":
+        arrays["G127"][10, 3] ^= 0x10
+    elif damage == "wrong_d":
+        arrays["d127"] = np.array(3)
+    elif damage == "missing_key":
+        del arrays["G127"]
+    if damage == "pickle":
+        np.savez(shipped_copy, **{**arrays, "G127": np.array([object()] * 3)})
+    elif damage == "garbage":
+        shipped_copy.write_bytes(b"PK\x03\x04 not really a zip")
+    elif damage == "missing_file":
+        shipped_copy.unlink()
     else:
-        path.write_bytes(b"PK\x03\x04 not really a zip")
-    code = get_code(127)
-    assert generator_sha256(code.generator) == GENERATOR_SHA256[127] and code.d_min == 21
-    v1, _ = make_codeword(1, 127, r_bits=np.zeros(32, np.uint8))
-    v2, _ = make_codeword(2, 127, r_bits=np.zeros(32, np.uint8))
-    assert int((v1 != v2).sum()) >= 21
-    with np.load(path) as data:                                     # the cache file was repaired
-        assert generator_sha256(data["G"]) == GENERATOR_SHA256[127]
-
-
-def test_galois_build_that_differs_from_the_pin_is_refused(fresh_cache, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = codes._build_with_galois
-
-    def other_generator(n: int, k: int):
-        g, d = real(n, k)
-        g = g.copy()
-        g[[0, 1]] = g[[1, 0]]                 # same code, other basis: other codewords per message
-        return g, d
-
-    monkeypatch.setattr(codes, "_build_with_galois", other_generator)
-    with pytest.raises(CodeError, match=r"not the pinned one.*check the galois version"):
+        np.savez(shipped_copy, **arrays)
+    match = "not the pinned one" if damage in ("one_bit", "wrong_d") else "cannot read"
+    with pytest.raises(CodeError, match=match + r".*reinstall"):
         get_code(127)
-    assert not (fresh_cache / "bch_127_64.npz").exists()           # nothing wrong was cached
+    if damage in ("one_bit", "wrong_d", "missing_key"):       # only the damaged code is refused
+        assert generator_sha256(get_code(255).generator) == GENERATOR_SHA256[255]
+
+
+def test_galois_build_that_differs_from_the_pin_is_refused() -> None:
+    g, d = codes.build_with_galois(127)
+    g = g.copy()
+    g[[0, 1]] = g[[1, 0]]                 # same code, other basis: other codewords per message
+    with pytest.raises(CodeError, match=r"not the pinned one.*check the galois version"):
+        codes.pack_generators({127: (g, d)})
+    packed = codes.pack_generators({127: codes.build_with_galois(127)})
+    assert packed["G127"].shape == (64, 16) and int(packed["d127"]) == 21
