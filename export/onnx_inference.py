@@ -62,7 +62,7 @@ def inference_metadata(verifier: torch.nn.Module, *, model_id: str, model_versio
         "fedfs.input_mean": f"{contract.mean:g}",
         "fedfs.input_std": f"{contract.std:g}",
         "fedfs.input_normalization": contract.normalization,
-        "fedfs.embedding_dim": str(int(backbone.embedding_dim)),
+        "fedfs.embedding_dim": str(int(getattr(verifier, "embedding_dim", backbone.embedding_dim))),
         "fedfs.code_length": str(int(head.code_length)) if head is not None else "0",
         "fedfs.outputs": ",".join(verifier_outputs(verifier)),
         "fedfs.score": SCORE_SEMANTICS,

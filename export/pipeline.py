@@ -8,6 +8,7 @@ manifest hashes the bytes the export was built from.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import tempfile
@@ -264,6 +265,9 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
                 if "onnx" in formats:
                     artifacts["onnx"] = {"file": ONNX_FILE, "model_id": mid, "precision": "fp32",
                                          "opset": _opset(fp32_path), "max_abs_diff_vs_torch": parity}
+                if "onnx" in formats and "fedfs+feduv" in methods:
+                    step("ONNX fp32 dual verifier (verify=both)")
+                    artifacts["onnx-dual"] = _export_dual(model, tmp, version)
             if "onnx-int8" in formats:
                 from .quantize import (compare_int8, folder_calibration, quantize_int8,
                                        synthetic_calibration, synthetic_eval_set)
@@ -338,6 +342,26 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _export_dual(model: Any, tmp: Path, version: str) -> dict[str, Any]:
+    """``onnx/verifier-dual.onnx``: the ``verify=both`` graph of ``fedfs+feduv``
+    (:class:`~fedfs_sdk.model.DualVerifierNet`, ``unit(W q') ⊕ unit(W r')``), both backbones
+    the checkpoint's; a device swaps in ``θ_c`` and ``w`` (``OrtRuntime.verifier``)."""
+    from fedfs_sdk.checkpoint import model_id_of
+    from fedfs_sdk.device_runtime import DUAL_ONNX_FILE
+    from fedfs_sdk.model import DualVerifierNet
+
+    from .onnx_inference import export_onnx, onnx_vs_torch
+
+    dual = DualVerifierNet(model.backbone, copy.deepcopy(model.backbone), model.uv_head).eval()
+    path = tmp / DUAL_ONNX_FILE
+    export_onnx(dual, path, model_version=version)
+    parity = onnx_vs_torch(dual, path)
+    if max(parity.values()) > 1e-4:
+        raise ExportError(f"dual ONNX verifier differs from torch by {parity} (> 1e-4)")
+    return {"file": DUAL_ONNX_FILE, "model_id": model_id_of(dual.state_dict()), "precision": "fp32",
+            "opset": _opset(path), "max_abs_diff_vs_torch": parity, "verify": "both"}
 
 
 def _opset(path: Path) -> int:

@@ -184,9 +184,14 @@ def save_verifier(path: str | os.PathLike[str], backbone: torch.nn.Module, confi
 
 
 def load_verifier(path: str | os.PathLike[str]):
-    """``(VerifierNet, model_id)`` from any fedfs checkpoint (projection layers are unused)."""
+    """``(VerifierNet, model_id)`` from any fedfs checkpoint (projection layers are unused);
+    ``(DualVerifierNet, model_id)`` from a ``verify=both`` verifier (:mod:`.dual_verifier`)."""
+    from .dual_verifier import dual_verifier_from_state, is_dual_verifier
     from .model import VerifierNet
 
+    state, config, meta = read_checkpoint(path)
+    if is_dual_verifier(meta):
+        return dual_verifier_from_state(state, config, meta, path)
     model, meta = load_checkpoint(path)
     mid = verified_model_id(model, meta, path)
     return VerifierNet(model.backbone, model.uv_head).eval(), mid

@@ -55,7 +55,7 @@ import numpy as np
 from .device_runtime import DeviceRuntime, OrtRuntime, TorchRuntime
 from .device_state import DeviceState, DeviceStateError
 from .errors import CheckpointError, InputError, ProtocolError
-from .methods import uses_feduv
+from .methods import SCORES, VERIFY_MODELS, check_method, check_verification
 from .wire_format import MEDIA_TYPE, MODEL_FORMAT, read_header, sha256_hex
 
 USER_AGENT = "fedfs-device/1"
@@ -373,6 +373,11 @@ class DeviceConfig:
         enrollment_key: the device key (16/24/32 bytes): encrypts the enrollment and the
             FedUV secrets (else ``enrollment.key`` in the state).
         registration_token: presented at registration when the server requires one.
+        score: how a FedUV model verifies, ``codeword`` (FedUV Eq. 5) or ``head-template``
+            (a cosine template of ``W g``); ``None``: the method's default
+            (:data:`fedfs_sdk.methods.DEFAULT_VERIFICATION`).
+        verify: which ``fedfs+feduv`` model verifies: ``personal``, ``global`` or ``both``
+            (``unit(W q') ⊕ unit(W r')``); ``None``: the method's default.
     """
 
     rounds: int = 1
@@ -386,6 +391,8 @@ class DeviceConfig:
     enrollment_key: bytes | None = None
     registration_token: str | None = None
     outliers: str = "mad"
+    score: str | None = None
+    verify: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
@@ -399,6 +406,11 @@ class DeviceConfig:
             raise InputError(f"the enrollment key must be 16, 24 or 32 raw bytes, got {len(self.enrollment_key)}")
         if self.outliers not in ("mad", "none"):
             raise InputError(f"outliers (the enrollment's outlier rule) must be 'mad' or 'none', got {self.outliers!r}")
+        if self.score is not None and self.score not in SCORES:
+            raise InputError(f"score must be one of {SCORES} (or None for the method's default), got {self.score!r}")
+        if self.verify is not None and self.verify not in VERIFY_MODELS:
+            raise InputError(f"verify must be one of {VERIFY_MODELS} (or None for the method's default), "
+                             f"got {self.verify!r}")
 
 
 def check_xi_file(path: str | os.PathLike[str]) -> Path:
@@ -624,6 +636,8 @@ class DeviceAgent:
         upload discards it (``θ_c`` stays as it was), a failed one leaves it for
         :meth:`resume_pending`."""
         round_id, version, method = int(task["round_id"]), int(task["model_version"]), str(task["method"])
+        if self.config.enroll:      # before training: a verification the method cannot do fails now, not after
+            check_verification(check_method(method), self.config.score, self.config.verify)
         self._emit("round_started", {"round_id": round_id, "model_version": version, "method": method,
                                      "runtime": self.runtime.name})
         update = self.runtime.train(task, self.model_bytes(version, str(task["model_sha256"])), self)
@@ -694,11 +708,17 @@ class DeviceAgent:
         method = (self.state.info.rounds[-1]["method"] if self.state.info and self.state.info.rounds
                   else ("feduv" if info["config"].get("code_length") else "fedfs"))
         version = int(info["version"])
-        backend = self.runtime.verifier(method, self.model_bytes(version, info["sha256"]), self, version)
-        codeword = self.state.load_codeword() if uses_feduv(method) else None
+        score, model = check_verification(check_method(method), self.config.score, self.config.verify)
+        backend = self.runtime.verifier(method, self.model_bytes(version, info["sha256"]), self, version, model)
+        codeword = self.state.load_codeword() if score == "codeword" else None
+        # a single model's head-template is the cosine of its uv output (σ keeps W g's direction);
+        # the dual verifier's embedding is already unit(W q') ⊕ unit(W r')
+        template_output = "uv" if score == "head-template" and model != "both" else "embedding"
         enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
                             detect_face=self.config.detect_face, outliers=self.config.outliers,
-                            meta={"global_version": version, "method": method, "runtime": self.runtime.name})
+                            template_output=template_output,
+                            meta={"global_version": version, "method": method, "runtime": self.runtime.name,
+                                  "score": score, "verify": model})
         key = self.config.enrollment_key or self.state.enrollment_key()
         save_enrollment(self.state.file("enrollment.fedfs"), enrollment, key, overwrite=True)
         self._emit("enrollment_outliers", {"rule": enrollment.meta["outlier_rule"], "dropped": enrollment.meta["dropped"],

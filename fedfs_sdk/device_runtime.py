@@ -69,10 +69,27 @@ class DeviceRuntime(Protocol):
         """Local training for ``task`` from the global model ``model`` (a fedfs checkpoint body)."""
         ...
 
-    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int) -> "InferenceBackend":
-        """The backend the owner verifies with: ``θ_c``'s backbone for FedFS methods, else the
-        global one (version ``version``); plus the global FedUV head for FedUV methods."""
+    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int,
+                 verify: str | None = None) -> "InferenceBackend":
+        """The backend the owner verifies with (global model version ``version``), by
+        ``verify`` (:data:`fedfs_sdk.methods.VERIFY_MODELS`; ``None``: ``θ_c`` for FedFS methods,
+        else the global model): ``personal`` → ``θ_c``'s backbone, ``global`` → the global
+        one, ``both`` → the dual verifier ``unit(W q') ⊕ unit(W r')`` (``fedfs+feduv``); plus
+        the global FedUV head for FedUV methods."""
         ...
+
+
+def verifier_model(method: str, verify: str | None) -> str:
+    """Which model verifies: ``verify``, or by default ``θ_c`` for FedFS methods and the global
+    model otherwise; :class:`InputError` for a model the method does not train."""
+    chosen = verify if verify is not None else ("personal" if uses_fedfs(method) else "global")
+    if chosen in ("personal", "both") and not uses_fedfs(method):
+        raise InputError(f"verify={chosen!r} needs the personalized model θ_c, which {method!r} does not train")
+    if chosen == "both" and not uses_feduv(method):
+        raise InputError(f"verify='both' verifies through the FedUV head, which {method!r} does not have")
+    if chosen == "global" and uses_fedfs(method) and not uses_feduv(method):
+        raise InputError("fedfs verifies with θ_c (q'); verify='global' is a fedfs+feduv option")
+    return chosen
 
 
 def negative_codewords(task: Mapping[str, Any], code_length: int) -> np.ndarray:
@@ -128,26 +145,34 @@ class TorchRuntime:
         personal_bytes = encode_weights(result.personal_weights) if result.personal_weights is not None else None
         return LocalUpdate(body, result.num_samples, dict(result.metrics), personal_bytes)   # θ_c stays on the device
 
-    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int) -> "InferenceBackend":
+    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int,
+                 verify: str | None = None) -> "InferenceBackend":
         from .checkpoint import load_verifier, save_verifier
+        from .dual_verifier import save_dual_verifier
         from .inference import TorchBackend
         from .model import FaceNet, ModelConfig, personal_config
 
+        chosen = verifier_model(method, verify)
         weights, meta = self._decode(model)
         config = ModelConfig.from_json(meta["model_config"]).resolved()
         global_net = FaceNet(config)
         global_net.load_state_dict(weights)
-        backbone = global_net.backbone
-        if uses_fedfs(method):
+        personal_backbone = None
+        if chosen in ("personal", "both"):
             loaded = agent.state.load_weights("personal")
             if loaded is None:
                 raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
             personal = FaceNet(personal_config(config))
             personal.load_state_dict(loaded[0])
-            backbone = personal.backbone
+            personal_backbone = personal.backbone
         head = global_net.uv_head if uses_feduv(method) else None
         path = agent.state.file("verifier.safetensors")    # what `fedfs verify --model` takes
-        save_verifier(path, backbone, config, head, meta={"global_version": int(version), "method": method})
+        vmeta = {"global_version": int(version), "method": method, "verify": chosen}
+        if chosen == "both":
+            save_dual_verifier(path, personal_backbone, global_net.backbone, head, config, meta=vmeta)
+        else:
+            backbone = personal_backbone if chosen == "personal" else global_net.backbone
+            save_verifier(path, backbone, config, head, meta=vmeta)
         path.chmod(0o600)
         verifier, model_id = load_verifier(path)
         return TorchBackend(verifier, model_id, device=self.device)
@@ -294,29 +319,40 @@ class OrtRuntime:
             personal_bytes = save({k: np.ascontiguousarray(v) for k, v in up.personal_weights.items()})
         return LocalUpdate(body, up.num_samples, dict(up.metrics), personal_bytes)   # θ_c stays on the device
 
-    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int) -> "InferenceBackend":
+    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int,
+                 verify: str | None = None) -> "InferenceBackend":
         from .onnx_backend import OnnxBackend, with_weights
-        from .ort_device import decode_model, verifier_weights
+        from .ort_device import decode_model, dual_verifier_weights, verifier_weights
 
-        onnx = self.root / "onnx" / "verifier.onnx"
+        chosen = verifier_model(method, verify)
+        rel = DUAL_ONNX_FILE if chosen == "both" else "onnx/verifier.onnx"
+        onnx = self.root / rel
         if not onnx.is_file():
-            raise CheckpointError(f"{self.root} has no ONNX verifier (onnx/verifier.onnx) to enroll with; "
-                                  "export with --formats onnx,ort-training")
+            raise CheckpointError(f"{self.root} has no ONNX verifier {rel} to enroll with (verify={chosen}); "
+                                  "export with --formats onnx,ort-training"
+                                  + (" --methods fedfs+feduv" if chosen == "both" else ""))
         weights, _ = decode_model(model)
         personal = None
-        if uses_fedfs(method):
+        if chosen in ("personal", "both"):
             personal = agent.state.load_arrays("personal")
             if personal is None:
                 raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
-        # The device's own verifier (θ_c's backbone + W), kept in the state (0600) like the torch
-        # runtime's verifier.safetensors: what `fedfs verify --model` takes, with no torch.
-        model_bytes, _ = with_weights(onnx, verifier_weights(weights, personal))
+        # The device's own verifier (θ_c's and/or w's backbone + W), kept in the state (0600) like
+        # the torch runtime's verifier.safetensors: what `fedfs verify --model` takes, with no torch.
+        chosen_weights = (dual_verifier_weights(weights, personal) if chosen == "both"
+                          else verifier_weights(weights, personal if chosen == "personal" else None))
+        model_bytes, _ = with_weights(onnx, chosen_weights)
         path = agent.state.save_file("verifier.onnx", model_bytes)
         backend = OnnxBackend(path, intra_op_threads=self.intra_op_threads)
-        if uses_feduv(method) and "uv" not in backend.outputs:
+        if uses_feduv(method) and chosen != "both" and "uv" not in backend.outputs:
             raise CheckpointError(f"{onnx} has no FedUV head output, but the server trains {method!r}")
         return backend
 
 
-__all__ = ["DeviceRuntime", "LocalUpdate", "TorchRuntime", "OrtRuntime", "OrtTrainSettings", "ort_settings_for",
+DUAL_ONNX_FILE = "onnx/verifier-dual.onnx"
+"""The ``verify=both`` verifier graph of an export folder (``fedfs+feduv`` artifacts)."""
+
+
+__all__ = ["DeviceRuntime", "LocalUpdate", "TorchRuntime", "OrtRuntime", "DUAL_ONNX_FILE", "verifier_model",
+           "OrtTrainSettings", "ort_settings_for",
            "negative_codewords", "round_seed"]

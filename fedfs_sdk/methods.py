@@ -8,8 +8,13 @@ from .errors import InputError
 
 METHODS: tuple[str, ...] = ("fedfs", "feduv", "fedfs+feduv")
 
-DEFAULT_LR = {"fedfs": 5e-3, "feduv": 0.1, "fedfs+feduv": 5e-3}
-"""FedFS §4.1: SGD lr 5e-3; FedUV §6: SGD lr 0.1."""
+PAPER_LR = {"fedfs": 5e-3, "feduv": 0.1, "fedfs+feduv": 5e-3}
+"""The papers' local SGD rates: FedFS §4.1 lr 5e-3; FedUV §6 lr 0.1 (``fedfs+feduv`` takes
+FedFS's). The ``paper`` presets (``fedfs+feduv:paper`` in the simulator)."""
+DEFAULT_LR = {"fedfs": 5e-3, "feduv": 0.1, "fedfs+feduv": 0.02}
+"""The local SGD rate a device uses when the server's task names none. ``fedfs+feduv``: 0.02,
+the best measured on the cross-domain benchmark (at 5e-3 the backbones move < 1 % in 20
+rounds; 0.02 beat 0.05 and 0.01; docs/personalization.md). The others keep the papers'."""
 DEFAULT_EPOCHS = {"fedfs": 2, "feduv": 1, "fedfs+feduv": 2}
 """FedFS §4.1: 2 local epochs; FedUV §6: 1 local epoch."""
 DEFAULT_HEAD_LR = 20.0
@@ -26,6 +31,46 @@ clients, p = 0.5, 10 rounds, c = 127; FedUV alone 0.800): per-client AUROC 0.732
 0.863 / 0.866 / 0.814 for μ = 1 / 5 / 10 / 20 / 50 (docs/simulation.md)."""
 DEFAULT_BATCH_SIZE = 32
 """Local mini-batch size (the papers do not state one for the device step)."""
+
+SCORES: tuple[str, ...] = ("codeword", "head-template")
+"""How a FedUV model verifies: ``codeword`` (FedUV Eq. 5, ``(1/c) v_uᵀ σ(W g)`` against the
+device's secret codeword) or ``head-template`` (a cosine template of ``W g``, the head space
+that FedUV's distinct codewords through one shared ``W`` make discriminative). A ``fedfs``
+model has no head and always verifies with a cosine template of its embedding."""
+VERIFY_MODELS: tuple[str, ...] = ("personal", "global", "both")
+"""Which ``fedfs+feduv`` model verifies: ``personal`` (``q'`` of ``ϕ(θ_c)``, FedFS's reading),
+``global`` (``r'`` of ``ϕ(w)``) or ``both`` (``unit(W q') ⊕ unit(W r')``, a head-template)."""
+PAPER_VERIFICATION = {"fedfs": ("template", "personal"), "feduv": ("codeword", "global"),
+                      "fedfs+feduv": ("codeword", "personal")}
+"""``(score, model)`` as the papers verify: FedFS with ``q'``, FedUV with its codeword."""
+DEFAULT_VERIFICATION = {"fedfs": ("template", "personal"), "feduv": ("codeword", "global"),
+                        "fedfs+feduv": ("head-template", "both")}
+"""``(score, model)`` a device verifies with by default; ``fedfs+feduv``: a head-space template
+of both models, the best measured (docs/personalization.md). ``template`` = the embedding's
+cosine template (the only choice without a FedUV head)."""
+
+
+def check_verification(method: str, score: str | None = None, model: str | None = None) -> tuple[str, str]:
+    """``(score, model)`` for ``method`` with ``None`` filled from :data:`DEFAULT_VERIFICATION`;
+    :class:`InputError` naming the valid choices for a combination the method cannot verify."""
+    check_method(method)
+    d_score, d_model = DEFAULT_VERIFICATION[method]
+    score = d_score if score is None else score
+    model = d_model if model is None else model
+    if not uses_feduv(method):
+        if score != "template" or model != "personal":
+            raise InputError(f"{method} verifies with a cosine template of q' (no FedUV head, one model): "
+                             f"score/verify options do not apply (got score={score!r}, verify={model!r})")
+        return score, model
+    if score not in SCORES:
+        raise InputError(f"score must be one of {SCORES}, got {score!r}")
+    if model not in VERIFY_MODELS:
+        raise InputError(f"verify must be one of {VERIFY_MODELS}, got {model!r}")
+    if method == "feduv" and model != "global":
+        raise InputError(f"feduv has one model (the global one): verify={model!r} needs fedfs+feduv")
+    if model == "both" and score != "head-template":
+        raise InputError("verify=both verifies with a head-space template: it needs score=head-template")
+    return score, model
 
 
 def check_method(method: str) -> str:
@@ -44,5 +89,6 @@ def uses_feduv(method: str) -> bool:
     return method in ("feduv", "fedfs+feduv")
 
 
-__all__ = ["METHODS", "DEFAULT_LR", "DEFAULT_EPOCHS", "DEFAULT_HEAD_LR", "DEFAULT_UV_WEIGHT", "DEFAULT_BATCH_SIZE",
+__all__ = ["METHODS", "PAPER_LR", "DEFAULT_LR", "SCORES", "VERIFY_MODELS", "PAPER_VERIFICATION",
+           "DEFAULT_VERIFICATION", "check_verification", "DEFAULT_EPOCHS", "DEFAULT_HEAD_LR", "DEFAULT_UV_WEIGHT", "DEFAULT_BATCH_SIZE",
            "check_method", "uses_fedfs", "uses_feduv"]

@@ -159,6 +159,11 @@ class VerifierNet(nn.Module):
         return int(self.backbone.input_size)
 
     @property
+    def embedding_dim(self) -> int:
+        """Width of the ``embedding`` output (``c`` when it is the head projection ``W·e``)."""
+        return int(self.uv_head.code_length) if self.project else int(self.backbone.embedding_dim)
+
+    @property
     def output_names(self) -> tuple[str, ...]:
         """Names of :meth:`forward`'s outputs, in order (what backends and exports label them)."""
         return ("embedding", "uv") if self.uv_head is not None and not self.project else ("embedding",)
@@ -190,6 +195,11 @@ class DualVerifierNet(nn.Module):
     @property
     def input_size(self) -> int:
         return int(self.backbone.input_size)
+
+    @property
+    def embedding_dim(self) -> int:
+        """``2c``: the two unit head-space vectors side by side."""
+        return 2 * int(self.uv_head.code_length)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         w = self.uv_head.weight.t()

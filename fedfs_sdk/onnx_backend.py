@@ -27,7 +27,7 @@ from .errors import CheckpointError, InputError
 from .inference import check_batch
 
 FORMATS = ("fedfs-onnx/1",)
-PARAM_PREFIXES = ("backbone.", "uv_head.")
+PARAM_PREFIXES = ("backbone.", "global_backbone.", "uv_head.")
 
 
 def import_onnxruntime() -> ModuleType:

@@ -355,6 +355,22 @@ def verifier_weights(global_weights: Mapping[str, np.ndarray],
     return out
 
 
+def dual_verifier_weights(global_weights: Mapping[str, np.ndarray],
+                          personal_weights: Mapping[str, np.ndarray]) -> Weights:
+    """The weights of the ``verify=both`` verifier (``onnx/verifier-dual.onnx``,
+    :class:`~fedfs_sdk.model.DualVerifierNet`): ``backbone.*`` = ``θ_c``, ``global_backbone.*``
+    = the global backbone ``w``, ``uv_head.*`` = the global head ``W``."""
+    if personal_weights is None:
+        raise InputError("verify=both needs the personalized weights θ_c")
+    out = {k: np.asarray(v, dtype=np.float32) for k, v in personal_weights.items() if k.startswith("backbone.")}
+    out.update({"global_" + k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()
+                if k.startswith("backbone.")})
+    out.update({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items() if k.startswith("uv_head.")})
+    if not any(k.startswith("uv_head.") for k in out):
+        raise InputError("verify=both verifies through the FedUV head: the global model has none")
+    return out
+
+
 # ---- wire format without torch -------------------------------------------------------------
 
 def encode_update(weights: Mapping[str, np.ndarray], *, round_id: int, model_version: int,

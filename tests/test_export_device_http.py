@@ -18,6 +18,7 @@ from conftest_server import (ROOT, assert_published_fedavg, audited_uploads, sta
 from fedfs_sdk.device_runtime import ort_settings_for, round_seed
 from fedfs_sdk.device_state import DeviceState
 from fedfs_sdk.errors import InputError
+from fedfs_sdk.methods import DEFAULT_LR
 from fedfs_sdk.ort_device import TrainingArtifact
 from fedfs_sdk.preprocess import list_images, preprocess
 from fedfs_sdk.trainer import LocalTrainer
@@ -122,7 +123,7 @@ def _task(**train) -> dict:
 def test_ort_runtime_checks_the_task_against_the_artifact() -> None:
     task, info = _task(**TRAIN)
     s = ort_settings_for(task, info)
-    assert (s.lr, s.local_epochs, s.batch_size) == (pytest.approx(5e-3), 1, 64)
+    assert (s.lr, s.local_epochs, s.batch_size) == (pytest.approx(DEFAULT_LR["fedfs+feduv"]), 1, 64)
     ref = train_config_from_json("fedfs+feduv", TRAIN)         # the torch device's reading of the same task
     assert (ref.effective_lr, ref.effective_epochs, ref.batch_size) == (s.lr, s.local_epochs, s.batch_size)
 

@@ -26,7 +26,7 @@ from fedfs_sdk.losses.fedfs import FedFSLossConfig, adaptive_soft_labels, combin
 from fedfs_sdk.model import FaceNet, personal_config
 from fedfs_sdk.objective import ObjectiveConfig, local_objective
 from fedfs_sdk.ort_device import OrtDeviceTrainer
-from fedfs_sdk.trainer import DEFAULT_HEAD_LR, LocalTrainer, TrainConfig
+from fedfs_sdk.trainer import DEFAULT_HEAD_LR, DEFAULT_LR, LocalTrainer, TrainConfig
 
 LR = 0.05
 CODEWORD = make_codeword(11, 127, rng=np.random.default_rng(0))[0]
@@ -73,7 +73,7 @@ def test_n_sgd_steps_match_torch(method: str) -> None:
         assert got.metrics[k] == pytest.approx(ref.metrics[k], rel=1e-5, abs=1e-6)
     if method != "fedfs":   # the head was trained at head_lr through the W = a·W̃ reparametrization
         assert info["head_lr"] == pytest.approx(DEFAULT_HEAD_LR)
-        assert info["lr"] == pytest.approx(5e-3 if method == "fedfs+feduv" else 0.1)
+        assert info["lr"] == pytest.approx(DEFAULT_LR[method])          # 0.02 for fedfs+feduv, FedUV's 0.1
     if method == "fedfs+feduv":
         assert got.metrics["l_pos_personal_first"] == pytest.approx(ref.metrics["l_pos_personal_first"], rel=1e-5)
 

@@ -27,7 +27,7 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.losses.fedfs import FedFSLossConfig
 from fedfs_sdk.model import DualVerifierNet, FaceNet, ModelConfig, personal_config
 from fedfs_sdk.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
-from fedfs_sdk.methods import DEFAULT_UV_WEIGHT
+from fedfs_sdk.methods import DEFAULT_UV_WEIGHT, DEFAULT_VERIFICATION, PAPER_LR
 from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initial_global_weights
 
 from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, VerifierSpec, Weights,
@@ -38,16 +38,19 @@ NEG_MODES = ("none", "all", "early")
 
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "fedfs": {"paper": {}, "default": {}},
-    "feduv": {"paper": {}, "default": {}},
-    "fedfs+feduv": {"paper": {},
-                    "default": {"score": "head-template", "lr": 0.02, "norm_init": "standardize", "verify": "both"}},
+    "fedfs": {"paper": {"lr": PAPER_LR["fedfs"]}, "default": {"lr": DEFAULT_LR["fedfs"]}},
+    "feduv": {"paper": {"lr": PAPER_LR["feduv"]}, "default": {"lr": DEFAULT_LR["feduv"]}},
+    "fedfs+feduv": {
+        "paper": {"lr": PAPER_LR["fedfs+feduv"]},
+        "default": {"lr": DEFAULT_LR["fedfs+feduv"], "norm_init": "standardize",
+                    **dict(zip(("score", "verify"), DEFAULT_VERIFICATION["fedfs+feduv"]))}},
 }
 """Named configurations of each method. ``paper``: the papers' values as printed (FedFS lr
 5e-3, 2 epochs, Eq. 5 dot-product soft scores; FedUV lr 0.1, codeword scoring). ``default``:
 the best configuration measured on the cross-domain benchmark (docs/personalization.md
-gives the search and its commands). Keys: ``score``, ``lr``, ``epochs``, ``uv_weight`` and
-``loss`` (FedFS loss fields)."""
+gives the search and its commands); its lr and verification are the device's defaults
+(:mod:`fedfs_sdk.methods`), so the simulator and a phone run the same thing. Keys: ``score``,
+``verify``, ``lr``, ``epochs``, ``uv_weight``, ``norm_init`` and ``loss`` (FedFS loss fields)."""
 
 
 def base_vector(seed: int, client: int) -> int:

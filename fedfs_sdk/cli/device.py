@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..methods import SCORES, VERIFY_MODELS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="server URL, e.g. http://127.0.0.1:8080")
@@ -38,6 +40,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--outliers", choices=("mad", "none"), default="mad",
                    help="with --enroll: drop warm-up images whose score is far below the others (e.g. someone "
                         "else's photo) before the threshold is set: 'mad' (default; robust z-score, k=3.5) or 'none'")
+    p.add_argument("--score", choices=SCORES, default=None,
+                   help="with --enroll, FedUV methods: 'head-template' (a cosine template of W·g; the fedfs+feduv "
+                        "default) or 'codeword' (FedUV Eq. 5 against the secret codeword; the feduv default)")
+    p.add_argument("--verify", choices=VERIFY_MODELS, default=None,
+                   help="with --enroll, fedfs+feduv: which model verifies: 'both' (unit(W q') ⊕ unit(W r'), the "
+                        "default), 'personal' (θ_c, FedFS's reading) or 'global'")
     p.add_argument("--key-file", type=Path, help="32-byte device key: encrypts the enrollment and the FedUV "
                    "secrets (default: STATE/enrollment.key, created 0600)")
     p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what "
@@ -81,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     config = DeviceConfig(rounds=args.rounds, device=args.device, artifacts=args.artifacts, xi_path=args.xi,
                           wait_timeout_s=args.wait_timeout,
                           detect_face=args.detect_face, enroll=args.enroll, q=args.q, enrollment_key=key,
-                          registration_token=args.registration_token, outliers=args.outliers)
+                          registration_token=args.registration_token, outliers=args.outliers,
+                          score=args.score, verify=args.verify)
     runtime = OrtRuntime(args.artifacts) if args.artifacts is not None else None
     batches = check_local_inputs(images, config, runtime)
     if args.key_file is not None and key is None:
