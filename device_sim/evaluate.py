@@ -43,6 +43,7 @@ from fedfs_sdk.errors import InputError
 
 from . import metrics as M
 from .methods.base import ClientState, FederatedMethod, Params, VerifierSpec, Weights
+from .memory import inference_batch
 from .population import Population
 
 
@@ -55,7 +56,9 @@ class EvalConfig:
         fars: FAR / FPIR operating points.
         max_clients: evaluate at most this many clients (a seeded sample beyond it).
         impostor_pool: at most this many other participants' test images as impostors.
-        batch_size: images per forward pass.
+        batch_size: images per forward pass; None (default) picks what fits
+            :data:`device_sim.memory.INFER_BUDGET_BYTES` for the model (512 for the small
+            backbones, 83 for MobileFaceNet at 112 px, whose 512-image forward took ≈ 2.5 GB).
         client_chunk: clients per vmapped forward (CUDA / ``batched=True``).
         batched: vmap personalized verifiers over clients (default: on CUDA only).
         seed: seeds the samples above.
@@ -65,7 +68,7 @@ class EvalConfig:
     fars: tuple[float, ...] = M.DEFAULT_FARS
     max_clients: int = 1000
     impostor_pool: int = 2000
-    batch_size: int = 512
+    batch_size: int | None = None
     client_chunk: int = 32
     batched: bool | None = None
     seed: int = 0
@@ -114,9 +117,11 @@ def _names(spec: VerifierSpec) -> tuple[str, ...]:
 
 
 @torch.no_grad()
-def embed(spec: VerifierSpec, x: torch.Tensor, device: torch.device, batch_size: int = 512) -> dict[str, torch.Tensor]:
+def embed(spec: VerifierSpec, x: torch.Tensor, device: torch.device,
+          batch_size: int | None = None) -> dict[str, torch.Tensor]:
     """Run one verifier on images ``x``; returns CPU float32 ``{"embedding", ["uv"]}``."""
     net = spec.net.to(device).eval()
+    batch_size = batch_size or _auto_batch(net, x)
     w = {k: v.to(device) for k, v in spec.weights.items()}
     outs: dict[str, list[torch.Tensor]] = {n: [] for n in _names(spec)}
     for s in range(0, x.shape[0], batch_size):
@@ -128,10 +133,11 @@ def embed(spec: VerifierSpec, x: torch.Tensor, device: torch.device, batch_size:
 
 @torch.no_grad()
 def embed_stacked(specs: Sequence[VerifierSpec], x: torch.Tensor, device: torch.device,
-                  batch_size: int = 512) -> list[dict[str, torch.Tensor]]:
+                  batch_size: int | None = None) -> list[dict[str, torch.Tensor]]:
     """Run K verifiers of one architecture on the same images under ``vmap`` (one
     forward for all K per image batch). Returns one feature dict per verifier."""
     net = specs[0].net.to(device).eval()
+    batch_size = batch_size or _auto_batch(net, x)
     stacked = {k: torch.stack([s.weights[k].to(device) for s in specs]) for k in specs[0].weights}
     fn = vmap(lambda w, xb: functional_call(net, w, (xb,)), in_dims=(0, None))
     names = _names(specs[0])
@@ -142,6 +148,14 @@ def embed_stacked(specs: Sequence[VerifierSpec], x: torch.Tensor, device: torch.
             outs[n].append(t.float().cpu())
     cat = {n: torch.cat(v, dim=1) for n, v in outs.items()}
     return [{n: t[i] for n, t in cat.items()} for i in range(len(specs))]
+
+
+def _auto_batch(net: torch.nn.Module, x: torch.Tensor) -> int:
+    """Images per forward that fit :data:`device_sim.memory.INFER_BUDGET_BYTES` (memory, not
+    speed, is what limits MobileFaceNet on a small CPU machine)."""
+    if x.dim() != 4 or next(net.parameters(), None) is None:
+        return 512
+    return inference_batch(net, int(x.shape[-1]))
 
 
 def _select(feats: Mapping[str, torch.Tensor], idx: np.ndarray | slice) -> dict[str, torch.Tensor]:

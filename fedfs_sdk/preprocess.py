@@ -3,13 +3,21 @@
 Contract of every fedfs model input (insightface convention): RGB, float32 NCHW,
 ``(x − 127.5) / 127.5`` so pixels lie in [−1, 1], square ``input_size`` (112 for
 MobileFaceNet). Encoded images are decoded upright (EXIF orientation applied), 8- or 16-bit
-only, at most :data:`MAX_IMAGE_PIXELS`. Grayscale images are repeated to 3 channels; RGBA
-drops alpha. With ``detect_face=True`` the largest face found by OpenCV's bundled Haar
-cascade is cropped (with a margin) before resizing; no face → :class:`NoFaceError`.
+only, at most :data:`MAX_IMAGE_PIXELS`; a truncated JPEG is an error naming the file (libjpeg
+would only print a warning and fill the missing part with grey). Grayscale images are repeated
+to 3 channels; an alpha channel is composited over :data:`ALPHA_BACKGROUND` (mid-grey).
+Every model input must be at least :data:`MIN_IMAGE_SIDE` pixels on its short side.
+
+Face detection (``detect_face``): ``"align"`` (or ``True``) detects the face and its five
+landmarks with dlib and warps it onto the 112×112 ArcFace template (:mod:`fedfs_sdk.align`;
+falls back to the Haar crop, with a logged warning, when dlib is not installed); ``"haar"``
+crops the largest face found by OpenCV's bundled Haar cascade (with a margin), no alignment.
+No face → :class:`NoFaceError`.
 """
 from __future__ import annotations
 
 import functools
+import io
 import os
 import struct
 from pathlib import Path
@@ -37,6 +45,19 @@ from its header before OpenCV allocates anything. OpenCV's own limit
 library cannot set it; this check is fedfs's own. An app may change the value (e.g.
 ``fedfs_sdk.preprocess.MAX_IMAGE_PIXELS = 2**27``); downscale larger photos before passing
 them in — a face model looks at 112 × 112 pixels."""
+
+MIN_IMAGE_SIDE = 32
+"""Smallest short side (pixels) of an image given to a model (:func:`preprocess`): 32.
+
+A 4×4 or 20×20 thumbnail upscaled to 112×112 is a blur that still embeds somewhere; added
+to an enrollment it drags the threshold τ down (measured: 0.8385 → 0.3967). Models whose
+input is smaller than 32 (e.g. 16 px test models) accept images down to their input size.
+An app may change the value (``fedfs_sdk.preprocess.MIN_IMAGE_SIDE = 64``)."""
+
+ALPHA_BACKGROUND: tuple[int, int, int] = (128, 128, 128)
+"""RGB colour that transparent pixels (PNG/WebP/TIFF alpha, ``[H, W, 4]`` arrays) are
+composited over: mid-grey, i.e. ≈ 0 after ``(x − 127.5)/127.5``, so a cut-out face sits on
+a neutral background instead of whatever colour the invisible pixels happen to store."""
 
 # Decode flags: keep the bit depth (so unsupported depths are refused by name, not silently
 # rescaled), 1 or 3 channels (alpha dropped), and — unlike IMREAD_UNCHANGED — apply the EXIF
@@ -76,6 +97,8 @@ def _decode(data: bytes, what: str) -> np.ndarray:
     size = image_header_size(data)
     if size is not None:
         _check_pixels(size[0], size[1], what)
+    if data[:2] == b"\xff\xd8":
+        _check_jpeg_complete(data, what)
     try:
         img = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), _DECODE_FLAGS)
     except cv2.error as e:  # pragma: no cover - imdecode reports failures as None
@@ -83,16 +106,73 @@ def _decode(data: bytes, what: str) -> np.ndarray:
     if img is None or img.size == 0:
         raise ImageDecodeError(f"could not decode {what} as an image")
     _check_pixels(img.shape[1], img.shape[0], what)
+    alpha = _alpha_channel(data) if _may_have_alpha(data) else None
     if img.dtype == np.uint16:  # 16-bit PNG/TIFF: keep the high byte
         img = (img >> 8).astype(np.uint8)
     elif img.dtype != np.uint8:
         raise ImageDecodeError(f"{what} decodes to {img.dtype} pixels; only 8-bit and 16-bit images are "
                                "supported (convert HDR / floating-point / 32-bit images to 8-bit first)")
     if img.ndim == 2:
-        return cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
-    if img.shape[2] == 4:  # not produced by _DECODE_FLAGS; kept for safety
-        return cv2.cvtColor(img, cv2.COLOR_BGRA2RGB)
-    return cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+        rgb = cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
+    elif img.shape[2] == 4:  # not produced by _DECODE_FLAGS; kept for safety
+        rgb = cv2.cvtColor(img, cv2.COLOR_BGRA2RGB)
+    else:
+        rgb = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
+    if alpha is not None and alpha.shape == rgb.shape[:2]:
+        rgb = composite_alpha(rgb, alpha)
+    return rgb
+
+
+def _check_jpeg_complete(data: bytes, what: str) -> None:
+    """Refuse a truncated JPEG, by name. Depending on the OpenCV build, libjpeg either only
+    prints "Premature end of JPEG file" and fills the missing rows with grey, or the decode
+    fails without a reason; Pillow raises a clear error instead. ``draft`` makes
+    libjpeg decode at 1/8 scale, which still reads the whole entropy-coded stream (so a
+    missing tail is found) at a fraction of the cost; data after the end-of-image marker
+    (e.g. the video of a "motion photo") is ignored, as by every JPEG reader."""
+    from PIL import Image, ImageFile
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            im.draft(im.mode, (max(1, im.width // 8), max(1, im.height // 8)))
+            im.load()
+    except (OSError, SyntaxError, ValueError) as e:
+        if ImageFile.LOAD_TRUNCATED_IMAGES:   # pragma: no cover - an app turned the check off
+            return
+        raise ImageDecodeError(f"{what} is a damaged or truncated JPEG ({e}); re-export or re-copy the "
+                               "file (its missing part would otherwise be filled with grey)") from None
+
+
+def _may_have_alpha(d: bytes) -> bool:
+    if d[:8] == b"\x89PNG\r\n\x1a\n":
+        return d[25:26] in (b"\x04", b"\x06") or b"tRNS" in d[:1 << 16]   # grey+alpha, RGBA, palette alpha
+    if d[:4] == b"RIFF" and d[8:12] == b"WEBP":
+        return True
+    return d[:4] in (b"II*\x00", b"MM\x00*")
+
+
+def _alpha_channel(data: bytes) -> np.ndarray | None:
+    """The alpha channel as float32 in [0, 1], or None when the image has none. (Decoded
+    separately: OpenCV applies EXIF orientation only when it drops alpha, so an image that
+    has both would come out with its alpha unrotated; the shapes are then compared.)"""
+    raw = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
+    if raw is None or raw.ndim != 3 or raw.shape[2] != 4:
+        return None
+    a = raw[:, :, 3]
+    scale = float(np.iinfo(a.dtype).max) if np.issubdtype(a.dtype, np.integer) else 1.0
+    return np.clip(a.astype(np.float32) / scale, 0.0, 1.0)
+
+
+def composite_alpha(rgb: np.ndarray, alpha: np.ndarray,
+                    background: tuple[int, int, int] | None = None) -> np.ndarray:
+    """``rgb · α + background · (1 − α)`` (straight alpha) as uint8; ``background``
+    defaults to :data:`ALPHA_BACKGROUND`."""
+    bg = np.asarray(ALPHA_BACKGROUND if background is None else background, np.float32)
+    a = alpha.astype(np.float32)[:, :, None]
+    if alpha.dtype == np.uint8:
+        a = a / 255.0
+    out = rgb.astype(np.float32) * a + bg * (1.0 - a)
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 
 def _check_pixels(width: int, height: int, what: str) -> None:
@@ -221,7 +301,9 @@ def _as_rgb(a: np.ndarray, what: str) -> np.ndarray:
         raise InputError(f"{what} is too small ({a.shape[0]}×{a.shape[1]}); need at least 8×8 pixels")
     if a.shape[2] == 1:
         return np.repeat(a, 3, axis=2)
-    return np.ascontiguousarray(a[:, :, :3])
+    if a.shape[2] == 4:
+        return composite_alpha(a[:, :, :3], a[:, :, 3])
+    return np.ascontiguousarray(a)
 
 
 @functools.lru_cache(maxsize=1)
@@ -268,14 +350,19 @@ def to_model_input(rgb: np.ndarray, input_size: int) -> np.ndarray:
 
 
 def preprocess(images: ImageSource | Sequence[ImageSource], input_size: int,
-               detect_face: bool = False) -> np.ndarray:
-    """Decode, (optionally) detect, crop, resize and normalize images.
+               detect_face: bool | str = False) -> np.ndarray:
+    """Decode, (optionally) detect and align / crop, resize and normalize images.
 
     Accepts one source, a list of sources, or a uint8 batch ``[N, H, W, C]``.
-    Returns float32 ``[N, 3, input_size, input_size]``.
+    ``detect_face``: ``False`` (centre square), ``True`` / ``"align"`` (five-point alignment,
+    :func:`fedfs_sdk.align.align_face`) or ``"haar"`` (Haar crop, no alignment).
+    Returns float32 ``[N, 3, input_size, input_size]``. A file that cannot be used raises
+    an :class:`~fedfs_sdk.errors.InputError` subclass whose message names it (see
+    :func:`check_image` to test one file and skip it by name).
     """
     if not isinstance(input_size, int) or input_size < 8:
         raise InputError(f"input_size must be an int ≥ 8, got {input_size!r}")
+    mode = face_mode(detect_face)
     if isinstance(images, np.ndarray) and images.ndim == 4:
         srcs: Sequence[ImageSource] = list(images)
     elif isinstance(images, (list, tuple)):
@@ -286,11 +373,69 @@ def preprocess(images: ImageSource | Sequence[ImageSource], input_size: int,
         raise InputError("no images given")
     out = np.empty((len(srcs), 3, input_size, input_size), dtype=np.float32)
     for i, src in enumerate(srcs):
-        rgb = load_image(src)
-        if detect_face:
-            rgb = crop_face(rgb)
-        out[i] = to_model_input(rgb, input_size)
+        out[i] = _one(src, input_size, mode, _label(src, i, len(srcs)))
     return out
+
+
+def _label(src: ImageSource, i: int, n: int) -> str:
+    if isinstance(src, (str, os.PathLike)):
+        return f"image file {Path(src)}"
+    return "image" if n == 1 else f"image #{i}"
+
+
+def _one(src: ImageSource, input_size: int, mode: str | None, what: str) -> np.ndarray:
+    rgb = load_image(src)
+    check_size(rgb, input_size, what)
+    if mode == "haar":
+        try:
+            rgb = crop_face(rgb)
+        except NoFaceError as e:
+            raise NoFaceError(f"{what}: {e}") from None
+    elif mode == "align":
+        from .align import align_face
+
+        res = align_face(rgb, input_size)
+        if res.image is None:
+            raise NoFaceError(f"{what}: {res.reason} (drop the file, or pass a photo with one frontal face)")
+        rgb = res.image
+    return to_model_input(rgb, input_size)
+
+
+def face_mode(detect_face: bool | str | None) -> str | None:
+    """Normalize a ``detect_face`` argument: ``None`` (no detection), ``"align"`` or ``"haar"``."""
+    if detect_face is None or detect_face is False or detect_face == "none":
+        return None
+    if detect_face is True or detect_face == "align":
+        return "align"
+    if detect_face == "haar":
+        return "haar"
+    raise InputError(f"detect_face must be False, True, 'align' or 'haar', got {detect_face!r}")
+
+
+def check_size(rgb: np.ndarray, input_size: int, what: str = "image") -> None:
+    """Refuse an image whose short side is below ``min(MIN_IMAGE_SIDE, input_size)``."""
+    need = min(MIN_IMAGE_SIDE, input_size)
+    h, w = rgb.shape[:2]
+    if min(h, w) < need:
+        raise InputError(f"{what} is {w}×{h} pixels, smaller than the minimum of {need} pixels per side "
+                         f"(fedfs_sdk.preprocess.MIN_IMAGE_SIDE): an upscaled thumbnail would blur the face and "
+                         f"lower the enrollment threshold; use the original photo (≥ {input_size}×{input_size} "
+                         "is best) or drop the file")
+
+
+def check_image(src: ImageSource, input_size: int = 112, detect_face: bool | str = False) -> None:
+    """Raise what :func:`preprocess` would raise for this one image, else return.
+
+    For callers that skip bad files by name (a dataset folder)::
+
+        try:
+            check_image(path, 112)
+        except FedFSError as e:          # ImageDecodeError, NoFaceError, InputError (too small)
+            skipped.append((path, str(e)))
+
+    The message already names the file. enroll/verify do not skip: they raise the same error.
+    """
+    _one(src, input_size, face_mode(detect_face), _label(src, 0, 1))
 
 
 def list_images(folder: str | os.PathLike[str]) -> list[Path]:

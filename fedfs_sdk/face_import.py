@@ -1,0 +1,268 @@
+"""Bring your own face model: import pre-trained weights as ξ or as ϕ's starting point.
+
+Two sources, one result — a fedfs checkpoint (:func:`fedfs_sdk.checkpoint.save_checkpoint`)
+that ``--xi`` / ``--pretrained`` and ``fedfs enroll --model`` accept:
+
+* :func:`import_state_dict`: a PyTorch state dict (a ``.pt``/``.pth`` file read with
+  ``weights_only=True``, or a ``.safetensors`` file) mapped onto the project's backbone by
+  name, then by shape in order — BatchNorm statistics (``running_mean``/``running_var``),
+  which fedfs' per-sample normalization has no use for, are reported as unmapped, as is any
+  other key that found no place. The :class:`MappingReport` lists every key either way.
+* :func:`import_onnx`: an insightface-style ONNX recognizer — input ``[N, 3, 112, 112]``
+  RGB, ``(x − 127.5) / 127.5``, output the embedding (``rgb=False`` when the graph wants
+  BGR: the first convolution's input channels are then swapped). Its initializers are read
+  in the order the graph uses them (torch.onnx folds ``weight.reshape(1, C, 1, 1)`` of the
+  norm/PReLU layers into anonymous ``onnx::Mul_…`` constants, so names cannot be relied on)
+  and mapped by shape onto the project's MobileFaceNet. The import is then **checked**: the
+  ONNX graph (ONNX Runtime) and the imported model embed the same random images; a maximum
+  difference above ``atol`` means the graph is not this architecture (e.g. a BatchNorm
+  MobileFaceNet or ResNet from insightface, OpenCV's SFace) and the import is refused
+  with the figure — never a silently different model.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from .errors import CheckpointError, InputError
+from .model import FaceNet, ModelConfig
+
+# Buffers of BatchNorm layers: meaningless for GroupNormP (normalizes each sample by itself).
+_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+@dataclass
+class MappingReport:
+    """Which source tensor went where. ``mapped``: ``(source, target)`` pairs; ``by_shape``:
+    the targets filled by shape order rather than by name; ``unmapped_source`` /
+    ``missing_target``: keys left over on either side (``missing_target`` keep their
+    initial values); ``max_abs_diff``: the parity check of an ONNX import (None otherwise)."""
+
+    mapped: list[tuple[str, str]] = field(default_factory=list)
+    by_shape: list[str] = field(default_factory=list)
+    unmapped_source: list[str] = field(default_factory=list)
+    missing_target: list[str] = field(default_factory=list)
+    max_abs_diff: float | None = None
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing_target
+
+    def summary(self) -> str:
+        """A few lines for a CLI or a log: counts, then every unmapped key."""
+        lines = [f"mapped {len(self.mapped)} tensors ({len(self.by_shape)} by shape order), "
+                 f"{len(self.unmapped_source)} source keys unmapped, {len(self.missing_target)} model keys missing"]
+        if self.max_abs_diff is not None:
+            lines.append(f"parity with the source graph: max |Δembedding| = {self.max_abs_diff:.2e}")
+        if self.unmapped_source:
+            lines.append("unmapped source keys: " + ", ".join(self.unmapped_source))
+        if self.missing_target:
+            lines.append("model keys left at their initial values: " + ", ".join(self.missing_target))
+        return "\n".join(lines)
+
+
+def _strip_prefix(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state.items()}
+    for prefix in ("backbone.", "model."):
+        if out and all(k.startswith(prefix) for k in out):
+            out = {k[len(prefix):]: v for k, v in out.items()}
+    return out
+
+
+def _fits(src: torch.Tensor, shape: torch.Size) -> bool:
+    # [1, C, 1, 1] constants (folded reshapes) fit a [C] parameter; squeeze only size-1 dims
+    return tuple(src.shape) == tuple(shape) or (src.numel() == int(np.prod(shape)) and
+                                                [d for d in src.shape if d != 1] == [d for d in shape if d != 1])
+
+
+def map_onto(target: torch.nn.Module, source: Mapping[str, torch.Tensor] | list[tuple[str, torch.Tensor]],
+             by_shape: bool = True) -> MappingReport:
+    """Copy ``source`` tensors into ``target``'s state dict: first every key whose name
+    (after stripping ``module.``/``backbone.``/``model.``) and shape match, then — if
+    ``by_shape`` — the remaining ones pairwise in order while their shapes fit, stopping at
+    the first mismatch. BatchNorm statistics are never mapped. Returns the report."""
+    items = list(source.items()) if isinstance(source, Mapping) else list(source)
+    src_named = _strip_prefix(dict(items)) if isinstance(source, Mapping) else None
+    order = list(src_named.items()) if src_named is not None else items
+    tstate = target.state_dict()
+    rep = MappingReport()
+    new: dict[str, torch.Tensor] = {}
+    used_src: set[int] = set()
+    for i, (k, v) in enumerate(order):
+        if k.rsplit(".", 1)[-1] in _STATS:
+            used_src.add(i)
+            rep.unmapped_source.append(k)
+        elif src_named is not None and k in tstate and tuple(v.shape) == tuple(tstate[k].shape):
+            new[k] = v
+            used_src.add(i)
+            rep.mapped.append((k, k))
+    if by_shape:
+        rest_src = [(i, k, v) for i, (k, v) in enumerate(order) if i not in used_src]
+        rest_tgt = [k for k in tstate if k not in new]
+        for (i, k, v), t in zip(rest_src, rest_tgt):
+            if not _fits(v, tstate[t].shape) or not torch.is_floating_point(v):
+                break
+            new[t] = v.reshape(tstate[t].shape)
+            used_src.add(i)
+            rep.mapped.append((k, t))
+            rep.by_shape.append(t)
+    rep.unmapped_source += [k for i, (k, _) in enumerate(order) if i not in used_src]
+    rep.missing_target = [k for k in tstate if k not in new]
+    merged = {k: new.get(k, tstate[k]).to(tstate[k].dtype).clone() for k in tstate}
+    target.load_state_dict(merged, strict=True)
+    return rep
+
+
+def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Tensors of a ``.safetensors`` file or a torch ``.pt``/``.pth`` file (loaded with
+    ``weights_only=True``: no pickled code runs); a ``{"state_dict": …}`` wrapper is opened."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"weights file not found: {p}")
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            obj: Any = load_file(str(p))
+        else:
+            obj = torch.load(str(p), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any reader failure is "not a weights file"
+        raise InputError(f"{p} is not a readable state dict ({e})") from None
+    for key in ("state_dict", "model", "backbone"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
+        raise InputError(f"{p} does not hold a state dict (a mapping of names to tensors)")
+    return dict(obj)
+
+
+def import_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig | None = None,
+                      require_complete: bool = True) -> tuple[FaceNet, MappingReport]:
+    """Map a state dict onto the backbone of a :class:`FaceNet` of ``config`` (default:
+    MobileFaceNet, 112 px, embedding size taken from the source's last layer). With
+    ``require_complete`` a model key left at its initial value is an :class:`InputError`
+    listing them (pass False to keep a partial import as ϕ's starting point)."""
+    state = _strip_prefix(state)
+    w = state.get("embed.weight")
+    emb = int(w.shape[0]) if w is not None else None
+    cfg = (config or ModelConfig("mobilefacenet", embedding_dim=emb, input_size=112)).resolved()
+    model = FaceNet(replace(cfg, proj_dim=None, code_length=None))
+    rep = map_onto(model.backbone, state)
+    if require_complete and not rep.complete:
+        raise InputError("the state dict does not fill the model (not the same architecture?)\n" + rep.summary()
+                         + "\n(pass require_complete=False to import what maps as a starting point for ϕ)")
+    return model.eval(), rep
+
+
+def onnx_initializers_in_use_order(path: str | os.PathLike[str]) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """``([(name, tensor)], info)``: the float initializers with more than one element, once
+    per use, in the order the graph's nodes use them, and ``info`` (input name/shape). Once
+    per use, not once per name: torch.onnx stores equal constants once (two layers whose
+    norm weights are all ones share one initializer)."""
+    import onnx
+    from onnx import numpy_helper
+
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"ONNX model not found: {p}")
+    try:
+        model = onnx.load(str(p))
+    except Exception as e:  # noqa: BLE001
+        raise InputError(f"{p} is not a readable ONNX model ({e})") from None
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    consts = {n.output[0]: n.attribute[0].t for n in g.node
+              if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    out: list[tuple[str, torch.Tensor]] = []
+    for n in g.node:
+        for name in n.input:
+            proto = inits.get(name) or consts.get(name)
+            if proto is None:
+                continue
+            a = numpy_helper.to_array(proto)
+            if a.dtype.kind == "f" and a.size > 1:
+                out.append((name, torch.from_numpy(np.array(a, dtype=np.float32))))
+    real_inputs = [i for i in g.input if i.name not in inits]
+    if len(real_inputs) != 1:
+        raise InputError(f"{p}: expected one image input, found {[i.name for i in real_inputs]}")
+    dims = [d.dim_value or None for d in real_inputs[0].type.tensor_type.shape.dim]
+    return out, {"input": real_inputs[0].name, "shape": dims}
+
+
+def import_onnx(path: str | os.PathLike[str], rgb: bool = True, embedding_dim: int | None = None,
+                atol: float = 1e-4, seed: int = 0) -> tuple[FaceNet, MappingReport]:
+    """Import an insightface-style ONNX face recognizer onto the project's MobileFaceNet
+    (see the module docstring) and check it against ONNX Runtime on 4 random images.
+
+    ``rgb``: the graph's input channel order (insightface: RGB, after its ``swapRB``);
+    ``(x − 127.5)/127.5`` normalization is assumed (fedfs' own). :class:`InputError` if the
+    weights do not fill the model or the embeddings differ by more than ``atol``."""
+    tensors, info = onnx_initializers_in_use_order(path)
+    shape = info["shape"]
+    size = shape[-1] if len(shape) == 4 and shape[-1] else 112
+    if len(shape) != 4 or (shape[1] not in (None, 3)) or shape[-1] != shape[-2]:
+        raise InputError(f"{path}: input {info['input']} has shape {shape}; expected [N, 3, S, S] (NCHW, square)")
+    emb = embedding_dim or _last_dim(tensors)
+    model = FaceNet(ModelConfig("mobilefacenet", embedding_dim=emb, input_size=int(size)).resolved())
+    if not rgb and tensors:
+        name, w = tensors[0]
+        tensors[0] = (name, w.flip(1) if w.dim() == 4 and w.shape[1] == 3 else w)   # BGR → RGB filters
+    rep = map_onto(model.backbone, tensors, by_shape=True)
+    if not rep.complete:
+        raise InputError(f"{path} is not the project's MobileFaceNet ({emb}-d, {size} px): its weights do not fill "
+                         f"it\n{rep.summary()}")
+    model.eval()
+    rep.max_abs_diff = _parity(path, info["input"], model, int(size), rgb, seed)
+    if not rep.max_abs_diff <= atol:
+        raise InputError(f"{path}: the imported model's embeddings differ from the ONNX graph's by up to "
+                         f"{rep.max_abs_diff:.3g} (> {atol:g}): the graph is not the project's MobileFaceNet "
+                         "(BatchNorm instead of GroupNorm? a ResNet?) — see docs/real-faces-alignment.md")
+    return model, rep
+
+
+def _last_dim(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    for _, t in reversed(tensors):
+        if t.dim() == 4 and t.shape[2:] == (1, 1) and t.shape[1] == 512:
+            return int(t.shape[0])
+    return 128
+
+
+@torch.no_grad()
+def _parity(path: str | os.PathLike[str], input_name: str, model: FaceNet, size: int, rgb: bool, seed: int) -> float:
+    import onnxruntime as ort
+
+    x = np.random.default_rng(seed).uniform(-1, 1, (4, 3, size, size)).astype(np.float32)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feed = x if rgb else x[:, ::-1].copy()
+    try:
+        ref = sess.run(None, {input_name: feed})[0]
+    except Exception:  # noqa: BLE001 - a graph exported for batch 1
+        ref = np.concatenate([sess.run(None, {input_name: feed[i:i + 1]})[0] for i in range(len(x))])
+    ours = model(torch.from_numpy(x)).embedding.numpy()
+    if ref.shape != ours.shape:
+        return float("inf")
+    return float(np.abs(ref - ours).max())
+
+
+def save_imported(path: str | os.PathLike[str], model: FaceNet, report: MappingReport, source: str) -> Path:
+    """Write ``model`` as a fedfs checkpoint (``kind: "xi"``, the source and the mapping
+    report in its meta), usable as ``--xi`` / ``--pretrained`` or ``fedfs enroll --model``."""
+    from .checkpoint import save_checkpoint
+
+    meta = {"kind": "xi", "imported_from": source, "mapping": {
+        "mapped": len(report.mapped), "by_shape": len(report.by_shape),
+        "unmapped_source": report.unmapped_source, "missing_target": report.missing_target,
+        "max_abs_diff": report.max_abs_diff}}
+    try:
+        save_checkpoint(path, model, model.config, meta)
+    except OSError as e:
+        raise CheckpointError(f"cannot write {path}: {e}") from e
+    return Path(path)
+
+
+__all__ = ["MappingReport", "map_onto", "read_state_dict", "import_state_dict", "import_onnx",
+           "onnx_initializers_in_use_order", "save_imported"]
