@@ -83,14 +83,34 @@ class UpdateMeta:
     num_samples: int
 
 
+UPDATE_META_KEYS = frozenset({"format", "round_id", "model_version", "num_samples"})
+"""The only ``__metadata__`` keys an upload may carry: anything else (an embedding, an image,
+a free-text note) is refused rather than stored next to the update."""
+
+MAX_INT_DIGITS = len(str(MAX_ID))
+
+
+def parse_decimal(raw: str, what: str) -> int:
+    """A non-negative integer written in canonical ASCII decimal (``"0"``, ``"37"``).
+
+    Stricter than :func:`int`, which also takes ``" 7 "``, ``"1_0"``, ``"+7"`` and non-ASCII
+    digits such as ``"٧"``: two writers of one number must write the same bytes, so a
+    header that a second parser would read differently is refused (:class:`InputError`).
+    """
+    if (not isinstance(raw, str) or not raw or not raw.isascii() or not raw.isdigit()
+            or (len(raw) > 1 and raw[0] == "0")):
+        raise InputError(f"{what}={raw[:30]!r} is not an integer written in ASCII digits (no sign, "
+                         "spaces, underscores or leading zeros)")
+    if len(raw) > MAX_INT_DIGITS:
+        raise InputError(f"{what}={raw[:30]}… has more than {MAX_INT_DIGITS} digits")
+    return int(raw)
+
+
 def _int_field(meta: Mapping[str, str], key: str, minimum: int) -> int:
     raw = meta.get(key)
     if raw is None:
         raise InputError(f"update metadata lacks {key!r}")
-    try:
-        v = int(raw[:40], 10) if len(raw) <= 40 else MAX_ID + 1
-    except ValueError:
-        raise InputError(f"update metadata {key}={raw!r} is not an integer") from None
+    v = parse_decimal(raw, f"update metadata {key}")
     if not minimum <= v <= MAX_ID:
         raise InputError(f"update metadata {key}={raw[:30]} must be in [{minimum}, {MAX_ID}]")
     return v
@@ -108,6 +128,11 @@ def parse_update_metadata(meta: Mapping[str, str]) -> UpdateMeta:
     """:class:`UpdateMeta` of an upload's metadata; :class:`InputError` if it is not one."""
     if meta.get("format") != UPDATE_FORMAT:
         raise InputError(f"body is not a fedfs update (format={meta.get('format')!r}, expected {UPDATE_FORMAT!r})")
+    extra = sorted(set(meta) - UPDATE_META_KEYS)
+    if extra:
+        named = ", ".join(repr(k[:40]) for k in extra[:5]) + (" …" if len(extra) > 5 else "")
+        raise InputError(f"update metadata has unknown keys {named}; an update carries only "
+                         f"{sorted(UPDATE_META_KEYS)}")
     return UpdateMeta(_int_field(meta, "round_id", 1), _int_field(meta, "model_version", 1),
                       _int_field(meta, "num_samples", 1))
 
@@ -120,6 +145,17 @@ TRAIN_KEYS = ("lr", "head_lr", "local_epochs", "batch_size", "momentum", "weight
 OBJECTIVE_KEYS = ("uv_weight", "lambda_neg")
 """Keys of ``train.objective`` besides ``fedfs`` (FedFS loss settings)."""
 
+TRAIN_INT_RANGES = {"local_epochs": (1, 10_000), "batch_size": (1, 1 << 16), "seed": (0, 2**32 - 1)}
+"""Bounds of the integer settings. A task is published to every device: a ``batch_size``
+of 2⁶² or a ``seed`` that numpy/torch cannot take would fail every device at once, so the
+server refuses it when the admin sets it (``seed``: numpy's 32-bit legacy seed range)."""
+
+TRAIN_FLOAT_MAX = {"lr": 100.0, "head_lr": 100.0, "momentum": 1.0, "weight_decay": 10.0}
+"""Upper bounds of the float settings (all ≥ 0); far above any useful value, below overflow."""
+
+OBJECTIVE_MAX = 1000.0
+"""Upper bound of ``uv_weight`` and ``lambda_neg``."""
+
 
 def split_train_json(train: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Check the types and ranges of a task's ``train`` object and split it into
@@ -128,12 +164,15 @@ def split_train_json(train: Mapping[str, Any] | None) -> tuple[dict[str, Any], d
     unknown = sorted(set(train) - set(TRAIN_KEYS))
     if unknown:
         raise InputError(f"unknown training settings {unknown}; known: {list(TRAIN_KEYS)}")
+    nulls = [k for k, v in train.items() if v is None and k not in ("objective", "head_lr")]   # head_lr None: = lr
+    if nulls:
+        raise InputError(f"training settings {nulls} are null; omit a setting to keep its default")
     for k in ("lr", "head_lr", "momentum", "weight_decay"):
-        _check_non_negative(f"train.{k}", train.get(k))
-    for k, lo in (("local_epochs", 1), ("batch_size", 1), ("seed", 0)):
+        _check_non_negative(f"train.{k}", train.get(k), TRAIN_FLOAT_MAX[k])
+    for k, (lo, hi) in TRAIN_INT_RANGES.items():
         v = train.get(k)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < lo):
-            raise InputError(f"train.{k} must be an integer ≥ {lo}, got {v!r}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise InputError(f"train.{k} must be an integer ≥ {lo} and ≤ {hi}, got {str(v)[:40]}")
     raw_obj = train.pop("objective", None)
     raw_obj = {} if raw_obj is None else raw_obj
     if not isinstance(raw_obj, Mapping):
@@ -146,8 +185,10 @@ def split_train_json(train: Mapping[str, Any] | None) -> tuple[dict[str, Any], d
     if set(obj) - set(OBJECTIVE_KEYS):
         raise InputError(f"unknown objective settings {sorted(set(obj) - set(OBJECTIVE_KEYS))}; "
                          f"known: {sorted(OBJECTIVE_KEYS)}")
+    if any(obj.get(k, 0) is None for k in OBJECTIVE_KEYS):
+        raise InputError("train.objective settings must not be null; omit a setting to keep its default")
     for k in OBJECTIVE_KEYS:
-        _check_non_negative(f"train.objective.{k}", obj.get(k))
+        _check_non_negative(f"train.objective.{k}", obj.get(k), OBJECTIVE_MAX)
     return train, obj, dict(raw_fedfs)
 
 
@@ -161,10 +202,11 @@ def is_finite_number(v: Any) -> bool:
         return False
 
 
-def _check_non_negative(name: str, v: Any) -> None:
-    if v is not None and (not is_finite_number(v) or v < 0):
-        raise InputError(f"{name} must be a finite non-negative number, got {str(v)[:40]}")
+def _check_non_negative(name: str, v: Any, maximum: float) -> None:
+    if v is not None and (not is_finite_number(v) or not 0 <= v <= maximum):
+        raise InputError(f"{name} must be a number in [0, {maximum:g}], got {str(v)[:40]}")
 
 
-__all__ = ["TRAIN_KEYS", "OBJECTIVE_KEYS", "split_train_json", "is_finite_number", "MAX_ID", "UPDATE_FORMAT", "MODEL_FORMAT", "MEDIA_TYPE", "MAX_HEADER_BYTES", "SAFETENSORS_DTYPES",
+__all__ = ["TRAIN_KEYS", "OBJECTIVE_KEYS", "TRAIN_INT_RANGES", "TRAIN_FLOAT_MAX", "OBJECTIVE_MAX",
+           "UPDATE_META_KEYS", "parse_decimal", "split_train_json", "is_finite_number", "MAX_ID", "UPDATE_FORMAT", "MODEL_FORMAT", "MEDIA_TYPE", "MAX_HEADER_BYTES", "SAFETENSORS_DTYPES",
            "UpdateMeta", "sha256_hex", "read_header", "update_metadata", "parse_update_metadata"]

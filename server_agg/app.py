@@ -9,30 +9,39 @@ from __future__ import annotations
 import asyncio
 import hmac
 import hashlib
+import io
+import json
 import logging
+import tempfile
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Literal
 
-from fastapi import Body, FastAPI, Path, Query, Request, Security
+from fastapi import FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from fedfs_sdk.wire import MEDIA_TYPE
 from fedfs_sdk.wire_format import MAX_ID
 
-from .errors import ApiError, BadRequest, NotFound, PayloadTooLarge, Unauthorized, UnsupportedMediaType
+from .errors import ApiError, BadRequest, NotFound, Unauthorized, Unprocessable
 from .rounds import Coordinator
+from .schema import POLICY_CHANGES_SCHEMA
+from .transport import ClientGone, receive_body, require_media_type
 
 log = logging.getLogger("fedfs.server.http")
 
 API_VERSION = "1"
 HEADER_SLACK_BYTES = 1 << 20
 """An update may exceed the model's tensor bytes by at most this (its safetensors header)."""
+MAX_CONFIG_BYTES = 64 << 10
+"""``PUT /v1/admin/config`` bodies are small JSON objects: bounded far below ``--max-body-mb``,
+so parsing one never holds the event loop for long."""
 
 
 # ---- response schemas (for the OpenAPI document) ----------------------------------------
@@ -114,24 +123,13 @@ _BINARY_BODY = {"requestBody": {"required": True, "content": {MEDIA_TYPE: {"sche
 
 # ---- helpers -----------------------------------------------------------------------------
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed ``limit`` —
-    from ``Content-Length`` before reading, or while streaming (chunked bodies)."""
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype != MEDIA_TYPE:
-        raise UnsupportedMediaType(f"body must be {MEDIA_TYPE} (safetensors), got {ctype or 'none'!r}")
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise BadRequest(f"invalid Content-Length {declared!r}", code="bad_content_length")
-        if int(declared) > limit:
-            raise PayloadTooLarge(f"body of {declared} bytes exceeds the limit of {limit} bytes")
-    buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise PayloadTooLarge(f"body exceeds the limit of {limit} bytes")
-    return bytes(buf)
+async def read_body(request: Request, limit: int, timeout_s: float = 60.0) -> bytes:
+    """A whole ``application/octet-stream`` body in memory (bounded by ``limit``); routes
+    that take model-sized bodies spool them to a file instead (see ``create_app``)."""
+    require_media_type(request, MEDIA_TYPE)
+    buf = io.BytesIO()
+    await receive_body(request, limit, timeout_s, buf)
+    return buf.getvalue()
 
 
 class _AccessLog:
@@ -163,11 +161,18 @@ class _AccessLog:
 # ---- the app -----------------------------------------------------------------------------
 
 def create_app(coord: Coordinator, *, admin_token: str, registration_token: str | None = None,
-               max_body_bytes: int = 256 << 20, tick_interval_s: float = 0.5) -> FastAPI:
+               max_body_bytes: int = 256 << 20, tick_interval_s: float = 0.5, body_timeout_s: float = 120.0,
+               decode_workers: int = 2) -> FastAPI:
     """Build the FastAPI app around ``coord``. A background task calls ``coord.tick()``
-    every ``tick_interval_s`` (deadlines, automatic rounds)."""
+    every ``tick_interval_s`` (deadlines, automatic rounds).
+
+    Memory is O(model), not O(uploads in flight × model): a model-sized body is spooled to
+    an anonymous temp file in the state directory while it arrives (``body_timeout_s`` to
+    complete), and at most ``decode_workers`` spooled bodies are decoded, validated and
+    added to the round's float64 sum at once."""
     admin_digest = hashlib.sha256(admin_token.encode()).digest()
     reg_digest = hashlib.sha256(registration_token.encode()).digest() if registration_token else None
+    decode_slots = asyncio.Semaphore(max(1, decode_workers))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -190,6 +195,18 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
                     last = str(e)
             except Exception:              # pragma: no cover - keep ticking, but say why
                 log.exception("tick failed")
+
+    async def _spooled(request: Request, limit: int, work: Any, *args: Any) -> Any:
+        """Receive the body into a spool file, then run ``work(*args, body)`` in a worker
+        thread while holding one of the ``decode_workers`` slots."""
+        require_media_type(request, MEDIA_TYPE)
+        with tempfile.TemporaryFile(dir=coord.layout.root, prefix=".spool-") as f:
+            await receive_body(request, limit, body_timeout_s, f)
+            async with decode_slots:
+                def _run() -> Any:
+                    f.seek(0)
+                    return work(*args, f.read())
+                return await run_in_threadpool(_run)
 
     app = FastAPI(title="fedfs aggregation server", version=API_VERSION, lifespan=lifespan,
                   description="FedAvg rounds for FedFS / FedUV devices. Tensors travel as safetensors; "
@@ -215,37 +232,62 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
             return "admin"
         return device(creds)
 
+    def _close_if_unread(request: Request, headers: dict[str, str]) -> dict[str, str]:
+        """An answer given before the body was read closes the connection: the unread rest
+        of the body (up to 60 MiB from an unauthenticated client) is never drained."""
+        has_body = request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
+        if has_body and not getattr(request.state, "body_complete", False):
+            headers["Connection"] = "close"
+        return headers
+
     # errors → JSON {error, reason}; never a 5xx for bad input
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, e: ApiError) -> JSONResponse:
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else {}
-        if e.status == 413:
-            headers["Connection"] = "close"   # the unread rest of the body is not drained
-        return JSONResponse(e.to_json(), status_code=e.status, headers=headers)
+        if isinstance(e, ClientGone):
+            log.info("client disconnected mid-body", extra={"fields": {"path": request.url.path, "reason": e.reason}})
+        return JSONResponse(e.to_json(), status_code=e.status, headers=_close_if_unread(request, headers))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, _: ClientDisconnect) -> JSONResponse:
+        return await _api_error(request, ClientGone("the client disconnected before its body was complete"))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         reason = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()))}: {err.get('msg')}" for err in e.errors())
-        return JSONResponse({"error": "invalid_request", "reason": reason or "invalid request"}, status_code=422)
+        return JSONResponse({"error": "invalid_request", "reason": reason or "invalid request"}, status_code=422,
+                            headers=_close_if_unread(request, {}))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-        return JSONResponse({"error": code, "reason": str(e.detail)}, status_code=e.status_code)
+        headers = dict(e.headers or {})               # keeps 405's Allow
+        return JSONResponse({"error": code, "reason": str(e.detail)}, status_code=e.status_code,
+                            headers=_close_if_unread(request, headers))
 
     # ---- public ----
     @app.get("/health", response_model=Health, tags=["service"])
-    def health() -> dict[str, Any]:
+    async def health() -> dict[str, Any]:
+        """Liveness; answered on the event loop without the coordinator's lock, so it stays
+        fast while uploads are decoded or a round is aggregated."""
         return {"status": "ok", **coord.health()}
 
-    @app.post("/v1/devices", status_code=201, response_model=Registration, responses=_errors(401), tags=["devices"])
-    def register(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> dict[str, Any]:
-        """Register a device: id, bearer token (shown once) and its unique FedUV base vector ``b_u``."""
-        if reg_digest is not None:
+    if reg_digest is None:
+        @app.post("/v1/devices", status_code=201, response_model=Registration, tags=["devices"])
+        def register() -> dict[str, Any]:
+            """Register a device: id, bearer token (shown once) and its unique FedUV base vector ``b_u``.
+            Open: this server has no registration token."""
+            return coord.register()
+    else:
+        @app.post("/v1/devices", status_code=201, response_model=Registration, responses=_errors(401),
+                  tags=["devices"])
+        def register(creds: HTTPAuthorizationCredentials | None = Security(bearer)) -> dict[str, Any]:
+            """Register a device: id, bearer token (shown once) and its unique FedUV base vector ``b_u``.
+            The bearer token must be the server's registration token."""
             token = creds.credentials if creds else ""
             if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), reg_digest):
                 raise Unauthorized("registration needs the server's registration token", code="registration_token")
-        return coord.register()
+            return coord.register()
 
     # ---- devices ----
     @app.get("/v1/task", response_model=Task, response_model_exclude_none=True, responses=_errors(401), tags=["devices"])
@@ -274,15 +316,17 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
         return FileResponse(coord.layout.xi, media_type=MEDIA_TYPE, headers={"X-FedFS-SHA256": sha, "ETag": f'"{sha}"'})
 
     @app.put("/v1/rounds/{round_id}/update", response_model=Receipt,
-             responses=_errors(400, 401, 403, 404, 409, 410, 413, 415, 422), tags=["rounds"],
+             responses=_errors(400, 401, 403, 404, 408, 409, 410, 413, 415, 422), tags=["rounds"],
              openapi_extra=_BINARY_BODY)
     async def upload(request: Request, round_id: int = Path(ge=1, le=MAX_ID), device_id: str = Security(device)) -> dict[str, Any]:
         """Upload ``w_c`` + ``|D_c|`` (a ``fedfs-update/1`` safetensors body). Idempotent:
-        the same body again returns the same receipt with ``duplicate: true``."""
+        the same body again returns the same receipt with ``duplicate: true``. The token,
+        the round and the sampling are checked before the body is read."""
+        require_media_type(request, MEDIA_TYPE)
+        await run_in_threadpool(coord.check_upload, device_id, round_id)
         model = coord.model
         limit = max_body_bytes if model is None else min(max_body_bytes, model.nbytes + HEADER_SLACK_BYTES)
-        body = await read_body(request, limit)
-        return await run_in_threadpool(coord.submit_update, device_id, round_id, body)
+        return await _spooled(request, limit, coord.submit_update, device_id, round_id)
 
     @app.get("/v1/rounds/current", response_model=ServerStatus, responses=_errors(401), tags=["rounds"])
     def current_round(_: str = Security(device_or_admin)) -> dict[str, Any]:
@@ -297,21 +341,33 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
     def get_config(_: str = Security(admin)) -> dict[str, Any]:
         return coord.policy.to_json()
 
-    @app.put("/v1/admin/config", tags=["admin"], responses=_errors(401, 409, 422))
-    def put_config(changes: dict[str, Any] = Body(...), _: str = Security(admin)) -> dict[str, Any]:
+    @app.put("/v1/admin/config", tags=["admin"], responses=_errors(400, 401, 408, 409, 413, 415, 422),
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": POLICY_CHANGES_SCHEMA}}}})
+    async def put_config(request: Request, _: str = Security(admin)) -> dict[str, Any]:
         """Change round-policy settings (partial object); applies from the next round. A
-        ``method`` the global model cannot run is refused (409 ``model_method_mismatch``)."""
-        return coord.set_policy(changes)
+        ``method`` the global model cannot run is refused (409 ``model_method_mismatch``).
+        The admin token is checked before the body (at most 64 KiB) is read."""
+        require_media_type(request, "application/json")
+        buf = io.BytesIO()
+        await receive_body(request, MAX_CONFIG_BYTES, body_timeout_s, buf)
+        try:
+            changes = json.loads(buf.getvalue())
+        except (ValueError, RecursionError) as e:
+            raise Unprocessable(f"the body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
+        if not isinstance(changes, dict):
+            raise Unprocessable(f"the body must be a JSON object of policy settings, got {type(changes).__name__}",
+                                code="invalid_policy")
+        return await run_in_threadpool(coord.set_policy, changes)
 
-    @app.post("/v1/admin/model", response_model=ModelInfo, responses=_errors(401, 409, 413, 415, 422), tags=["admin"],
-              openapi_extra=_BINARY_BODY)
+    @app.post("/v1/admin/model", response_model=ModelInfo, responses=_errors(400, 401, 408, 409, 413, 415, 422),
+              tags=["admin"], openapi_extra=_BINARY_BODY)
     async def install_model(request: Request, method: Literal["feduv", "fedfs", "fedfs+feduv"] | None = Query(
             None, description="also switch the policy's method to this one, in the same step"),
             _: str = Security(admin)) -> dict[str, Any]:
         """Publish a fedfs checkpoint (safetensors) as the next global version (no round open).
         It must fit the policy's method (or ``method``): else 409 ``model_method_mismatch``."""
-        body = await read_body(request, max_body_bytes)
-        return await run_in_threadpool(coord.install_model, body, method)
+        return await _spooled(request, max_body_bytes, lambda body: coord.install_model(body, method))
 
     @app.post("/v1/admin/rounds", status_code=201, response_model=RoundStatus, responses=_errors(401, 409), tags=["admin"])
     def open_round(_: str = Security(admin)) -> dict[str, Any]:

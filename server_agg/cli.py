@@ -90,6 +90,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tick-interval", type=float, default=0.5, help="how often deadlines are checked (s)")
     g.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
                    help="log lines (JSON on stderr) at this level and above")
+    g = p.add_argument_group("connection limits (what a slow or hostile client may hold)")
+    g.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a connection must send a complete request head within this time (else it is closed)")
+    g.add_argument("--body-timeout", type=float, default=120.0, metavar="SECONDS",
+                   help="a request body must be complete within this time (else 408 and the connection is closed)")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="an idle kept-alive connection is closed after this time")
+    g.add_argument("--limit-concurrency", type=int, default=1024, metavar="N",
+                   help="open connections / requests beyond this are answered 503")
+    g.add_argument("--decode-workers", type=int, default=2, metavar="N",
+                   help="uploads decoded, validated and aggregated at once (each holds a few copies of the "
+                        "model in memory; bodies waiting for a slot are spooled to a temp file)")
 
 
 def policy_overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -160,6 +172,42 @@ def check_start(args: argparse.Namespace, method: str, model_config: dict[str, A
                          "with --init-backbone (or publish a trained model with --init-model)")
 
 
+def xi_config_of(xi: bytes | None) -> dict[str, Any] | None:
+    """The resolved model config of a ξ checkpoint (``None`` without one)."""
+    if xi is None:
+        return None
+    from fedfs_sdk.model import ModelConfig
+
+    try:
+        return json.loads(ModelConfig.from_json(json.dumps(model_config_of(xi))).resolved().to_json())
+    except (InputError, TypeError, ValueError) as e:
+        raise InputError(f"--xi: cannot read its model config: {e}") from None
+
+
+def check_proj_dim(method: str, model_config: dict[str, Any] | None, xi_config: dict[str, Any] | None,
+                   train: dict[str, Any], where: str = "the initial model") -> None:
+    """Refuse (``InputError``) a FedFS start whose projection size does not fit ξ.
+
+    FedFS Eq. 2 compares ``z = r ⊕ q`` with ``v = ξ(x)``: with ``combine = concat`` each of
+    ``r``, ``q`` has half of ξ's embedding size, with ``sum`` all of it. Otherwise every
+    device fails its first round (``set proj_dim = …``) and the round waits for its deadline.
+    """
+    if not uses_fedfs(method) or model_config is None or xi_config is None or not model_config.get("proj_dim"):
+        return
+    from fedfs_sdk.losses.fedfs import FedFSLossConfig
+
+    fedfs = dict((train.get("objective") or {}).get("fedfs") or {})
+    cfg = FedFSLossConfig(**fedfs)
+    xi_dim = int(xi_config["embedding_dim"])
+    need = cfg.projection_dim(xi_dim)
+    have = int(model_config["proj_dim"])
+    if have != need:
+        fix = f"give --proj-dim {need}" if where == "the initial model" else \
+            f"install a model with proj_dim = {need} (POST /v1/admin/model) or give the matching --xi"
+        raise InputError(f"--proj-dim {have} cannot be trained with this ξ: ξ's embedding has {xi_dim} dims and "
+                         f"FedFS (combine={cfg.combine!r}) needs proj_dim = {need} for {where}; {fix}")
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port``, bound before the state is touched so a busy
     port fails the start without writing anything (uvicorn then serves on it)."""
@@ -188,6 +236,10 @@ def run(args: argparse.Namespace) -> int:
     from .store import Layout, StateLock
 
     setup_logging(args.log_level)
+    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout", "limit_concurrency", "decode_workers"):
+        v = getattr(args, flag)
+        if not v > 0 or v != v or v == float("inf"):
+            raise InputError(f"--{flag.replace('_', '-')} must be a positive finite number, got {v}")
     xi = None
     if args.xi is not None:
         if not args.xi.is_file():
@@ -202,10 +254,11 @@ def run(args: argparse.Namespace) -> int:
     init_config = model_config_of(init) if init is not None else None
     if not layout.db.exists():                 # a new state: its policy is the defaults + flags
         try:
-            method = RoundPolicy().updated(overrides).method
+            policy = RoundPolicy().updated(overrides)
         except InputError as e:
             raise InputError(f"invalid round policy: {e}") from None
-        check_start(args, method, init_config, installs_initial=init is not None)
+        check_start(args, policy.method, init_config, installs_initial=init is not None)
+        check_proj_dim(policy.method, init_config, xi_config_of(xi), dict(policy.train))
     sock = bind_listener(args.host, args.port)
     try:
         with StateLock(layout.root):
@@ -221,6 +274,7 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
 
     from .app import create_app
     from .auth import load_admin_token
+    from .transport import deadline_protocol
     from .rounds import Coordinator
 
     coord = Coordinator(layout, keep_updates=args.keep_updates, poll_interval_s=args.poll_interval)
@@ -228,8 +282,11 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
         method = coord.policy.updated(overrides).method
         installs = init is not None and coord.model is None
         where = "the initial model" if installs or coord.model is None else f"the state's model v{coord.model.version}"
-        check_start(args, method, init_config if installs else (coord.model.model_config if coord.model else None),
-                    installs_initial=installs, where=where)
+        model_config = init_config if installs else (coord.model.model_config if coord.model else None)
+        check_start(args, method, model_config, installs_initial=installs, where=where)
+        stored_xi = layout.xi.read_bytes() if xi is None and layout.xi.is_file() else None
+        check_proj_dim(method, model_config, xi_config_of(xi if xi is not None else stored_xi),
+                       dict(coord.policy.updated(overrides).train), where=where)
         if not coord.configure(overrides, init) and init is not None:
             log.info("initial model ignored: the state already has one",
                      extra={"fields": {"model_version": coord.model.version}})
@@ -239,14 +296,17 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
         if generated:
             log.info("admin token generated", extra={"fields": {"path": str(layout.admin_token)}})
         app = create_app(coord, admin_token=admin_token, registration_token=args.registration_token,
-                         max_body_bytes=int(args.max_body_mb * (1 << 20)), tick_interval_s=args.tick_interval)
+                         max_body_bytes=int(args.max_body_mb * (1 << 20)), tick_interval_s=args.tick_interval,
+                         body_timeout_s=args.body_timeout, decode_workers=args.decode_workers)
         port = sock.getsockname()[1]
         log.info("serving", extra={"fields": {"url": f"http://{args.host}:{port}", "state": str(layout.root),
                                               "pid": os.getpid(),
                                               "model_version": coord.model.version if coord.model else None,
                                               "policy": coord.policy.to_json()}})
         config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.log_level,
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, http=deadline_protocol(args.header_timeout),
+                                timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
+                                limit_concurrency=args.limit_concurrency)
         server = uvicorn.Server(config)
         try:
             server.run(sockets=[sock])
@@ -257,4 +317,5 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
         coord.close()
 
 
-__all__ = ["add_arguments", "run", "policy_overrides", "initial_checkpoint", "check_start", "bind_listener"]
+__all__ = ["add_arguments", "run", "policy_overrides", "initial_checkpoint", "check_start", "check_proj_dim",
+           "xi_config_of", "bind_listener"]

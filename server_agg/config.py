@@ -14,6 +14,13 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.wire_format import MAX_ID, is_finite_number
 from fedfs_sdk.objective import METHODS, uses_fedfs, uses_feduv
 
+MAX_NEG_CODEWORDS = 1 << 16
+"""ℓ_neg codewords a device draws per round: each is a ``c``-bit vector held on the device."""
+MAX_NUM_SAMPLES = 2**40
+"""|D_c| · weights summed in float64 over many devices: keep the claim far from overflow."""
+MAX_SECONDS = 366 * 24 * 3600.0
+"""Largest round timeout / liveness window (a year): beyond it a deadline means "never"."""
+
 
 @dataclass(frozen=True)
 class RoundPolicy:
@@ -60,20 +67,19 @@ class RoundPolicy:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InputError(f"unknown method {self.method!r}; choose one of {METHODS}")
-        _check_int("neg_codewords", self.neg_codewords, 0)
+        _check_int("neg_codewords", self.neg_codewords, 0, MAX_NEG_CODEWORDS)
         _check_fraction("participation", self.participation)
         _check_int("min_participants", self.min_participants, 1)
         _check_fraction("quorum", self.quorum)
         _check_int("min_updates", self.min_updates, 1)
-        _check_number("round_timeout_s", self.round_timeout_s, positive=True)
+        _check_number("round_timeout_s", self.round_timeout_s, positive=True, maximum=MAX_SECONDS)
         _check_int("rounds", self.rounds, 0)
         if self.max_update_norm is not None:
             _check_number("max_update_norm", self.max_update_norm, positive=True)
-        # |D_c| · weights summed in float64 over many devices: keep the claim far from overflow
-        _check_int("max_num_samples", self.max_num_samples, 1, 2**40)
+        _check_int("max_num_samples", self.max_num_samples, 1, MAX_NUM_SAMPLES)
         _check_int("seed", self.seed, 0)
         if self.device_ttl_s is not None:
-            _check_number("device_ttl_s", self.device_ttl_s)
+            _check_number("device_ttl_s", self.device_ttl_s, maximum=MAX_SECONDS)
             if self.device_ttl_s < 0:
                 raise InputError(f"device_ttl_s must be ≥ 0 (0 disables the liveness rule), got {self.device_ttl_s!r}")
         if not isinstance(self.train, Mapping):
@@ -141,9 +147,11 @@ def _check_int(name: str, v: Any, minimum: int, maximum: int = MAX_ID) -> None:
         raise InputError(f"{name} must be an integer in [{minimum}, {maximum}], got {str(v)[:40]}")
 
 
-def _check_number(name: str, v: Any, positive: bool = False) -> None:
+def _check_number(name: str, v: Any, positive: bool = False, maximum: float | None = None) -> None:
     if not is_finite_number(v) or (positive and v <= 0):
         raise InputError(f"{name} must be a finite{' positive' if positive else ''} number, got {str(v)[:40]}")
+    if maximum is not None and v > maximum:
+        raise InputError(f"{name} must be ≤ {maximum:g}, got {str(v)[:40]}")
 
 
 def _check_fraction(name: str, v: Any) -> None:
@@ -152,4 +160,4 @@ def _check_fraction(name: str, v: Any) -> None:
         raise InputError(f"{name} must be in (0, 1], got {v!r}")
 
 
-__all__ = ["RoundPolicy", "missing_model_field", "mismatch_reason"]
+__all__ = ["RoundPolicy", "missing_model_field", "mismatch_reason", "MAX_NEG_CODEWORDS", "MAX_NUM_SAMPLES", "MAX_SECONDS"]

@@ -45,6 +45,9 @@ from .store import Database, Layout, atomic_write, commit_file, write_temp
 log = logging.getLogger("fedfs.server")
 
 BASE_BITS = 32
+SEEN_WRITE_INTERVAL_S = 5.0
+"""``devices.last_seen`` is rewritten at most this often per device (it only has to survive a
+restart; the in-memory time decides liveness). A polling device costs no write per poll."""
 @dataclass(frozen=True)
 class GlobalModel:
     """A published global version held in memory (the reference of the open round)."""
@@ -106,6 +109,7 @@ class Coordinator:
         self.model: GlobalModel | None = None
         self.round: OpenRound | None = None
         self._seen: dict[str, float] = {}   # every device → its last authenticated request (-inf: never)
+        self._seen_written: dict[str, float] = {}   # … and the value its database row holds
         self._seen_dirty: set[str] = set()  # devices whose ``last_seen`` is to be written by tick()/close()
         self._recover()
         if policy_overrides:
@@ -154,7 +158,7 @@ class Coordinator:
                                   " VALUES (?, ?, ?, ?, ?)", (device_id, hash_token(token), base, now, now))
                 except sqlite3.IntegrityError:
                     continue  # id or b_u already taken: draw again (b_u is never reissued)
-                self._seen[device_id] = now
+                self._seen[device_id] = self._seen_written[device_id] = now
                 _event("device registered", device_id=device_id)
                 return {"device_id": device_id, "token": token, "base_vector": base, "base_bits": BASE_BITS}
         raise Conflict("could not allocate a unique base vector", code="base_space_exhausted")
@@ -177,21 +181,28 @@ class Coordinator:
 
     def _saw(self, device_id: str) -> None:
         """Record an authenticated request of ``device_id`` (its liveness); the database copy
-        is written by the next :meth:`tick` (it only has to survive a restart)."""
+        is written by a later :meth:`tick`, at most every ``SEEN_WRITE_INTERVAL_S`` seconds
+        per device (it only has to survive a restart)."""
         now = self.clock()
         with self._lock:
             self._seen[device_id] = now
             self._seen_dirty.add(device_id)
 
-    def _flush_seen(self) -> None:
-        """Write the pending ``last_seen`` values in one transaction."""
+    def _flush_seen(self, everything: bool = False) -> None:
+        """Write the pending ``last_seen`` values that are ``SEEN_WRITE_INTERVAL_S`` newer
+        than the stored ones (``everything``: all pending ones) in one transaction."""
         with self._lock:
             if not self._seen_dirty:
                 return
-            rows = [(self._seen[d], d) for d in sorted(self._seen_dirty)]
+            due = sorted(d for d in self._seen_dirty if everything or
+                         self._seen[d] - self._seen_written.get(d, float("-inf")) >= SEEN_WRITE_INTERVAL_S)
+            if not due:
+                return
             with self.db.transaction() as c:
-                c.executemany("UPDATE devices SET last_seen = ? WHERE id = ?", rows)
-            self._seen_dirty.clear()
+                c.executemany("UPDATE devices SET last_seen = ? WHERE id = ?", [(self._seen[d], d) for d in due])
+            for d in due:
+                self._seen_written[d] = self._seen[d]
+            self._seen_dirty.difference_update(due)
 
     def device_count(self) -> int:
         with self._lock:
@@ -426,6 +437,20 @@ class Coordinator:
             return {"action": "wait", "retry_after": self.poll_interval_s,
                     "round_id": r.id if r is not None else None}
 
+    def check_upload(self, device_id: str, round_id: int) -> None:
+        """Refuse, before its body is read, an upload that no body could make acceptable:
+        the round is not open (and the device has no accepted update in it to retry), its
+        deadline passed, or the device was not sampled. An upload that may be a retry of an
+        accepted body passes (its hash decides, in :meth:`submit_update`)."""
+        with self._lock:
+            r = self.round
+            if r is not None and r.id == round_id and device_id in r.accepted:
+                return
+            if (r is None or r.id != round_id) and self.db.scalar(
+                    "SELECT 1 FROM updates WHERE round_id = ? AND device_id = ?", round_id, device_id) is not None:
+                return
+            self._upload_target(device_id, round_id)
+
     def submit_update(self, device_id: str, round_id: int, body: bytes) -> dict[str, Any]:
         """Validate and accept one upload. Returns the receipt (``duplicate`` on a retry)."""
         body_sha = sha256_hex(body)
@@ -550,10 +575,11 @@ class Coordinator:
                     "round": self._round_status(self.round.id) if self.round else None}
 
     def health(self) -> dict[str, Any]:
-        """The public summary: the latest model version and the open round, if any."""
-        with self._lock:
-            return {"model_version": self.model.version if self.model else None,
-                    "round_id": self.round.id if self.round else None}
+        """The public summary: the latest model version and the open round, if any. Reads
+        two references without the lock (each is replaced whole), so it never waits for an
+        upload's commit or a round's aggregation."""
+        model, rnd = self.model, self.round
+        return {"model_version": model.version if model else None, "round_id": rnd.id if rnd else None}
 
     def round_status(self, round_id: int) -> dict[str, Any]:
         with self._lock:
@@ -579,6 +605,7 @@ class Coordinator:
         with self._lock:
             self._seen = {r["id"]: r["last_seen"] if r["last_seen"] is not None else float("-inf")
                           for r in self.db.all("SELECT id, last_seen FROM devices")}
+            self._seen_written = dict(self._seen)
             row = self.db.one("SELECT * FROM models ORDER BY version DESC LIMIT 1")
             latest = 0
             if row is not None:
@@ -641,7 +668,7 @@ class Coordinator:
 
     def close(self) -> None:
         with self._lock:
-            self._flush_seen()
+            self._flush_seen(everything=True)
             self.db.close()
 
 

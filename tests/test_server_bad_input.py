@@ -266,8 +266,11 @@ def test_replayed_upload_is_counted_once(ctx):
 def test_upload_after_deadline(ctx):
     with ctx.srv.admin() as a:
         a.post("/v1/admin/rounds/2/close")
-        assert a.put("/v1/admin/config", json={"round_timeout_s": 0.5}).status_code == 200
+        # device_ttl_s 0: A and B stay eligible however long the earlier tests took (a 0.5 s
+        # timeout would otherwise make the liveness window 1 s)
+        assert a.put("/v1/admin/config", json={"round_timeout_s": 0.5, "device_ttl_s": 0}).status_code == 200
         opened = a.post("/v1/admin/rounds").json()
+    assert "round_id" in opened, opened
     time.sleep(1.0)
     body = ctx.update(round_id=opened["round_id"], version=opened["model_version"])
     r = ctx.put(body, round_id=opened["round_id"])

@@ -53,8 +53,16 @@ def test_header_checks_dtypes_and_metadata():
     ({"format": "other"}, "not a fedfs update"),
     ({"format": "fedfs-update/1", "round_id": "1", "model_version": "1"}, "num_samples"),
     ({"format": "fedfs-update/1", "round_id": "x", "model_version": "1", "num_samples": "1"}, "not an integer"),
-    ({"format": "fedfs-update/1", "round_id": "1", "model_version": "1", "num_samples": "-2"}, r"in \[1, "),
-    ({"format": "fedfs-update/1", "round_id": "1", "model_version": "1", "num_samples": "9" * 5000}, r"in \[1, "),
+    ({"format": "fedfs-update/1", "round_id": "1", "model_version": "1", "num_samples": "-2"}, "ASCII digits"),
+    ({"format": "fedfs-update/1", "round_id": "1", "model_version": "1", "num_samples": "0"}, r"in \[1, "),
+    ({"format": "fedfs-update/1", "round_id": "1", "model_version": "1", "num_samples": "9" * 5000}, "more than 19 digits"),
+    ({"format": "fedfs-update/1", "round_id": "1", "model_version": "1", "num_samples": "9" * 19}, r"in \[1, "),
+    # strict decimal: what int() accepts but another parser might read differently
+    *[({"format": "fedfs-update/1", "round_id": "1", "model_version": "1", "num_samples": raw}, "ASCII digits")
+      for raw in (" 7 ", "7 ", "1_0", "+7", "\u0667", "\uff17", "07", "", "7.0", "0x7")],
+    # an update carries (round, version, |D_c|) and nothing else: extra keys are named
+    ({"format": "fedfs-update/1", "round_id": "1", "model_version": "1", "num_samples": "1",
+      "embedding": "0.1,0.2", "note": "x" * 500_000}, "unknown keys 'embedding', 'note'"),
 ])
 def test_update_metadata_is_checked(meta, msg):
     with pytest.raises(InputError, match=msg):
