@@ -13,6 +13,7 @@ from fedfs_sdk.cli.progress import progress_bar
 from fedfs_sdk.errors import CheckpointError, InputError
 
 from .datasets import IdentityDataset, ImageFolderDataset, SynthDataset
+from .folder_split import plan_folder_split, unused_identities
 from .pretrain import PretrainConfig, load_xi, pretrain_cached
 from .scenarios import SCENARIOS, apply_scenario, scenario_help
 from .splits import FaceSplits, UserSplit, make_splits
@@ -31,13 +32,16 @@ def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users
     g.add_argument("--image-size", type=int, default=32, help="input side in pixels (32 suits the tiny backbone)")
     g.add_argument("--difficulty", type=float, default=1.0, help="SynthFaces nuisance strength (0 clean … 1 default)")
     g.add_argument("--synth-seed", type=int, default=0, help="SynthFaces universe seed")
-    g.add_argument("--clients", type=int, default=clients, help="number of clients, one identity each "
-                   "(for a folder, 0: all identities that are not public / new users)")
-    g.add_argument("--new-users", type=int, default=new_users, help="identities never in training (FedUV's third set)")
-    g.add_argument("--public", type=int, default=public, help="public identities for pre-training ξ")
-    g.add_argument("--train-per-client", type=int, default=20, help="local training images per client "
-                   "(synth; FedFS uses 57). For a folder: 0 = 80/20 split of each identity")
-    g.add_argument("--test-per-client", type=int, default=10, help="held-out test images per client (FedFS: 13)")
+    g.add_argument("--clients", type=int, default=None, help=f"number of clients, one identity each (synth: "
+                   f"{clients}; a folder: every identity that is not public / a new user — also --clients 0)")
+    g.add_argument("--new-users", type=int, default=None, help="identities never in training (FedUV's third set; "
+                   f"synth: {new_users}; a folder: 10%% of its identities)")
+    g.add_argument("--public", type=int, default=None, help=f"public identities for pre-training ξ (synth: {public}; "
+                   "a folder: 25%% of its identities, 0 with --pretrain-data)")
+    g.add_argument("--train-per-client", type=int, default=None, help="local training images per client "
+                   "(synth: 20; FedFS uses 57). A folder: 80/20 split of each identity unless given (0: 80/20)")
+    g.add_argument("--test-per-client", type=int, default=None, help="held-out test images per client "
+                   "(synth: 10; FedFS: 13; a folder: 80/20)")
     g.add_argument("--warmup-per-client", type=int, default=0,
                    help="fresh images per client / new user for FedUV's warm-up threshold, never trained on "
                         "(fixed train/test counts only). 0: the warm-up scores the training images, which a "
@@ -56,13 +60,28 @@ def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users
                    help="public SynthFaces identities of ξ when --pretrain-data synth differs from --data")
     g.add_argument("--scenario", default=None, choices=sorted(SCENARIOS),
                    help="a named setting of the options above: " + scenario_help())
+    p.set_defaults(synth_defaults={"clients": clients, "new_users": new_users, "public": public,
+                                   "train_per_client": 20, "test_per_client": 10})
+
+
+def apply_synth_defaults(args: argparse.Namespace) -> None:
+    """Fill the split sizes left unset with SynthFaces' defaults (``--data synth`` only: a
+    folder's defaults depend on the folder, :mod:`device_sim.folder_split`)."""
+    defaults = getattr(args, "synth_defaults", None) or {"clients": 100, "new_users": 20, "public": 300,
+                                                          "train_per_client": 20, "test_per_client": 10}
+    for k, v in defaults.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
 
 
 def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     """The clients' dataset and the public / client / new-user split the arguments describe
-    (``--scenario`` applied first)."""
+    (``--scenario`` applied first). For a folder the split sizes adapt to it
+    (:func:`~device_sim.folder_split.plan_folder_split`); what was chosen and every file,
+    folder and identity left out are in ``splits.meta["plan"]`` / ``["skipped"]``."""
     apply_scenario(args)
     if args.data == "synth":
+        apply_synth_defaults(args)
         ds = _synth_dataset(args, args.domain, args.difficulty)
         splits = make_splits(SYNTH_UNIVERSE, args.public, args.clients, args.new_users,
                              args.train_per_client, args.test_per_client, seed=args.split_seed,
@@ -73,17 +92,37 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     if not root.is_dir():
         raise InputError(f"--data must be 'synth' or an ImageFolder directory; {root} is not a directory")
     ds = ImageFolderDataset(root, args.image_size, detect_face=args.detect_face, validate=True, cache_bytes=1 << 30)
-    fixed = args.train_per_client > 0
-    clients = args.clients or (ds.num_identities - args.public - args.new_users)
-    splits = make_splits(ds, args.public, clients, args.new_users,
-                         args.train_per_client if fixed else None, args.test_per_client if fixed else None,
-                         seed=args.split_seed, public_images=None,
-                         warmup_per_user=args.warmup_per_client)
+    counts = ds.counts
+    src = args.pretrain_data
+    pretrain_here = not src or (src != "synth" and Path(src) == root)
+    plan = plan_folder_split(counts, args, pretrain_here)
+    splits = make_splits(ds, plan.public, plan.clients, plan.new_users, plan.train, plan.test,
+                         seed=args.split_seed, public_images=None, warmup_per_user=args.warmup_per_client or 0)
+    skipped = ds.skip_summary()
+    skipped["identities"] += [s.to_dict() for s in unused_identities(ds.names, counts, splits, plan.per_user)]
+    splits.meta.update({"plan": plan.notes, "skipped": skipped})
     return ds, splits
 
 
+def skipped_lines(skipped: dict[str, list[dict[str, str]]], limit: int = 20) -> list[str]:
+    """The CLI's summary of what a folder dataset left out: one line per kind, then each
+    item with its reason (``limit`` per kind; the rest are in results.json)."""
+    lines: list[str] = []
+    for kind, what in (("files", "unreadable image file(s)"), ("ignored", "file(s)/folder(s) not read"),
+                       ("identities", "identity folder(s) not used")):
+        items = skipped.get(kind) or []
+        if not items:
+            continue
+        lines.append(f"skipped {len(items)} {what}:")
+        for it in items[:limit]:
+            lines.append(f"  {it.get('path') or it.get('identity')}: {it['reason']}")
+        if len(items) > limit:
+            lines.append(f"  … and {len(items) - limit} more (all listed in results.json)")
+    return lines
+
+
 def _synth_dataset(args: argparse.Namespace, domain: str | None, difficulty: float) -> SynthDataset:
-    per = args.train_per_client + args.test_per_client + args.warmup_per_client
+    per = (args.train_per_client or 0) + (args.test_per_client or 0) + (args.warmup_per_client or 0)
     faces = SynthFaces(args.synth_seed, args.image_size, difficulty, domain=domain)
     return SynthDataset(faces, images_per_identity=max(per, args.public_images), num_identities=SYNTH_UNIVERSE,
                         cache_bytes=1 << 30)
@@ -125,7 +164,9 @@ def build_pretrain_data(args: argparse.Namespace, ds: IdentityDataset,
         raise InputError(f"--pretrain-data must be 'synth' or an ImageFolder directory; {root} is not a directory")
     src_ds = ImageFolderDataset(root, args.image_size, detect_face=args.detect_face, validate=True,
                                 cache_bytes=1 << 30)
-    return src_ds, _all_public(src_ds)
+    pub = _all_public(src_ds)
+    pub.meta["skipped"] = src_ds.skip_summary()
+    return src_ds, pub
 
 
 def add_pretrain_arguments(p: argparse.ArgumentParser, epochs: int = 10) -> None:
@@ -156,7 +197,8 @@ def run_pretrain(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSpli
     """Pre-train ξ on the split's public identities (cached) with a progress bar."""
     ids, idx, labels = splits.pairs("public", "train")
     if ids.size == 0:
-        raise InputError("no public identities to pre-train ξ on: set --public N (or pass --pretrained CKPT)")
+        raise InputError("no public identities to pre-train ξ on: set --public N (≥ 2), or --pretrain-data "
+                         "synth|PATH, or --pretrained CKPT")
     with progress_bar("pre-training ξ", unit="step", disable=quiet) as bar:
         def cb(step: int, total: int, m: dict[str, float]) -> None:
             bar.total = total
@@ -209,7 +251,10 @@ def resolve_xi(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits
         return xi, {"path": str(args.pretrained), "cached": True, "stats": meta.get("stats", {})}
     src_ds, src_splits = build_pretrain_data(args, ds, splits)
     res = run_pretrain(args, src_ds, src_splits, quiet=quiet)
-    return res.model, {"path": str(res.path), "cached": res.cached, "stats": res.stats}
+    info = {"path": str(res.path), "cached": res.cached, "stats": res.stats}
+    if src_ds is not ds and src_splits.meta.get("skipped"):
+        info["skipped"] = src_splits.meta["skipped"]      # what ξ's own folder left out
+    return res.model, info
 
 
 def add_device_argument(p: argparse.ArgumentParser) -> None:
@@ -224,5 +269,5 @@ def setup_device(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-__all__ = ["add_data_arguments", "build_data", "add_pretrain_arguments", "pretrain_config", "run_pretrain",
+__all__ = ["add_data_arguments", "apply_synth_defaults", "skipped_lines", "build_data", "add_pretrain_arguments", "pretrain_config", "run_pretrain",
            "resolve_xi", "check_xi_disjoint", "build_pretrain_data", "add_device_argument", "setup_device", "progress_bar", "SYNTH_UNIVERSE"]

@@ -3,12 +3,16 @@
 Example::
 
     fedfs pretrain --data synth --public 300 --out xi.safetensors
-    fedfs pretrain --data /data/public_faces --public 0 --clients 1 --new-users 0 \\
-        --image-size 112 --backbone mobilefacenet --out xi.safetensors
+    fedfs pretrain --data /data/faces --image-size 112 --backbone mobilefacenet --out xi.safetensors
+    fedfs pretrain --data /data/faces --pretrain-data /data/public_faces --out xi.safetensors
 
 The split is the same one ``fedfs simulate`` draws from the same data arguments, so the
-public identities never include a client or new user (``simulate`` checks). Training is
-cached by config + data (``--cache-dir``); ``--force`` retrains.
+public identities never include a client or new user (``simulate`` checks): for a folder,
+25 % of its identities are held out as public ones (:mod:`device_sim.folder_split`) and ξ
+is evaluated on the clients' test images. With ``--pretrain-data`` every identity of that
+source is public (as ``fedfs simulate --pretrain-data`` uses it) and ``--data`` only
+supplies the new identities ξ is evaluated on. Training is cached by config + data
+(``--cache-dir``); ``--force`` retrains.
 """
 from __future__ import annotations
 
@@ -19,8 +23,9 @@ import numpy as np
 import torch
 
 from .cli_common import (add_data_arguments, add_device_argument, add_pretrain_arguments, build_data,
-                         run_pretrain, setup_device)
+                         build_pretrain_data, run_pretrain, setup_device, skipped_lines)
 from .metrics import verification_metrics
+from .pretrain import embed_images
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +45,7 @@ def new_identity_auroc(xi, ds, splits, max_images: int = 2000) -> dict[str, floa
     if ids.size < 2:
         return None
     ids, idx, owner = ids[:max_images], idx[:max_images], owner[:max_images]
-    e = xi(ds.batch(ids, idx)).embedding
+    e = embed_images(xi, ds, ids, idx)        # memory-sized batches (one 2000-image forward took 6 GB)
     e = e / e.norm(dim=1, keepdim=True).clamp_min(1e-12)
     s = (e @ e.t()).numpy()
     iu = np.triu_indices(owner.size, 1)
@@ -55,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
     setup_device(args)
     t0 = time.perf_counter()
     ds, splits = build_data(args)
-    res = run_pretrain(args, ds, splits, out=args.out, force=args.force, quiet=args.quiet)
+    src_ds, src_splits = build_pretrain_data(args, ds, splits)
+    for line in splits.meta.get("plan", []) + skipped_lines(splits.meta.get("skipped") or {}) + (
+            skipped_lines(src_splits.meta.get("skipped") or {}) if src_splits is not splits else []):
+        print(line)
+    res = run_pretrain(args, src_ds, src_splits, out=args.out, force=args.force, quiet=args.quiet)
     st = res.stats
     print(f"ξ: {args.backbone} on {st.get('num_classes')} public identities, {st.get('num_images')} images, "
           f"{st.get('steps')} steps{' (from cache)' if res.cached else ''}: "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,10 @@ from fedfs_sdk.checkpoint import atomic_write_bytes
 from fedfs_sdk.errors import InputError
 
 from .cli_common import (add_data_arguments, add_device_argument, add_pretrain_arguments, build_data,
-                         progress_bar, resolve_xi, setup_device)
+                         progress_bar, resolve_xi, setup_device, skipped_lines)
 from .evaluate import EvalConfig, evaluate
 from .executors import LocalConfig
+from .folder_split import auto_warmup_q
 from .federation import Federation, FederationConfig, checkpoint_path, latest_checkpoint
 from .methods import REGISTRY, parse_method
 from .population import Population
@@ -62,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every K rounds (history) when > 0")
     p.add_argument("--eval-clients", type=int, default=1000, help="evaluate at most this many clients")
     p.add_argument("--impostor-pool", type=int, default=2000, help="at most this many impostor images per client")
-    p.add_argument("--q", type=float, default=0.9, help="FedUV warm-up target TPR")
+    p.add_argument("--q", type=float, default=None, help="FedUV warm-up target TPR (default 0.9; for a folder "
+                   "whose identities have fewer than the 10 warm-up images 0.9 needs: the largest q they allow, "
+                   "stated under the table)")
     p.add_argument("--out", default="runs/simulate", help="output directory (a relative path is relative to the "
                    "current directory)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
@@ -145,17 +149,35 @@ def run_simulation(args: argparse.Namespace, title: str = "fedfs simulate",
     out.mkdir(parents=True, exist_ok=True)      # an unwritable --out fails now, not after training
     t0 = time.perf_counter()
     ds, splits = build_data(args)
+    notes = list(splits.meta.get("plan", []))
+    q = args.q
+    if q is None:
+        q, why = auto_warmup_q(splits) if args.data != "synth" else (0.9, None)
+        notes += [why] if why else []
+    if not args.quiet:      # before training, so a long run shows at once what it runs on
+        for line in notes + skipped_lines(splits.meta.get("skipped") or {}):
+            print(line, file=sys.stderr, flush=True)
     pop = Population(ds, splits)
     xi, xi_info = resolve_xi(args, ds, splits, quiet=args.quiet)
-    eval_cfg = EvalConfig(q=args.q, max_clients=args.eval_clients, impostor_pool=args.impostor_pool, seed=args.seed)
+    eval_cfg = EvalConfig(q=q, max_clients=args.eval_clients, impostor_pool=args.impostor_pool, seed=args.seed)
     rows = [run_method(spec, pop, xi, args, out, eval_cfg, keep) for spec in args.method]
     settings = {k: v for k, v in vars(args).items() if k not in ("func",)}
     results = {"title": title, "settings": settings, "xi": xi_info, "eval_config": vars(eval_cfg),
                "population": {"clients": pop.num_clients, "new_users": pop.num_new_users,
                               "public": len(splits.public), "image_size": pop.image_size, "data": repr(ds)},
+               "notes": notes, "skipped": splits.meta.get("skipped"),
+               "clients": _client_names(ds, splits),
                "wall_seconds": time.perf_counter() - t0, "methods": rows}
     results["files"] = {k: str(v) for k, v in write_results(out, results, title).items()}
     return results
+
+
+def _client_names(ds, splits) -> list[str]:
+    """Identity name of each client (client ``c`` ↔ ``names[c]``: what ``--client c`` of
+    ``fedfs export`` / ``fedfs enroll`` refers to). Empty for SynthFaces' large populations."""
+    if splits.num_clients > 10_000:
+        return []
+    return ds.identity_names(splits.identities("clients"))
 
 
 def run_seeds(args: argparse.Namespace, title: str = "fedfs simulate") -> dict[str, Any]:
@@ -192,6 +214,9 @@ def run(args: argparse.Namespace) -> int:
     print(markdown_table(results["methods"], f"{results['population']['clients']} clients, "
                                              f"{args.rounds} rounds, p = {args.participation}"))
     print(headroom_line(results["methods"]))
+    for line in results["notes"] + skipped_lines(results.get("skipped") or {}) + \
+            skipped_lines(results["xi"].get("skipped") or {}):
+        print(line)
     print(f"wrote {', '.join(results['files'].values())} ({results['wall_seconds']:.0f} s)")
     return 0
 

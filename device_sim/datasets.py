@@ -25,7 +25,8 @@ from fedfs_sdk.preprocess import IMAGE_EXTENSIONS, preprocess
 
 from .synthfaces import SynthFaces, broadcast_pairs
 
-__all__ = ["IdentityDataset", "SynthDataset", "ImageFolderDataset", "SkippedFile", "LRUImageCache"]
+__all__ = ["IdentityDataset", "SynthDataset", "ImageFolderDataset", "SkippedFile", "SkippedIdentity",
+           "LRUImageCache"]
 
 IndexLike = int | Sequence[int] | np.ndarray | torch.Tensor
 
@@ -184,8 +185,24 @@ class SynthDataset:
 
 @dataclass(frozen=True)
 class SkippedFile:
+    """A file or folder a dataset did not use, and why (listed by the CLI and in results.json)."""
+
     path: Path
     reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"path": str(self.path), "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class SkippedIdentity:
+    """An identity folder a dataset or a split did not use, and why."""
+
+    name: str
+    reason: str
+
+    def to_dict(self) -> dict[str, str]:
+        return {"identity": self.name, "reason": self.reason}
 
 
 class ImageFolderDataset:
@@ -197,13 +214,18 @@ class ImageFolderDataset:
     ``detect_face=True``), centre-square crop and resize go through
     :func:`fedfs_sdk.preprocess.preprocess`.
 
-    Bad data:
-      * sub-folders with no image files are skipped and listed in ``empty_folders``;
-        a root with no usable identity raises :class:`InputError`;
+    Bad data — nothing is dropped without being named (:meth:`skip_summary`):
+      * sub-folders with fewer than ``min_images`` image files are skipped, listed in
+        ``empty_folders`` and, with the reason, in ``skipped_identities``; a root with no
+        usable identity raises :class:`InputError`;
+      * files that are not images (by extension), files directly under the root and folders
+        nested inside an identity folder (only ``root/<identity>/<image>`` is read) are
+        listed in ``ignored`` with the reason;
       * with ``validate=True`` (implied by ``preload=True``) every image is decoded at
-        construction; unreadable files (and, with ``detect_face``, faceless ones) are dropped
-        and listed in ``skipped_files`` so indices refer only to good images; identities left
-        without images join ``empty_folders``;
+        construction; unreadable files (corrupt, truncated, too small, and with
+        ``detect_face`` faceless ones — whatever :func:`preprocess` refuses) are dropped
+        and listed in ``skipped_files`` with the decoder's message, so indices refer only
+        to good images; identities left with too few images are skipped as above;
       * without validation a bad file raises :class:`~fedfs_sdk.errors.ImageDecodeError`
         (or :class:`~fedfs_sdk.errors.NoFaceError`) naming it when first loaded.
     """
@@ -220,18 +242,37 @@ class ImageFolderDataset:
         self.detect_face = detect_face
         self.empty_folders: list[Path] = []
         self.skipped_files: list[SkippedFile] = []
+        self.skipped_identities: list[SkippedIdentity] = []
+        self.ignored: list[SkippedFile] = []
         self.cache = LRUImageCache(cache_bytes)
         self._preloaded: torch.Tensor | None = None
+        need = max(1, min_images)
+
+        def too_few(d: Path, n: int, what: str) -> None:
+            self.empty_folders.append(d)
+            self.skipped_identities.append(SkippedIdentity(
+                d.name, f"{n} {what}image(s), fewer than the {need} needed" if n else f"no {what}images"))
 
         files_by_id: list[list[Path]] = []
         names: list[str] = []
-        for d in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
-            if len(files) < max(1, min_images):
-                self.empty_folders.append(d)
+        for entry in sorted(self.root.iterdir()):
+            if not entry.is_dir():
+                self.ignored.append(SkippedFile(entry, "not inside an identity folder (layout: root/<identity>/<image>)"))
+                continue
+            files = []
+            for f in sorted(entry.iterdir()):
+                if f.is_dir():
+                    self.ignored.append(SkippedFile(f, "nested folder: only images directly in root/<identity>/ "
+                                                       "are read"))
+                elif f.suffix.lower() in IMAGE_EXTENSIONS and f.is_file():
+                    files.append(f)
+                else:
+                    self.ignored.append(SkippedFile(f, f"not an image file (extensions: {', '.join(IMAGE_EXTENSIONS)})"))
+            if len(files) < need:
+                too_few(entry, len(files), "")
                 continue
             files_by_id.append(files)
-            names.append(d.name)
+            names.append(entry.name)
 
         if preload or validate:
             kept_files, kept_names, arrays = [], [], []
@@ -241,10 +282,10 @@ class ImageFolderDataset:
                     try:
                         imgs.append(self._load_u8([f]))
                         good.append(f)
-                    except FedFSError as e:       # ImageDecodeError, NoFaceError, …
+                    except FedFSError as e:       # ImageDecodeError, NoFaceError, too small, …
                         self.skipped_files.append(SkippedFile(f, str(e)))
-                if len(good) < max(1, min_images):
-                    self.empty_folders.append(self.root / name)
+                if len(good) < need:
+                    too_few(self.root / name, len(good), "readable ")
                     continue
                 kept_files.append(good)
                 kept_names.append(name)
@@ -256,12 +297,22 @@ class ImageFolderDataset:
 
         if not files_by_id:
             raise InputError(f"no identity folders with images ({', '.join(IMAGE_EXTENSIONS)}) under {self.root}"
-                             + (f"; {len(self.empty_folders)} empty folder(s) skipped" if self.empty_folders else ""))
+                             + (f"; {len(self.empty_folders)} empty folder(s) skipped" if self.empty_folders else "")
+                             + (f"; {len(self.skipped_files)} unreadable file(s), e.g. {self.skipped_files[0].path}: "
+                                f"{self.skipped_files[0].reason}" if self.skipped_files else ""))
         self.names = names
         self.files = files_by_id
         self.num_identities = len(names)
         self._counts = np.array([len(f) for f in files_by_id], dtype=np.int64)
         self._offsets = np.concatenate([[0], np.cumsum(self._counts)[:-1]])
+
+    def skip_summary(self) -> dict[str, list[dict[str, str]]]:
+        """Everything under the root that is not used, with the reason: ``files`` (unreadable
+        images), ``ignored`` (non-images, stray files, nested folders) and ``identities``
+        (folders with too few usable images)."""
+        return {"files": [s.to_dict() for s in self.skipped_files],
+                "ignored": [s.to_dict() for s in self.ignored],
+                "identities": [s.to_dict() for s in self.skipped_identities]}
 
     def __repr__(self) -> str:
         return (f"ImageFolderDataset({str(self.root)!r}, image_size={self.image_size}, "

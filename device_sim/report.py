@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedfs_sdk.checkpoint import atomic_write_bytes
+from fedfs_sdk.enrollment import min_warmup_images
 
 from .metrics import paired_delta
 from .plots import plot_roc
@@ -92,6 +93,95 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+BELOW_RESOLUTION = "†"
+"""Marks a FAR/FPIR cell whose target is below the resolution of the impostor (non-mated)
+set: with ``n`` impostor images the smallest FAR that can be measured is ``1/n``, so the
+printed TAR/TPIR is the value at FAR 0 — a floor, not a measurement."""
+EMPTY_WHY = "‡"
+"""Marks an empty cell whose reason is in the notes (e.g. too few warm-up images for ``q``)."""
+
+
+def _target(path: str) -> float | None:
+    try:
+        return float(path.rsplit(".", 2)[-2] + "." + path.rsplit(".", 1)[-1]) if path.count(".") >= 2 else None
+    except ValueError:
+        return None
+
+
+def column_notes(ev: Mapping[str, Any], q: float | None = None) -> dict[str, str]:
+    """Why a cell of one method's row is a floor or empty: ``{dotted path: reason}``.
+
+    * TAR@FAR / TPIR@FPIR targets below ``1/n_impostor`` (``verification.far_resolution``,
+      the coarsest client's; the new users' images for the new-user TPIR) — the value
+      printed is the one at FAR 0;
+    * warm-up / new-user TPR and FPR that are empty because every user had fewer than
+      ``⌈1/(1−q)⌉`` warm-up images (FedUV Alg. 2 needs that many for a threshold at ``q``).
+    """
+    notes: dict[str, str] = {}
+    res = lookup(ev, "verification.far_resolution")
+    n_new = ev.get("new_user_images")
+    for _, source in COLUMNS:
+        for path in (source if isinstance(source, tuple) else (source,)):
+            if path.startswith("delta:"):
+                continue
+            if path.startswith(("verification.tar_at_far.", "identification_clients.tpir_at_fpir.")):
+                r = res
+            elif path.startswith("identification.tpir_at_fpir."):
+                r = 1.0 / n_new if n_new else None
+            else:
+                r = None
+            f = _target(path.removesuffix(".mean"))
+            if _finite(r) and f is not None and f < r and lookup(ev, path) is not None:
+                n = round(1 / r)
+                notes[path] = (f"target {f:g} is below the resolution of the impostor set ({n} impostor images "
+                               f"→ smallest measurable rate 1/{n} = {r:.4f}): the value is the one at rate 0, a "
+                               f"floor; more clients / test images (or new users) make it measurable")
+    for path, count in (("warmup.tpr.mean", "warmup.n_insufficient"), ("warmup.fpr_participants.mean", "warmup.n_insufficient"),
+                        ("warmup.fpr_new_users.mean", "warmup.n_insufficient"),
+                        ("new_users.tpr.mean", "new_users.n_insufficient"), ("new_users.fpr.mean", "new_users.n_insufficient")):
+        v, k = lookup(ev, path), lookup(ev, count)
+        if (v is None or (isinstance(v, float) and math.isnan(v))) and isinstance(k, int) and k > 0:
+            need = min_warmup_images(q) if q is not None and 0 < q < 1 else None
+            notes[path] = (f"empty: all {k} users had too few warm-up images for q = {q}"
+                           + (f" (FedUV Alg. 2 needs ⌈1/(1−q)⌉ = {need})" if need else "")
+                           + "; lower --q or give each identity more images")
+    return notes
+
+
+def annotate_rows(rows: Sequence[dict[str, Any]], q: float | None = None) -> Sequence[dict[str, Any]]:
+    """``row["column_notes"] = column_notes(row["eval"], q)`` for every row, in place."""
+    for r in rows:
+        r["column_notes"] = column_notes(r.get("eval") or {}, q)
+    return rows
+
+
+def notes_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The table's footnotes: each distinct reason of the rows' ``column_notes``, once, with
+    the columns (and methods) it applies to."""
+    by_reason: dict[str, list[str]] = {}
+    for r in rows:
+        for path, why in (r.get("column_notes") or {}).items():
+            by_reason.setdefault(why, [])
+            col = _column_of(path)
+            if col not in by_reason[why]:
+                by_reason[why].append(col)
+    lines = []
+    for why, cols in by_reason.items():
+        mark = EMPTY_WHY if why.startswith("empty") else BELOW_RESOLUTION
+        lines.append(f"{mark} {', '.join(cols)}: {why}")
+    return lines
+
+
+def _column_of(path: str) -> str:
+    for head, source in COLUMNS:
+        if path == source or (isinstance(source, tuple) and path in source):
+            if isinstance(source, tuple) and path.startswith(("identification", "verification")):
+                return f"{head.split(' (')[0].split(' / ')[0].rsplit(' ', 1)[0]} {_target(path.removesuffix('.mean')):g}" \
+                    + (f" ({head.split(' (')[1]}" if " (" in head else "")
+            return head
+    return path
+
+
 def fmt_delta(d: Mapping[str, Any] | None) -> str:
     """``+0.0123 ± 0.0045`` (mean Δ ± SE); ``–`` when there is no Δ, ``± –`` without an SE."""
     if not d or not _finite(d.get("mean")):
@@ -145,14 +235,22 @@ def add_deltas(rows: Sequence[dict[str, Any]], reference: str = "pretrained") ->
     return rows
 
 
+def _marked(row: Mapping[str, Any], path: str) -> str:
+    why = (row.get("column_notes") or {}).get(path)
+    text = _fmt(lookup(row["eval"], path))
+    if why is None:
+        return text
+    return text + (EMPTY_WHY if why.startswith("empty") else BELOW_RESOLUTION)
+
+
 def _cell(row: Mapping[str, Any], source: str | tuple[str, ...], ref_label: str | None) -> str:
     if isinstance(source, tuple):
-        return " / ".join(_fmt(lookup(row["eval"], p)) for p in source)
+        return " / ".join(_marked(row, p) for p in source)
     if source.startswith("delta:"):
         if "delta" not in row:
             return "ref" if ref_label is not None and row.get("label") == ref_label else "–"
         return fmt_delta(row["delta"].get(source[len("delta:"):]))
-    return _fmt(lookup(row["eval"], source))
+    return _marked(row, source)
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,
@@ -164,6 +262,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,
     """
     if not any("delta" in r for r in rows):
         rows = add_deltas([dict(r) for r in rows], reference)
+    if not any("column_notes" in r for r in rows):
+        rows = annotate_rows([dict(r) for r in rows])
     ref_label = next((r.get("delta_reference") for r in rows if "delta_reference" in r), None)
     head = ["method", *(h for h, _ in COLUMNS), "rounds", "train s"]
     lines = [f"### {title}", ""] if title else []
@@ -172,7 +272,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,
         cells = [r["label"], *(_cell(r, src, ref_label) for _, src in COLUMNS),
                  str(r.get("rounds", 0)), f"{r.get('seconds', 0.0):.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    foot = notes_lines(rows)
+    return "\n".join(lines + ([""] + foot if foot else [])) + "\n"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,6 +453,7 @@ def write_results(out_dir: str | Path, results: dict[str, Any], title: str) -> d
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "md": out / "results.md", "roc": out / "roc.png"}
     add_deltas(results["methods"])
+    annotate_rows(results["methods"], results.get("eval_config", {}).get("q"))
     results["headroom"] = headroom(results["methods"])
     atomic_write_bytes(paths["json"], json.dumps(results, indent=1, default=_json_default).encode())
     table = markdown_table(results["methods"], title)
@@ -365,6 +467,7 @@ def write_results(out_dir: str | Path, results: dict[str, Any], title: str) -> d
              + f"Warm-up: FedUV Alg. 2 threshold at q = {results.get('eval_config', {}).get('q', 0.9)} from the "
              "client's training images (fresh warm-up images with --warmup-per-client); TPR on its test images, FPR on other participants ('others') and on "
              "new users ('new'). New-user columns: users who never trained enroll with the shipped model.", ""]
+    notes += list(results.get("notes") or [])      # how the split / q were chosen (folders)
     atomic_write_bytes(paths["md"], (table + "\n".join(notes)).encode())
     curves = {r["label"]: (np.asarray(r["eval"]["roc"]["fpr"]), np.asarray(r["eval"]["roc"]["tpr"]))
               for r in results["methods"] if "roc" in r["eval"]}
@@ -385,5 +488,6 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(o).__name__}")
 
 
-__all__ = ["markdown_table", "write_results", "headroom", "headroom_line", "lookup", "slug", "COLUMNS", "DELTA_METRICS", "HEADLINE",
+__all__ = ["column_notes", "annotate_rows", "notes_lines", "BELOW_RESOLUTION", "EMPTY_WHY",
+           "markdown_table", "write_results", "headroom", "headroom_line", "lookup", "slug", "COLUMNS", "DELTA_METRICS", "HEADLINE",
            "add_deltas", "fmt_delta", "combine_seeds", "fmt_seed_delta", "seeds_markdown_table", "SEED_COLUMNS"]

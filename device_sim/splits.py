@@ -196,7 +196,10 @@ def make_splits(source: int | IdentityDataset, num_public: int, num_clients: int
     users = user_pool[:n_users]
     taken = np.zeros(total, dtype=bool)
     taken[users] = True
-    public_ids = perm[~taken[perm]][:num_public]
+    rest = perm[~taken[perm]]
+    # identities too small to be users fill the public places first (stable: the seeded order
+    # is kept within each kind; a synthetic universe has none, so nothing changes there)
+    public_ids = rest[np.argsort(eligible[rest], kind="stable")][:num_public]
     if public_ids.size < num_public:
         raise InputError(f"only {public_ids.size} identities left for {num_public} public identities")
 

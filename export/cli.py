@@ -16,7 +16,12 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="fedfs .safetensors checkpoint (the global model)")
+    p.add_argument("--checkpoint", required=True, help="fedfs .safetensors checkpoint (the global model), or a "
+                   "simulation checkpoint (fedfs simulate … --checkpoint-every K: "
+                   "DIR/checkpoints/<method>/round_N.safetensors) — its global model, or --client N's verifier")
+    p.add_argument("--client", type=int, default=None,
+                   help="with a simulation checkpoint: export simulated client N's personalized verifier "
+                        "(results.json 'clients'[N] names its identity) instead of the global model")
     p.add_argument("--formats", default="onnx",
                    help="comma-separated: onnx, onnx-int8, coreml, ort-training")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
@@ -49,10 +54,34 @@ def _read_train(text: str | None) -> dict | None:
     return value
 
 
+def _export(args: argparse.Namespace, options, progress) -> dict:
+    """:func:`run_export` of ``--checkpoint``; a simulation checkpoint is first turned into a
+    fedfs checkpoint of its global model or of ``--client N``'s verifier (in a scratch
+    folder that is removed afterwards)."""
+    import tempfile
+
+    from fedfs_sdk.cli.common import is_simulation_checkpoint
+    from fedfs_sdk.errors import InputError
+
+    from .pipeline import run_export
+
+    if not is_simulation_checkpoint(args.checkpoint):
+        if args.client is not None:
+            raise InputError(f"--client picks a client of a simulation checkpoint; {args.checkpoint} is a single model")
+        return run_export(args.checkpoint, args.out, options, progress=progress)
+    from device_sim.sim_export import export_federation_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        name = "global" if args.client is None else f"client_{args.client}"
+        ckpt = Path(tmp) / f"{Path(args.checkpoint).stem}_{name}.safetensors"
+        export_federation_model(args.checkpoint, ckpt, args.client)
+        return run_export(ckpt, args.out, options, progress=progress)
+
+
 def run(args: argparse.Namespace) -> int:
     from fedfs_sdk.cli.progress import progress_bar
 
-    from .pipeline import ExportOptions, parse_formats, run_export
+    from .pipeline import ExportOptions, parse_formats
 
     formats = parse_formats(args.formats)
     options = ExportOptions(
@@ -66,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             bar.set_postfix_str(msg)
             bar.update(1)
 
-        manifest = run_export(args.checkpoint, args.out, options, progress=progress)
+        manifest = _export(args, options, progress)
     out = Path(args.out)
     print(f"exported model {manifest['model_id']} (version {manifest['model_version']}) → {out}")
     for rel, entry in manifest["files"].items():

@@ -23,7 +23,8 @@ _LAZY: dict[str, str] = {
     "Enrollment": "fedfs_sdk.enrollment", "enroll": "fedfs_sdk.enrollment",
     "verify": "fedfs_sdk.enrollment", "save_enrollment": "fedfs_sdk.enrollment",
     "load_enrollment": "fedfs_sdk.enrollment", "warmup_threshold": "fedfs_sdk.enrollment",
-    "mad_outliers": "fedfs_sdk.enrollment",
+    "mad_outliers": "fedfs_sdk.enrollment", "generate_key": "fedfs_sdk.enrollment",
+    "min_warmup_images": "fedfs_sdk.enrollment", "ImageNotFoundError": "fedfs_sdk.errors",
     # torch
     "ModelConfig": "fedfs_sdk.model", "FaceNet": "fedfs_sdk.model", "VerifierNet": "fedfs_sdk.model",
     "TrainConfig": "fedfs_sdk.trainer", "LocalTrainer": "fedfs_sdk.trainer",

@@ -7,19 +7,50 @@ from pathlib import Path
 from ..errors import InputError
 
 
-def load_backend(model_path: str, device: str = "cpu"):
+def load_backend(model_path: str, device: str = "cpu", client: int | None = None):
     """An :class:`~fedfs_sdk.inference.InferenceBackend` for a ``.onnx`` file (ONNX
-    Runtime, no torch) or a fedfs ``.safetensors`` checkpoint (torch)."""
+    Runtime, no torch), a fedfs ``.safetensors`` checkpoint (torch), or a simulation
+    checkpoint (``fedfs-federation/1`` from ``fedfs simulate --checkpoint-every``): its
+    global model, or client ``client``'s verifier (:mod:`device_sim.sim_export`)."""
     p = Path(model_path)
     if not p.is_file():
-        raise InputError(f"model not found: {p}")
+        raise InputError(f"model not found: {p}" + (" (a folder, not a model file)" if p.is_dir() else ""))
     if p.suffix == ".onnx":
+        if client is not None:
+            raise InputError("--client picks a client of a simulation checkpoint; an .onnx model has none")
         from ..onnx_backend import OnnxBackend
         return OnnxBackend(str(p))
     from ..checkpoint import load_verifier
     from ..inference import TorchBackend
+    if is_simulation_checkpoint(p):
+        import tempfile
+
+        from device_sim.sim_export import export_federation_model
+        with tempfile.TemporaryDirectory() as tmp:       # read into memory, then gone
+            export_federation_model(p, Path(tmp) / "model.safetensors", client)
+            verifier, mid = load_verifier(Path(tmp) / "model.safetensors")
+        return TorchBackend(verifier, mid, device=device)
+    if client is not None:
+        raise InputError(f"--client picks a client of a simulation checkpoint; {p} is a single model")
     verifier, mid = load_verifier(p)
     return TorchBackend(verifier, mid, device=device)
+
+
+def is_simulation_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a ``fedfs simulate`` checkpoint (``fedfs-federation/1``)."""
+    p = Path(path)
+    if not (p.is_file() and p.suffix == ".safetensors"):
+        return False
+    import json
+    try:
+        with open(p, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n <= 100_000_000:
+                return False
+            header = json.loads(f.read(n))
+        return (header.get("__metadata__") or {}).get("format") == "fedfs-federation/1"
+    except Exception:       # unreadable or not safetensors: the model loader says why
+        return False
 
 
 def read_key(path: str, create: bool) -> bytes:

@@ -8,7 +8,12 @@ from .common import env_default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="verifier: a fedfs .safetensors checkpoint or an exported .onnx")
+    p.add_argument("--model", required=True, help="verifier: a fedfs .safetensors checkpoint, an exported .onnx, or "
+                   "a simulation checkpoint (fedfs simulate … --checkpoint-every K: "
+                   "DIR/checkpoints/<method>/round_N.safetensors; its global model, or --client N's)")
+    p.add_argument("--client", type=int, default=None,
+                   help="with a simulation checkpoint: enroll with simulated client N's personalized verifier "
+                        "(results.json 'clients'[N] names its identity); default: the global model")
     p.add_argument("--images", required=True, help="folder of the owner's warm-up images")
     p.add_argument("--out", required=True, help="enrollment file to write (encrypted)")
     p.add_argument("--key-file", default=env_default("FEDFS_KEY_FILE"), required=env_default("FEDFS_KEY_FILE") is None,
@@ -67,11 +72,12 @@ def run(args: argparse.Namespace) -> int:
     key = read_key(args.key_file, create=False) if key_path.exists() else None
     if Path(args.out).exists() and not args.overwrite:
         raise EnrollmentExistsError(f"{args.out} already holds an enrollment; pass --overwrite to replace it")
-    backend = load_backend(args.model)
+    backend = load_backend(args.model, client=args.client)
     codeword = _codeword(args.device_state, key) if args.device_state else None
     files = list_images(args.images)
     e = enroll(backend, [str(f) for f in files], q=args.q, codeword=codeword, detect_face=args.detect_face,
-               meta={"model_path": str(Path(args.model).resolve())}, outliers=args.outliers,
+               meta={"model_path": str(Path(args.model).resolve()),
+                     **({"model_client": args.client} if args.client is not None else {})}, outliers=args.outliers,
                template_output=args.template_output)
     created = key is None
     if created:

@@ -22,7 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("export.cli", "export a checkpoint for phones (ONNX, ORT training, Core ML, int8)"),
     "info": ("fedfs_sdk.cli.info", "list backbones with parameter counts and MFLOPs"),
     "enroll": ("fedfs_sdk.cli.enroll", "enroll the device owner from a folder of images"),
-    "verify": ("fedfs_sdk.cli.verify", "verify one image against an enrollment (exit 0 accept, 1 reject)"),
+    "verify": ("fedfs_sdk.cli.verify", "verify an image (or each image of a folder) against an enrollment "
+                                       "(exit 0 accept, 1 reject, 2 error)"),
 }
 
 
@@ -47,7 +48,10 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser(command: str | None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedfs", description="Federated personalized face verification (FedFS + FedUV).")
+    parser = argparse.ArgumentParser(prog="fedfs", description="Federated personalized face verification (FedFS + FedUV).",
+                                     epilog="exit status: 0 success (verify: accepted), 1 rejected (verify), "
+                                            "2 error — bad input, missing or unreadable file; one line on stderr "
+                                            "names it — 130 interrupted")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         fmt = DefaultsHelpFormatter if name in SHOW_DEFAULTS else argparse.HelpFormatter
