@@ -74,7 +74,10 @@ def _export(args: argparse.Namespace, options, progress) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         name = "global" if args.client is None else f"client_{args.client}"
         ckpt = Path(tmp) / f"{Path(args.checkpoint).stem}_{name}.safetensors"
-        export_federation_model(args.checkpoint, ckpt, args.client)
+        info = export_federation_model(args.checkpoint, ckpt, args.client)
+        if info.get("verifies_with") == "both":     # fedfs+feduv's default: θ_c and w through W
+            from .sim_client import export_dual_client
+            return export_dual_client(ckpt, args.out, options.formats, options.overwrite, progress=progress)
         return run_export(ckpt, args.out, options, progress=progress)
 
 

@@ -159,3 +159,44 @@ def test_feduv_methods_client_verifiers(tmp_path) -> None:
     assert export_federation_model(ck, tmp_path / "u.safetensors", client=1)["verifies_with"] == "global"
     net, _ = load_checkpoint(tmp_path / "u.safetensors")
     assert all(torch.equal(v, uv.global_weights["backbone." + k]) for k, v in net.backbone.state_dict().items())
+
+
+def test_default_fedfs_feduv_client_exports_its_dual_verifier(tmp_path, capsys) -> None:
+    """fedfs+feduv's default verifies with both models (verify=both): ``--client N`` exports that
+    dual verifier as ONNX; enrolling with it and with the simulation checkpoint itself gives the
+    same model id and the same scores."""
+    from device_sim.report import slug
+    from fedfs_sdk.dual_verifier import load_dual_verifier
+    from fedfs_sdk.onnx_backend import OnnxBackend
+
+    p = argparse.ArgumentParser()
+    cli_simulate.add_arguments(p)
+    args = p.parse_args(["--method", "fedfs+feduv", "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "c"),
+                         *SIM])
+    keep: dict = {}
+    cli_simulate.run_simulation(args, keep=keep)
+    fed = keep["fedfs+feduv"]
+    ck = latest_checkpoint(tmp_path / "run" / "checkpoints" / slug(fed.method.label))
+    assert export_federation_model(ck, tmp_path / "d.safetensors", client=3)["verifies_with"] == "both"
+    net, mid = load_dual_verifier(tmp_path / "d.safetensors")
+    theta = fed.private_weights(3)["personal"]
+    assert all(torch.equal(v, theta["backbone." + k]) for k, v in net.backbone.state_dict().items())
+    assert all(torch.equal(v, fed.global_weights["backbone." + k]) for k, v in net.global_backbone.state_dict().items())
+    assert main(["export", "--checkpoint", str(ck), "--client", "3", "--formats", "onnx", "--out", str(tmp_path / "x"),
+                 "--quiet"]) == 0
+    onnx = tmp_path / "x" / "onnx" / "verifier.onnx"
+    assert OnnxBackend(str(onnx)).model_id == mid
+    assert main(["export", "--checkpoint", str(ck), "--client", "3", "--formats", "onnx,coreml",
+                 "--out", str(tmp_path / "y"), "--quiet"]) == 2
+    assert "--formats onnx" in capsys.readouterr().err
+    identity = fed.data.splits.clients[3].identity
+    owner = write_image_folder(SynthFaces(0, 32, 1.0), tmp_path / "o", [identity], 12, start_index=50)
+    owner = owner / f"{identity:06d}"
+    key = tmp_path / "key"
+    assert main(["enroll", "--model", str(onnx), "--images", str(owner), "--out", str(tmp_path / "a.enr"),
+                 "--key-file", str(key), "--outliers", "none"]) == 0
+    assert main(["enroll", "--model", str(ck), "--client", "3", "--images", str(owner), "--out", str(tmp_path / "b.enr"),
+                 "--key-file", str(key), "--outliers", "none"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    taus = [float(line.split("τ=")[1].split()[0]) for line in lines if "τ=" in line]
+    assert len(taus) == 2 and abs(taus[0] - taus[1]) < 1e-4 and all(mid in line for line in lines if "τ=" in line)
