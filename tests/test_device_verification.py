@@ -161,7 +161,9 @@ def test_torch_device_enrolls_with_the_default_and_with_the_paper_reading(tmp_pa
         net, mid = load_verifier(tmp_path / "dev" / "verifier.safetensors")
         assert isinstance(net, DualVerifierNet) and mid == default.model_id
         # ...made of exactly this device's θ_c and the global model the enrollment records
-        with ServerClient(srv.url) as cl:
+        with DeviceState(tmp_path / "dev") as st:
+            token = st.token
+        with ServerClient(srv.url, token) as cl:
             version = int(default.meta["global_version"])
             gw, _ = decode_weights(cl.download_model(version, cl.latest_model()["sha256"]))
         glob, personal = FaceNet(TINY), FaceNet(personal_config(TINY))
