@@ -42,7 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=10, help="federated rounds T")
     p.add_argument("--participation", type=float, default=0.5, help="fraction p of clients per round")
     p.add_argument("--local-epochs", type=int, default=None, help="local epochs E (default: the method's paper value)")
-    p.add_argument("--lr", type=float, default=None, help="local SGD lr (default: FedFS 5e-3, FedUV 0.1)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="local SGD lr for every method (default: each method preset's: fedfs 5e-3, feduv 0.1, fedfs+feduv 0.02, "
+                        "fedfs+feduv:paper 5e-3)")
     p.add_argument("--head-lr", type=float, default=None, help="lr of a randomly started head (default: the "
                    "method's — 20 for the FedUV head W, which σ makes scale-invariant; 0.1 for class embeddings)")
     p.add_argument("--batch-size", type=int, default=10, help="local batch size")
