@@ -59,8 +59,21 @@ def read_safetensors(path: str | os.PathLike[str], fmt: str,
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"not a readable {what}: {p} ({e})") from e
     if header.get("format") != fmt:
-        raise CheckpointError(f"{p} is not a {what} (format={header.get('format')!r})")
+        raise CheckpointError(f"{p} is not a {what} (format={header.get('format')!r})"
+                              + simulation_hint(header.get("format"), fmt))
     return tensors, header
+
+
+SIMULATION_FORMAT = "fedfs-federation/1"
+"""A ``fedfs simulate`` checkpoint (``device_sim.federation``): the whole federation, not one model."""
+
+
+def simulation_hint(found: str | None, wanted: str) -> str:
+    """What to do with a simulation checkpoint given where one model was expected."""
+    if found != SIMULATION_FORMAT or wanted == SIMULATION_FORMAT:
+        return ""
+    return ("; it is a `fedfs simulate` checkpoint (the whole federation): `fedfs export --checkpoint` and "
+            "`fedfs enroll --model` take it — its global model, or `--client N` for a client's verifier")
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, config: ModelConfig,
@@ -128,7 +141,8 @@ def checkpoint_from_bytes(data: bytes, name: str | os.PathLike[str] = "<bytes>")
     except (InputError, SafetensorError, ValueError) as e:
         raise CheckpointError(f"not a readable fedfs checkpoint: {name} ({e})") from e
     if header.get("format") != FORMAT:
-        raise CheckpointError(f"{name} is not a fedfs checkpoint (format={header.get('format')!r})")
+        raise CheckpointError(f"{name} is not a fedfs checkpoint (format={header.get('format')!r})"
+                              + simulation_hint(header.get("format"), FORMAT))
     config, meta = _config_and_meta(header, name)
     try:
         model = FaceNet(config)

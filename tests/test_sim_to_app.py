@@ -200,3 +200,11 @@ def test_default_fedfs_feduv_client_exports_its_dual_verifier(tmp_path, capsys) 
     lines = capsys.readouterr().out.splitlines()
     taus = [float(line.split("τ=")[1].split()[0]) for line in lines if "τ=" in line]
     assert len(taus) == 2 and abs(taus[0] - taus[1]) < 1e-4 and all(mid in line for line in lines if "τ=" in line)
+
+
+def test_a_simulation_checkpoint_where_one_model_is_expected_says_what_takes_it(sim) -> None:
+    from fedfs_sdk.errors import CheckpointError
+
+    _, _, _, ck = sim
+    with pytest.raises(CheckpointError, match="fedfs export --checkpoint.*--client N"):
+        load_checkpoint(ck)
