@@ -104,16 +104,18 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     return ds, splits
 
 
-def skipped_lines(skipped: dict[str, list[dict[str, str]]], limit: int = 20) -> list[str]:
+def skipped_lines(skipped: dict[str, list[dict[str, str]]], limit: int = 20, where: str = "") -> list[str]:
     """The CLI's summary of what a folder dataset left out: one line per kind, then each
-    item with its reason (``limit`` per kind; the rest are in results.json)."""
+    item with its reason (``limit`` per kind; the rest are in results.json). ``where`` names
+    the source when it is not ``--data`` (e.g. ``"--pretrain-data DIR"``)."""
     lines: list[str] = []
+    of = f" in {where}" if where else ""
     for kind, what in (("files", "unreadable image file(s)"), ("ignored", "file(s)/folder(s) not read"),
                        ("identities", "identity folder(s) not used")):
         items = skipped.get(kind) or []
         if not items:
             continue
-        lines.append(f"skipped {len(items)} {what}:")
+        lines.append(f"skipped {len(items)} {what}{of}:")
         for it in items[:limit]:
             lines.append(f"  {it.get('path') or it.get('identity')}: {it['reason']}")
         if len(items) > limit:

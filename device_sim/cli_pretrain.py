@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     ds, splits = build_data(args)
     src_ds, src_splits = build_pretrain_data(args, ds, splits)
     for line in splits.meta.get("plan", []) + skipped_lines(splits.meta.get("skipped") or {}) + (
-            skipped_lines(src_splits.meta.get("skipped") or {}) if src_splits is not splits else []):
+            skipped_lines(src_splits.meta.get("skipped") or {}, where=f"--pretrain-data {args.pretrain_data}")
+            if src_splits is not splits else []):
         print(line)
     res = run_pretrain(args, src_ds, src_splits, out=args.out, force=args.force, quiet=args.quiet)
     st = res.stats

@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
                                              f"{args.rounds} rounds, p = {args.participation}"))
     print(headroom_line(results["methods"]))
     for line in results["notes"] + skipped_lines(results.get("skipped") or {}) + \
-            skipped_lines(results["xi"].get("skipped") or {}):
+            skipped_lines(results["xi"].get("skipped") or {}, where=f"--pretrain-data {args.pretrain_data}"):
         print(line)
     print(f"wrote {', '.join(results['files'].values())} ({results['wall_seconds']:.0f} s)")
     return 0

@@ -125,7 +125,9 @@ def unused_identities(names: list[str], counts: np.ndarray, splits: FaceSplits,
         c = int(counts[i])
         if c < per_user:
             why = f"{c} image(s): a client or new user needs ≥ {per_user}" + (
-                " (one to train, one to test)" if per_user == 2 else "") + f"; all {len(splits.public)} public places taken"
+                " (one to train, one to test)" if per_user == 2 else "") + (
+                f"; all {len(splits.public)} public places were taken" if splits.public
+                else "; there are no public places (ξ is not pre-trained on this folder)")
         else:
             why = "not needed: --clients / --public / --new-users are all taken"
         out.append(SkippedIdentity(name, why))
