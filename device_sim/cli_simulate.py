@@ -32,7 +32,8 @@ from .folder_split import auto_warmup_q
 from .federation import Federation, FederationConfig, checkpoint_path, latest_checkpoint
 from .methods import REGISTRY, parse_method
 from .population import Population
-from .report import combine_seeds, headroom_line, markdown_table, seeds_markdown_table, slug, write_results
+from .report import (combine_seeds, headroom_line, markdown_table, notes_lines, seeds_markdown_table, slug,
+                     write_results)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -198,7 +199,12 @@ def run_seeds(args: argparse.Namespace, title: str = "fedfs simulate") -> dict[s
     head = f"{title}: {per_seed[0]['population']['clients']} clients, {args.rounds} rounds, " \
            f"p = {args.participation}, {args.seeds} seeds"
     table = seeds_markdown_table(rows, head)
-    combined = {"title": title, "seeds": [r["settings"]["seed"] for r in per_seed], "methods": rows,
+    # cells a seed could not measure (FAR below 1/n_impostor, empty warm-ups): said once, from every seed
+    foot = notes_lines([r for res in per_seed for r in res["methods"]])
+    notes = list(dict.fromkeys(n for res in per_seed for n in res.get("notes") or []))
+    if foot or notes:
+        table += "\n" + "\n".join(notes + (["Per seed (seed_*/results.md marks the cells):"] + foot if foot else [])) + "\n"
+    combined = {"title": title, "seeds": [r["settings"]["seed"] for r in per_seed], "methods": rows, "notes": notes,
                 "per_seed": [str(out / f"seed_{k}" / "results.json") for k in range(args.seeds)]}
     atomic_write_bytes(out / "results.json", json.dumps(combined, indent=1, default=str).encode())
     atomic_write_bytes(out / "results.md", table.encode())

@@ -129,3 +129,11 @@ def test_synth_defaults_unchanged() -> None:
     ds, splits = build_data(a)
     assert (a.clients, a.new_users, a.public, a.train_per_client, a.test_per_client) == (100, 20, 300, 20, 10)
     assert splits.num_clients == 100 and len(splits.public) == 300 and splits.clients[0].train.size == 20
+
+
+def test_seeds_table_carries_the_notes(photos: Path, tmp_path: Path, capsys) -> None:
+    assert main(["simulate", "--data", str(photos), "--method", "pretrained", "--seeds", "2",
+                 "--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "run"), *TINY]) == 0
+    out = capsys.readouterr().out
+    assert out.count("split of the folder: 8 public identities") == 1 and "warm-up q = 0.875" in out
+    assert "† TAR@FAR=1e-2" in out or "† TPIR@FPIR 0.01 (other clients), TAR@FAR=1e-2" in out
