@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import socket
 import statistics
@@ -63,41 +64,52 @@ class RssSampler:
         self._t.join()
 
 
+def probe_loop(port: int) -> None:
+    """Child process: ``GET /health`` every 50 ms on a fresh TCP connection until stdin closes;
+    prints one latency (ms, connect to last byte) or ``err`` per line."""
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    while not stop.is_set():
+        t = time.perf_counter()
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                data = b""
+                while chunk := s.recv(4096):
+                    data += chunk
+            ok = data.startswith(b"HTTP/1.1 200")
+        except OSError:
+            ok = False
+        print(f"{1000 * (time.perf_counter() - t):.3f}" if ok else "err", flush=True)
+        time.sleep(0.05)
+
+
 class HealthProbe:
-    """``GET /health`` every 50 ms on a fresh connection while active; latencies in ms."""
+    """:func:`probe_loop` in its own process while active, so the figure is the server's
+    latency, not the GIL of this (busy, many-connection) client process."""
 
-    def __init__(self, url: str) -> None:
-        self.url, self.ms, self.errors, self._stop = url, [], 0, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import httpx
-
-        while not self._stop.is_set():
-            t = time.perf_counter()
-            try:
-                ok = httpx.get(self.url + "/health", timeout=10).status_code == 200
-            except httpx.HTTPError:
-                ok = False
-            if ok:
-                self.ms.append(1000 * (time.perf_counter() - t))
-            else:
-                self.errors += 1
-            time.sleep(0.05)
+    def __init__(self, port: int) -> None:
+        self.port, self.ms, self.errors = port, [], 0
 
     def __enter__(self) -> "HealthProbe":
-        self._t.start()
+        self._p = subprocess.Popen([sys.executable, __file__, "--_probe", str(self.port)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
         return self
 
     def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._t.join()
+        out, _ = self._p.communicate("", timeout=60)
+        for line in out.split():
+            if line == "err":
+                self.errors += 1
+            else:
+                self.ms.append(float(line))
 
     def summary(self) -> str:
         if not self.ms:
             return f"no answer ({self.errors} errors)"
         ms = sorted(self.ms)
-        return (f"{len(ms)} probes, p50 {statistics.median(ms):.1f} ms, p99 {ms[int(0.99 * (len(ms) - 1))]:.1f} ms, "
+        p99 = ms[min(len(ms), math.ceil(0.99 * len(ms))) - 1]          # nearest rank
+        return (f"{len(ms)} probes, p50 {statistics.median(ms):.1f} ms, p99 {p99:.1f} ms, "
                 f"max {ms[-1]:.1f} ms, errors {self.errors}")
 
 
@@ -152,7 +164,12 @@ def main() -> int:
     ap.add_argument("--header-timeout", type=float, default=3.0)
     ap.add_argument("--body-timeout", type=float, default=5.0)
     ap.add_argument("--server-args", default="", help="more fedfs serve flags (space-separated)")
+    ap.add_argument("--keep-log", type=Path, help="copy the server's log here")
+    ap.add_argument("--_probe", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args._probe:
+        probe_loop(args._probe)
+        return 0
 
     import httpx
     import torch
@@ -194,8 +211,10 @@ def main() -> int:
                  for k, v in global_w.items()}
             body = encode_update(w, round_id=rid, model_version=version, num_samples=5)
             del global_w, w
-            time.sleep(1.0)
+            with HealthProbe(port) as hp:            # the machine's own noise: an idle server
+                time.sleep(3.0)
             idle = rss_mb(proc.pid)
+            print(f"\n[0] idle server          : RSS {idle:.0f} MB; /health {hp.summary()}")
 
             # ---- 1. concurrent uploads
             statuses: list[int] = []
@@ -212,7 +231,7 @@ def main() -> int:
                     await asyncio.gather(*(one(t) for t in tokens))
                     return time.perf_counter() - t0
 
-            with RssSampler(proc.pid) as rs, HealthProbe(url) as hp:
+            with RssSampler(proc.pid) as rs, HealthProbe(port) as hp:
                 wall = asyncio.run(upload_all())
             time.sleep(0.5)
             after = rss_mb(proc.pid)
@@ -231,7 +250,7 @@ def main() -> int:
             before = rss_mb(proc.pid)
             results: list[dict] = []
             paths = ["/v1/admin/config", f"/v1/rounds/{rid2}/update"]
-            with RssSampler(proc.pid) as rs, HealthProbe(url) as hp:
+            with RssSampler(proc.pid) as rs, HealthProbe(port) as hp:
                 threads = [threading.Thread(target=big_unauthenticated, args=(port, paths[i % 2], results))
                            for i in range(args.big_senders)]
                 for t in threads:
@@ -252,7 +271,7 @@ def main() -> int:
                             f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
             print(f"\n[3] stalled connections (server started with --header-timeout {args.header_timeout:g} "
                   f"--body-timeout {args.body_timeout:g})")
-            with HealthProbe(url) as hp:
+            with HealthProbe(port) as hp:
                 for what, payload in (("sends nothing", b""), ("partial request head", b"GET /health HTTP/1.1\r\nHo"),
                                       ("partial upload body", partial_body + body[:1000])):
                     print(f"  {what:<20}: closed by the server after {stalled(port, payload):.2f} s")
@@ -262,6 +281,8 @@ def main() -> int:
             proc.wait(30)
             log.close()
             text = Path(f"{tmp}/server.log").read_text()
+            if args.keep_log:
+                args.keep_log.write_text(text)
             bad = [line for line in text.splitlines()
                    if '"status": 5' in line or "Exception in ASGI" in line or '"level": "error"' in line]
             print(f"\nserver log: {len(bad)} line(s) with a 5xx, an error or an ASGI exception")

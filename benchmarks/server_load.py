@@ -11,6 +11,10 @@
    updates at once would need. Also the server's per-update path (decode safetensors +
    validate + update norm + add).
 
+Both measure throughput and the aggregation's own memory; what concurrent or hostile HTTP
+traffic costs the server process (RSS, /health latency, refusals, timeouts) is measured
+over loopback by ``benchmarks/server_http_load.py``.
+
     PYTHONPATH=. python benchmarks/server_load.py                   # both, defaults below
     PYTHONPATH=. python benchmarks/server_load.py --skip-load --updates 1000 --params 1000000
 """

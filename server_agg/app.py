@@ -14,6 +14,7 @@ import json
 import logging
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Literal
 
@@ -25,6 +26,7 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from fedfs_sdk.wire import MEDIA_TYPE
 from fedfs_sdk.wire_format import MAX_ID
@@ -162,17 +164,25 @@ class _AccessLog:
 
 def create_app(coord: Coordinator, *, admin_token: str, registration_token: str | None = None,
                max_body_bytes: int = 256 << 20, tick_interval_s: float = 0.5, body_timeout_s: float = 120.0,
-               decode_workers: int = 2) -> FastAPI:
+               decode_workers: int = 2, receive_workers: int = 16) -> FastAPI:
     """Build the FastAPI app around ``coord``. A background task calls ``coord.tick()``
     every ``tick_interval_s`` (deadlines, automatic rounds).
 
     Memory is O(model), not O(uploads in flight × model): a model-sized body is spooled to
     an anonymous temp file in the state directory while it arrives (``body_timeout_s`` to
-    complete), and at most ``decode_workers`` spooled bodies are decoded, validated and
-    added to the round's float64 sum at once."""
+    complete, ``receive_workers`` of them at once), and at most ``decode_workers`` spooled
+    bodies are decoded, validated and added to the round's float64 sum at once."""
     admin_digest = hashlib.sha256(admin_token.encode()).digest()
     reg_digest = hashlib.sha256(registration_token.encode()).digest() if registration_token else None
-    decode_slots = asyncio.Semaphore(max(1, decode_workers))
+    # Decoding, validation and aggregation run on this many dedicated threads (not the shared
+    # request thread pool): at most that many update-sized working sets exist at once, and
+    # the allocator's per-thread arenas that hold them stay few.
+    decoders = ThreadPoolExecutor(max(1, decode_workers), thread_name_prefix="fedfs-decode")
+    # Model-sized bodies stream in on at most this many connections at once; the others wait
+    # with their bytes in the kernel's socket buffers (uvicorn stops reading a connection
+    # whose body nobody consumes). Each event-loop pass then touches few sockets, so /health
+    # and new connections are served promptly under hundreds of concurrent uploads.
+    receive_slots = asyncio.Semaphore(max(1, receive_workers))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -181,6 +191,7 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
             yield
         finally:
             task.cancel()
+            decoders.shutdown(wait=True)
 
     async def _ticker() -> None:
         last = None
@@ -197,16 +208,16 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
                 log.exception("tick failed")
 
     async def _spooled(request: Request, limit: int, work: Any, *args: Any) -> Any:
-        """Receive the body into a spool file, then run ``work(*args, body)`` in a worker
-        thread while holding one of the ``decode_workers`` slots."""
+        """Receive the body into a spool file, then run ``work(*args, body)`` on one of the
+        ``decode_workers`` threads."""
         require_media_type(request, MEDIA_TYPE)
         with tempfile.TemporaryFile(dir=coord.layout.root, prefix=".spool-") as f:
-            await receive_body(request, limit, body_timeout_s, f)
-            async with decode_slots:
-                def _run() -> Any:
-                    f.seek(0)
-                    return work(*args, f.read())
-                return await run_in_threadpool(_run)
+            async with receive_slots:         # the body deadline starts when its turn comes
+                await receive_body(request, limit, body_timeout_s, f)
+            def _run() -> Any:
+                f.seek(0)
+                return work(*args, f.read())
+            return await asyncio.get_running_loop().run_in_executor(decoders, _run)
 
     app = FastAPI(title="fedfs aggregation server", version=API_VERSION, lifespan=lifespan,
                   description="FedAvg rounds for FedFS / FedUV devices. Tensors travel as safetensors; "
@@ -261,7 +272,14 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
-        headers = dict(e.headers or {})               # keeps 405's Allow
+        headers = dict(e.headers or {})               # keeps 405's Allow …
+        if e.status_code == 405:                      # … listing every route of the path (GET and PUT
+            allowed: set[str] = set()                 # /v1/admin/config are two routes)
+            for route in app.router.routes:
+                if route.matches(request.scope)[0] != Match.NONE:
+                    allowed |= set(getattr(route, "methods", None) or ())
+            if allowed:
+                headers["Allow"] = ", ".join(sorted(allowed))
         return JSONResponse({"error": code, "reason": str(e.detail)}, status_code=e.status_code,
                             headers=_close_if_unread(request, headers))
 

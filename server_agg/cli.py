@@ -99,6 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an idle kept-alive connection is closed after this time")
     g.add_argument("--limit-concurrency", type=int, default=1024, metavar="N",
                    help="open connections / requests beyond this are answered 503")
+    g.add_argument("--receive-workers", type=int, default=16, metavar="N",
+                   help="model-sized bodies received at once (the others wait their turn, unread)")
     g.add_argument("--decode-workers", type=int, default=2, metavar="N",
                    help="uploads decoded, validated and aggregated at once (each holds a few copies of the "
                         "model in memory; bodies waiting for a slot are spooled to a temp file)")
@@ -236,7 +238,8 @@ def run(args: argparse.Namespace) -> int:
     from .store import Layout, StateLock
 
     setup_logging(args.log_level)
-    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout", "limit_concurrency", "decode_workers"):
+    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout", "limit_concurrency", "decode_workers",
+                 "receive_workers"):
         v = getattr(args, flag)
         if not v > 0 or v != v or v == float("inf"):
             raise InputError(f"--{flag.replace('_', '-')} must be a positive finite number, got {v}")
@@ -297,7 +300,8 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
             log.info("admin token generated", extra={"fields": {"path": str(layout.admin_token)}})
         app = create_app(coord, admin_token=admin_token, registration_token=args.registration_token,
                          max_body_bytes=int(args.max_body_mb * (1 << 20)), tick_interval_s=args.tick_interval,
-                         body_timeout_s=args.body_timeout, decode_workers=args.decode_workers)
+                         body_timeout_s=args.body_timeout, decode_workers=args.decode_workers,
+                         receive_workers=args.receive_workers)
         port = sock.getsockname()[1]
         log.info("serving", extra={"fields": {"url": f"http://{args.host}:{port}", "state": str(layout.root),
                                               "pid": os.getpid(),

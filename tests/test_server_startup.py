@@ -123,3 +123,24 @@ def test_only_devices_seen_within_the_ttl_are_sampled(srv):
         a.post(f"/v1/admin/rounds/{opened['round_id']}/close")
         assert a.put("/v1/admin/config", json={"device_ttl_s": None}).status_code == 200
     http.close()
+
+
+@pytest.mark.parametrize("method, code", [("fedfs+feduv", ["--code-length", "127"]), ("fedfs", [])])
+def test_a_proj_dim_that_xi_cannot_train_is_refused(tmp_path, method, code):
+    """Issue 12 item 8: with a 64-d ξ, FedFS (concat) needs proj_dim = 32; a server started
+    with --proj-dim 64 used to open round 1 and every device died with ``set proj_dim = 32``."""
+    xi = tmp_path / "xi.safetensors"
+    xi.write_bytes(checkpoint_bytes(embedding_dim=64))
+    r = serve("--state", str(tmp_path / "new"), "--port", "0", "--method", method, "--init-backbone", "tiny",
+              "--embedding-dim", "64", "--proj-dim", "64", *code, "--xi", str(xi))
+    assert r.returncode == 2, r.stderr
+    assert "--proj-dim 64 cannot be trained with this ξ" in r.stderr and "give --proj-dim 32" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "new").exists()
+    # combine = sum: z = r + q has ξ's size, so 64 is right and the server starts
+    s = start_server(tmp_path / "ok", "--method", method, "--init-backbone", "tiny", "--embedding-dim", "64",
+                     "--proj-dim", "64", *code, "--xi", str(xi),
+                     "--train", '{"objective": {"fedfs": {"combine": "sum"}}}')
+    s.stop()
+    # a restart of that state with the default combine (concat) is refused, naming the state's model
+    r = serve("--state", str(tmp_path / "ok"), "--port", "0", "--train", "{}")
+    assert r.returncode == 2 and "the state's model v1" in r.stderr and "proj_dim = 32" in r.stderr, r.stderr
