@@ -53,10 +53,12 @@ def _measure(model: nn.Module, input_size: int) -> tuple[int, int]:
     p = next(model.parameters(), None)
     x = torch.zeros(2, 3, input_size, input_size, device=p.device if p is not None else "cpu")
     saved: dict[int, int] = {}
+    params = {q.untyped_storage().data_ptr() for q in model.parameters()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
-        saved[st.data_ptr()] = st.nbytes()      # a storage saved by several ops counts once
+        if st.data_ptr() not in params:         # weights are not per image
+            saved[st.data_ptr()] = st.nbytes()  # a storage saved by several ops counts once
         return t
 
     largest = [0]

@@ -412,6 +412,18 @@ def face_mode(detect_face: bool | str | None) -> str | None:
     raise InputError(f"detect_face must be False, True, 'align' or 'haar', got {detect_face!r}")
 
 
+def face_mode_key(detect_face: bool | str | None) -> str:
+    """What ``detect_face`` really does here, for cache keys and reports: ``"none"``,
+    ``"haar"``, ``"align-dlib"`` or ``"align-haar-fallback"`` (dlib not installed). A cache
+    keyed on the bare ``True`` would mix Haar crops and aligned faces."""
+    mode = face_mode(detect_face)
+    if mode == "align":
+        from .align import landmarks_available
+
+        return "align-dlib" if landmarks_available() else "align-haar-fallback"
+    return mode or "none"
+
+
 def check_size(rgb: np.ndarray, input_size: int, what: str = "image") -> None:
     """Refuse an image whose short side is below ``min(MIN_IMAGE_SIDE, input_size)``."""
     need = min(MIN_IMAGE_SIDE, input_size)

@@ -124,3 +124,13 @@ def test_opaque_png_keeps_its_colours() -> None:
     a = np.random.default_rng(0).integers(0, 255, (40, 50, 3), dtype=np.uint8)
     assert np.array_equal(load_image(cv2.imencode(".png", a)[1].tobytes()), a[:, :, ::-1])
     assert pp.composite_alpha(a, np.ones((40, 50), np.float32)).tolist() == a.tolist()
+
+
+def test_face_mode_key_says_what_detection_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fedfs_sdk import align
+
+    assert pp.face_mode_key(False) == "none" and pp.face_mode_key("haar") == "haar"
+    monkeypatch.setattr(align, "_dlib", lambda: None)
+    assert pp.face_mode_key(True) == "align-haar-fallback"
+    with pytest.raises(InputError, match="detect_face must be"):
+        pp.face_mode_key("yes")
