@@ -60,10 +60,16 @@ class MappingReport:
         if self.max_abs_diff is not None:
             lines.append(f"parity with the source graph: max |Δembedding| = {self.max_abs_diff:.2e}")
         if self.unmapped_source:
-            lines.append("unmapped source keys: " + ", ".join(self.unmapped_source))
+            lines.append("unmapped source keys: " + _listing(self.unmapped_source))
         if self.missing_target:
-            lines.append("model keys left at their initial values: " + ", ".join(self.missing_target))
+            lines.append("model keys left at their initial values: " + _listing(self.missing_target))
         return "\n".join(lines)
+
+
+def _listing(keys: list[str], limit: int = 40) -> str:
+    uniq = list(dict.fromkeys(keys))
+    more = f" … and {len(uniq) - limit} more" if len(uniq) > limit else ""
+    return ", ".join(uniq[:limit]) + more
 
 
 def _strip_prefix(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -177,9 +183,17 @@ def onnx_initializers_in_use_order(path: str | os.PathLike[str]) -> tuple[list[t
     inits = {i.name: i for i in g.initializer}
     consts = {n.output[0]: n.attribute[0].t for n in g.node
               if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
+    # torch.onnx stores equal constants once and gives the other uses an Identity alias
+    alias: dict[str, str] = {}
+    for n in g.node:
+        if n.op_type == "Identity" and n.input and (n.input[0] in inits or n.input[0] in consts or n.input[0] in alias):
+            alias[n.output[0]] = alias.get(n.input[0], n.input[0])
     out: list[tuple[str, torch.Tensor]] = []
     for n in g.node:
+        if n.op_type == "Identity" and n.output[0] in alias:
+            continue
         for name in n.input:
+            name = alias.get(name, name)
             proto = inits.get(name) or consts.get(name)
             if proto is None:
                 continue

@@ -81,6 +81,20 @@ def test_onnx_round_trip_matches_within_1e5(exported: tuple[FaceNet, Path], tmp_
 
 
 @torch.no_grad()
+def test_untrained_model_with_shared_constants_round_trips(tmp_path: Path) -> None:
+    # fresh norm/PReLU parameters are all equal: torch.onnx stores each value once and
+    # aliases the other uses through Identity nodes
+    torch.manual_seed(5)
+    fresh = FaceNet(ModelConfig("mobilefacenet", input_size=112).resolved()).eval()
+    path = _export(_EmbeddingOnly(fresh.backbone), tmp_path / "fresh.onnx")
+    assert any(n.op_type == "Identity" for n in onnx.load(str(path)).graph.node)
+    imported, rep = import_onnx(path)
+    assert rep.max_abs_diff <= 1e-5
+    x = _images(2)
+    assert (imported(x).embedding - fresh(x).embedding).abs().max().item() <= 1e-5
+
+
+@torch.no_grad()
 def test_bgr_graph_is_imported_as_rgb(exported: tuple[FaceNet, Path], tmp_path: Path) -> None:
     model, path = exported
     g = onnx.load(str(path))
