@@ -160,7 +160,7 @@ def import_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig | N
     rep = map_onto(model.backbone, state)
     if require_complete and not rep.complete:
         raise InputError("the state dict does not fill the model (not the same architecture?)\n" + rep.summary()
-                         + "\n(pass require_complete=False to import what maps as a starting point for ϕ)")
+                         + "\n(pass require_complete=False, or --partial to fedfs import-model, to keep what maps as a starting point for ϕ)")
     return model.eval(), rep
 
 

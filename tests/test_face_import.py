@@ -178,3 +178,28 @@ def test_unreadable_inputs_are_named(tmp_path: Path) -> None:
     (tmp_path / "w.pth").write_bytes(b"junk")
     with pytest.raises(InputError, match=r"w\.pth is not a readable state dict"):
         read_state_dict(tmp_path / "w.pth")
+
+
+def test_import_model_command_writes_a_checkpoint_and_names_missing_keys(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    src = _trained_like(6)
+    torch.save(src.backbone.state_dict(), tmp_path / "full.pth")
+    torch.save(dict(list(src.backbone.state_dict().items())[:-1]), tmp_path / "part.pth")
+    cmd = [sys.executable, "-m", "fedfs_sdk.cli.import_model"]
+    ok = subprocess.run(cmd + [str(tmp_path / "full.pth"), "--out", str(tmp_path / "xi.safetensors")],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "mapped 183 tensors" in ok.stdout and "wrote" in ok.stdout
+    model, meta = load_checkpoint(tmp_path / "xi.safetensors")
+    x = _images(1)
+    with torch.no_grad():
+        assert torch.equal(model(x).embedding, src(x).embedding)
+    bad = subprocess.run(cmd + [str(tmp_path / "part.pth"), "--out", str(tmp_path / "p.safetensors")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "embed_norm.bias" in bad.stderr and "--partial" in bad.stderr
+    assert not (tmp_path / "p.safetensors").exists()
+    part = subprocess.run(cmd + [str(tmp_path / "part.pth"), "--out", str(tmp_path / "p.safetensors"), "--partial"],
+                          capture_output=True, text=True, timeout=300)
+    assert part.returncode == 0 and "model keys left at their initial values: embed_norm.bias" in part.stdout
