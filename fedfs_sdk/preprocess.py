@@ -106,7 +106,12 @@ def _decode(data: bytes, what: str) -> np.ndarray:
     if img is None or img.size == 0:
         raise ImageDecodeError(f"could not decode {what} as an image")
     _check_pixels(img.shape[1], img.shape[0], what)
-    alpha = _alpha_channel(data) if _may_have_alpha(data) else None
+    if _may_have_alpha(data):
+        raw = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
+        if raw is not None and raw.ndim == 3 and raw.shape[2] == 4:
+            # colours and alpha from one decode: OpenCV applies EXIF orientation only when it
+            # drops alpha, so an image with alpha is used as stored (not rotated)
+            img = raw
     if img.dtype == np.uint16:  # 16-bit PNG/TIFF: keep the high byte
         img = (img >> 8).astype(np.uint8)
     elif img.dtype != np.uint8:
@@ -114,12 +119,10 @@ def _decode(data: bytes, what: str) -> np.ndarray:
                                "supported (convert HDR / floating-point / 32-bit images to 8-bit first)")
     if img.ndim == 2:
         rgb = cv2.cvtColor(img, cv2.COLOR_GRAY2RGB)
-    elif img.shape[2] == 4:  # not produced by _DECODE_FLAGS; kept for safety
-        rgb = cv2.cvtColor(img, cv2.COLOR_BGRA2RGB)
+    elif img.shape[2] == 4:
+        rgb = composite_alpha(cv2.cvtColor(img, cv2.COLOR_BGRA2RGB), img[:, :, 3])
     else:
         rgb = cv2.cvtColor(img, cv2.COLOR_BGR2RGB)
-    if alpha is not None and alpha.shape == rgb.shape[:2]:
-        rgb = composite_alpha(rgb, alpha)
     return rgb
 
 
@@ -149,18 +152,6 @@ def _may_have_alpha(d: bytes) -> bool:
     if d[:4] == b"RIFF" and d[8:12] == b"WEBP":
         return True
     return d[:4] in (b"II*\x00", b"MM\x00*")
-
-
-def _alpha_channel(data: bytes) -> np.ndarray | None:
-    """The alpha channel as float32 in [0, 1], or None when the image has none. (Decoded
-    separately: OpenCV applies EXIF orientation only when it drops alpha, so an image that
-    has both would come out with its alpha unrotated; the shapes are then compared.)"""
-    raw = cv2.imdecode(np.frombuffer(data, dtype=np.uint8), cv2.IMREAD_UNCHANGED)
-    if raw is None or raw.ndim != 3 or raw.shape[2] != 4:
-        return None
-    a = raw[:, :, 3]
-    scale = float(np.iinfo(a.dtype).max) if np.issubdtype(a.dtype, np.integer) else 1.0
-    return np.clip(a.astype(np.float32) / scale, 0.0, 1.0)
 
 
 def composite_alpha(rgb: np.ndarray, alpha: np.ndarray,

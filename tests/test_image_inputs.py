@@ -134,3 +134,11 @@ def test_face_mode_key_says_what_detection_does(monkeypatch: pytest.MonkeyPatch)
     assert pp.face_mode_key(True) == "align-haar-fallback"
     with pytest.raises(InputError, match="detect_face must be"):
         pp.face_mode_key("yes")
+
+
+def test_16bit_rgba_png_is_composited_too() -> None:
+    bgra = np.zeros((40, 40, 4), np.uint16)
+    bgra[..., 1] = 0xFF00                   # green
+    bgra[:20, :, 3] = 0xFFFF                # top half opaque, bottom transparent
+    img = load_image(cv2.imencode(".png", bgra)[1].tobytes())
+    assert (img[:20] == (0, 255, 0)).all() and (img[20:] == ALPHA_BACKGROUND).all()
