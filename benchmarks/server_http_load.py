@@ -80,7 +80,7 @@ def probe_loop(port: int) -> None:
             ok = data.startswith(b"HTTP/1.1 200")
         except OSError:
             ok = False
-        print(f"{1000 * (time.perf_counter() - t):.3f}" if ok else "err", flush=True)
+        print(f"{1000 * (time.perf_counter() - t):.3f}@{time.time():.3f}" if ok else "err", flush=True)
         time.sleep(0.05)
 
 
@@ -89,7 +89,7 @@ class HealthProbe:
     latency, not the GIL of this (busy, many-connection) client process."""
 
     def __init__(self, port: int) -> None:
-        self.port, self.ms, self.errors = port, [], 0
+        self.port, self.ms, self.errors, self.at = port, [], 0, []
 
     def __enter__(self) -> "HealthProbe":
         self._p = subprocess.Popen([sys.executable, __file__, "--_probe", str(self.port)], stdin=subprocess.PIPE,
@@ -102,7 +102,9 @@ class HealthProbe:
             if line == "err":
                 self.errors += 1
             else:
-                self.ms.append(float(line))
+                ms, at = line.split("@")
+                self.ms.append(float(ms))
+                self.at.append(float(at))
 
     def summary(self) -> str:
         if not self.ms:
@@ -242,6 +244,8 @@ def main() -> int:
             print(f"  server RSS          : idle {idle:.0f} MB, peak {rs.peak:.0f} MB (+{rs.peak - idle:.0f} MB), "
                   f"after {after:.0f} MB (+{after - idle:.0f} MB)")
             print(f"  /health meanwhile   : {hp.summary()}")
+            if os.environ.get("FEDFS_BENCH_DEBUG"):
+                print("  slow probes (end time, ms):", [(round(a, 3), round(m)) for m, a in zip(hp.ms, hp.at) if m > 50])
 
             with httpx.Client(base_url=url, timeout=60) as c:      # an open round for phases 2–3
                 rid2 = c.post("/v1/admin/rounds", headers=admin).json()["round_id"]

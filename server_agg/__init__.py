@@ -8,6 +8,8 @@ Modules, one job each:
 * :mod:`~server_agg.config` — the round policy
 * :mod:`~server_agg.auth` — device / admin tokens
 * :mod:`~server_agg.app` — the FastAPI routes; :mod:`~server_agg.cli` — ``fedfs serve``
+* :mod:`~server_agg.transport` — bounded, deadline-limited bodies and request heads
+* :mod:`~server_agg.schema` — the JSON Schema of the admin config body (OpenAPI)
 * :mod:`~server_agg.errors`, :mod:`~server_agg.logs` — refusals with reasons, JSON logs
 
 The protocol is described in ``docs/protocol.md``.

@@ -1,5 +1,6 @@
-"""The HTTP face of the aggregation server (FastAPI). Routes are thin: authenticate, read a
-bounded body, call the :class:`~server_agg.rounds.Coordinator`, map its errors to 4xx.
+"""The HTTP face of the aggregation server (FastAPI). Routes are thin: authenticate, check
+what can be checked without the body, read a bounded body (``server_agg.transport``), call
+the :class:`~server_agg.rounds.Coordinator`, map its errors to 4xx.
 
 The OpenAPI document is FastAPI's (``/openapi.json``, ``/docs``); ``docs/protocol.md``
 describes the protocol in prose.
@@ -18,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Literal
 
+import anyio.to_thread
 from fastapi import FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
@@ -125,15 +127,6 @@ _BINARY_BODY = {"requestBody": {"required": True, "content": {MEDIA_TYPE: {"sche
 
 # ---- helpers -----------------------------------------------------------------------------
 
-async def read_body(request: Request, limit: int, timeout_s: float = 60.0) -> bytes:
-    """A whole ``application/octet-stream`` body in memory (bounded by ``limit``); routes
-    that take model-sized bodies spool them to a file instead (see ``create_app``)."""
-    require_media_type(request, MEDIA_TYPE)
-    buf = io.BytesIO()
-    await receive_body(request, limit, timeout_s, buf)
-    return buf.getvalue()
-
-
 class _AccessLog:
     """ASGI middleware: one structured line per request (method, path, status, time)."""
 
@@ -164,7 +157,7 @@ class _AccessLog:
 
 def create_app(coord: Coordinator, *, admin_token: str, registration_token: str | None = None,
                max_body_bytes: int = 256 << 20, tick_interval_s: float = 0.5, body_timeout_s: float = 120.0,
-               decode_workers: int = 2, receive_workers: int = 16) -> FastAPI:
+               decode_workers: int = 2, receive_workers: int = 16, request_threads: int = 8) -> FastAPI:
     """Build the FastAPI app around ``coord``. A background task calls ``coord.tick()``
     every ``tick_interval_s`` (deadlines, automatic rounds).
 
@@ -186,6 +179,10 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Sync routes and dependencies (token checks, status) run on this many threads: every
+        # runnable thread competes with the event loop for the GIL, so fewer of them keep
+        # /health and new connections prompt when hundreds of devices arrive at once.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = max(1, request_threads)
         task = asyncio.create_task(_ticker())
         try:
             yield
@@ -400,4 +397,4 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
     return app
 
 
-__all__ = ["create_app", "read_body"]
+__all__ = ["create_app"]

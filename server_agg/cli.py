@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +308,10 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
                                               "pid": os.getpid(),
                                               "model_version": coord.model.version if coord.model else None,
                                               "policy": coord.policy.to_json()}})
+        # A thread holding the GIL keeps it up to the switch interval (5 ms by default) each
+        # time the event loop wants it back — for every socket call. 1 ms bounds that wait
+        # while decode threads run Python code (measured in benchmarks/server_http_load.py).
+        sys.setswitchinterval(0.001)
         config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, http=deadline_protocol(args.header_timeout),
                                 timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
