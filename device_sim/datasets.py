@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fedfs_sdk.errors import FedFSError, ImageNotFoundError, InputError
-from fedfs_sdk.preprocess import IMAGE_EXTENSIONS, preprocess
+from fedfs_sdk.preprocess import IMAGE_EXTENSIONS, face_mode_key, preprocess
 
 from .synthfaces import SynthFaces, broadcast_pairs
 
@@ -328,7 +328,7 @@ class ImageFolderDataset:
     def fingerprint(self) -> str:
         """sha256 of the identity folders, their image file names and the preprocessing
         (not of the pixels: cheap for a million files; see ``Population.fingerprint``)."""
-        h = hashlib.sha256(json.dumps({"image_size": self.image_size, "detect_face": self.detect_face}).encode())
+        h = hashlib.sha256(json.dumps({"image_size": self.image_size, "detect_face": face_mode_key(self.detect_face)}).encode())
         for name, files in zip(self.names, self.files):
             h.update(json.dumps([name, [f.name for f in files]]).encode())
         return h.hexdigest()

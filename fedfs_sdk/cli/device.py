@@ -33,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 3600)")
     p.add_argument("--registration-token", default=os.environ.get("FEDFS_REGISTRATION_TOKEN"),
                    help="token the server requires for registration (default $FEDFS_REGISTRATION_TOKEN)")
-    p.add_argument("--detect-face", action="store_true", help="crop the largest face (OpenCV Haar cascade)")
+    p.add_argument("--detect-face", action="store_true", help="align the largest face to the 112×112 five-point template (dlib, the 'faces' extra; falls back to an OpenCV Haar crop without it)")
     p.add_argument("--enroll", action="store_true", help="after the last round, enroll the owner (writes "
                    "STATE/verifier.safetensors and the encrypted STATE/enrollment.fedfs)")
     p.add_argument("--q", type=float, default=0.9, help="enrollment target TPR (default 0.9)")

@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="template mode only: build the template on the backbone embedding (default) or on the "
                         "FedUV head output 'uv' (a cosine template in the head space W·g — the head-template "
                         "scoring measured in docs/personalization.md; needs a model with a FedUV head)")
-    p.add_argument("--detect-face", action="store_true", help="crop the largest face (OpenCV Haar cascade)")
+    p.add_argument("--detect-face", action="store_true", help="align the largest face to the 112×112 five-point template (dlib, the 'faces' extra; falls back to an OpenCV Haar crop without it)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing enrollment")
     p.add_argument("--outliers", choices=("mad", "none"), default="mad",
                    help="drop warm-up images whose score is far below the others (e.g. someone else's photo) "

@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "device": ("fedfs_sdk.cli.device", "run one device against an aggregation server"),
     "export": ("export.cli", "export a checkpoint for phones (ONNX, ORT training, Core ML, int8)"),
     "info": ("fedfs_sdk.cli.info", "list backbones with parameter counts and MFLOPs"),
+    "import-model": ("fedfs_sdk.cli.import_model", "import a pre-trained face recognizer (ONNX or torch state dict) "
+                                                   "as a fedfs checkpoint (ξ / pre-trained model)"),
     "enroll": ("fedfs_sdk.cli.enroll", "enroll the device owner from a folder of images"),
     "verify": ("fedfs_sdk.cli.verify", "verify an image (or each image of a folder) against an enrollment "
                                        "(exit 0 accept, 1 reject, 2 error)"),

@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enrollment", required=True, help="enrollment file written by `fedfs enroll` or `fedfs device --enroll`")
     p.add_argument("--key-file", default=env_default("FEDFS_KEY_FILE"), required=env_default("FEDFS_KEY_FILE") is None,
                    help="the enrollment's AES key (default: $FEDFS_KEY_FILE; a device's: STATE/enrollment.key)")
-    p.add_argument("--detect-face", action="store_true", help="crop the largest face (OpenCV Haar cascade)")
+    p.add_argument("--detect-face", action="store_true", help="align the largest face to the 112×112 five-point template (dlib, the 'faces' extra; falls back to an OpenCV Haar crop without it)")
 
 
 def recorded_model(enrollment_path: str, meta: dict) -> str | None:
