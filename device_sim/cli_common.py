@@ -48,7 +48,8 @@ def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users
                         "personalized model has seen, so τ is optimistic and the warm-up TPR falls below q")
     g.add_argument("--public-images", type=int, default=20, help="images per public identity (synth)")
     g.add_argument("--split-seed", type=int, default=0, help="seed of the identity / image split")
-    g.add_argument("--detect-face", action="store_true", help="folders: align the largest face (dlib five-point, the 'faces' extra; Haar crop without it)")
+    g.add_argument("--detect-face", action="store_true",
+                   help="folders: align the largest face (dlib five-point, the 'faces' extra; Haar crop without it)")
     g.add_argument("--domain", default="none", help="SynthFaces look of the clients' images "
                    f"(synth data): one of {', '.join(DOMAINS)}")
     g.add_argument("--pretrain-data", default=None, help="where ξ is pre-trained when it differs from --data: "
