@@ -6,9 +6,15 @@ same contract as ONNX's ``(x − 127.5)/127.5`` (:class:`~export.common.InputCon
 Outputs ``embedding`` ``[1, D]`` and, for FedUV models, ``uv`` ``[1, c]`` (float32 arrays;
 fp16 models compute in fp16 and return float32).
 
-Core ML prediction does not run on Linux: :func:`validate_coreml` checks the saved spec
+Core ML prediction does not run on Linux. :func:`validate_coreml` checks the saved spec
 (input image type and size, the normalization ops at the head of the program, outputs and
-their shapes, metadata); numerics are checked against torch/ONNX Runtime, not Core ML.
+their shapes, metadata) and, given the torch verifier, the numerics:
+:func:`check_coreml_numerics` executes the saved ML Program op by op in its own precision
+(:mod:`export.coreml_reference`: fp16 storage, fp32 arithmetic inside an op) and compares
+it with torch. :func:`export_coreml` runs that check on every package it writes and deletes
+a package that fails it (:class:`CoreMLNumericsError`): an fp16 program whose FedUV scores
+drifted — e.g. ``Σ (W g)²`` overflowing fp16 and every image getting ``uv = 0`` — is never
+shipped (issue 13).
 
 **No updatable FedUV head.** ``MLUpdateTask`` needs the ``neuralnetwork`` backend (not ML
 Program), trains only convolution / inner-product weights, offers only categorical
@@ -26,12 +32,15 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from fedfs_sdk.errors import InputError
 
 from .common import ExportError
 from .onnx_inference import OUTPUT_EMBEDDING, OUTPUT_UV, verifier_outputs
@@ -41,8 +50,18 @@ PRECISIONS = ("fp16", "fp32")
 MIN_TARGET = "iOS16"
 
 
+NUMERICS_TOLERANCE = 0.02
+"""Largest score change (torch → Core ML program) an export may have. Scores live in
+[−1, 1] and are thresholded at ``τ``; fp16 rounding moves them by ~1e-3 (measured on
+MobileFaceNet, docs/export.md), so only decisions within ±0.02 of ``τ`` may differ."""
+
+
 class CoreMLValidationError(ExportError):
     """A saved ``.mlpackage`` does not have the expected interface."""
+
+
+class CoreMLNumericsError(CoreMLValidationError):
+    """A saved ``.mlpackage`` computes scores that differ from torch beyond the tolerance."""
 
 
 def _ct():
@@ -55,8 +74,16 @@ def _ct():
 
 
 def export_coreml(verifier: torch.nn.Module, path: str | os.PathLike[str], *, precision: str = "fp16",
-                  metadata: dict[str, str] | None = None, model_version: str = "unversioned") -> Path:
-    """Convert ``verifier`` (a :class:`~fedfs_sdk.model.VerifierNet`) to an ``.mlpackage``."""
+                  metadata: dict[str, str] | None = None, model_version: str = "unversioned",
+                  check_pixels: np.ndarray | None = None, tolerance: float = NUMERICS_TOLERANCE,
+                  check_numerics: bool = True) -> Path:
+    """Convert ``verifier`` (a :class:`~fedfs_sdk.model.VerifierNet`) to an ``.mlpackage``.
+
+    The saved program is then executed by the fp16 reference on ``check_pixels`` (RGB
+    pixel values ``[N, 3, S, S]``; default: :func:`synthetic_check_pixels`) and compared
+    with torch (:func:`check_coreml_numerics`); if it fails, the package is deleted and
+    :class:`CoreMLNumericsError` raised. ``check_numerics=False`` skips that — only to study
+    a failing program (``benchmarks/export_fp16_parity.py``), never for a shipped one."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     ct = _ct()
@@ -95,7 +122,78 @@ def export_coreml(verifier: torch.nn.Module, path: str | os.PathLike[str], *, pr
         model.user_defined_metadata[k] = str(v)
     path = Path(path)
     model.save(str(path))
+    if not check_numerics:
+        return path
+    try:
+        check_coreml_numerics(path, verifier, check_pixels, tolerance=tolerance)
+    except CoreMLNumericsError:
+        shutil.rmtree(path, ignore_errors=True)        # never leave a package that fails the check
+        raise
     return path
+
+
+def synthetic_check_pixels(input_size: int, identities: int = 8, per_identity: int = 2,
+                           seed: int = 20_240_617) -> np.ndarray:
+    """SynthFaces RGB pixel values ``[N, 3, S, S]`` (0–255) for the numerics check."""
+    from device_sim.synthfaces import SynthFaces
+
+    faces = SynthFaces(seed=seed, image_size=input_size)
+    x = faces.render(np.repeat(np.arange(identities), per_identity), np.tile(np.arange(per_identity), identities))
+    return (x.numpy().astype(np.float32) * 127.5 + 127.5).astype(np.float32)
+
+
+def _unit(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a, dtype=np.float64)
+    return a / np.maximum(np.linalg.norm(a, axis=-1, keepdims=True), 1e-30)
+
+
+def check_coreml_numerics(path: str | os.PathLike[str], verifier: torch.nn.Module,
+                          pixels: np.ndarray | None = None, *, tolerance: float = NUMERICS_TOLERANCE) -> dict[str, Any]:
+    """Execute the saved program (:class:`~export.coreml_reference.CoreMLReference`) on
+    ``pixels`` and bound how far its verification scores can be from torch's.
+
+    * ``uv`` (FedUV, score ``vᵀ uv / c`` for a ±1 codeword ``v``): by Cauchy–Schwarz,
+      ``|Δscore| ≤ ‖Δuv‖ / √c`` for *every* codeword, so the bound is
+      ``max_i ‖uv_coreml − uv_torch‖ / √c``.
+    * ``embedding`` (template mode, cosine to an enrolled template): a cosine moves by at
+      most ``‖Δ unit(e)‖`` per side, so the bound is ``2 · max_i ‖unit(e_coreml) − unit(e_torch)‖``.
+
+    Both must be finite and ≤ ``tolerance``: then accept/reject decisions can differ from
+    torch's only for scores within ``tolerance`` of ``τ``. Raises :class:`CoreMLNumericsError`
+    naming the output; returns the bounds.
+    """
+    from .coreml_reference import CoreMLReference
+
+    s = int(verifier.backbone.input_size)
+    px = synthetic_check_pixels(s) if pixels is None else np.asarray(pixels, dtype=np.float32)
+    if px.ndim != 4 or px.shape[1:] != (3, s, s):
+        raise InputError(f"check pixels must be [N, 3, {s}, {s}] RGB values 0-255, got shape {list(px.shape)}")
+    got = CoreMLReference(path).run(px)
+    with torch.no_grad():
+        ref = dict(zip(verifier_outputs(verifier), (t.numpy() for t in verifier.eval()(torch.from_numpy(px / 127.5 - 1)))))
+    bounds: dict[str, float] = {}
+    for name, want in ref.items():
+        have = got.get(name)
+        if have is None:
+            raise CoreMLNumericsError(f"{path}: the Core ML program has no output {name!r}")
+        if not np.isfinite(have).all():
+            bad = int((~np.isfinite(have)).any(axis=-1).sum())
+            raise CoreMLNumericsError(f"{path}: output {name!r} is NaN/Inf for {bad} of {len(px)} images "
+                                      "(an intermediate overflowed the program's precision); export fp32 instead")
+        if name == OUTPUT_UV:
+            c = want.shape[-1]
+            bound = float(np.linalg.norm(have.astype(np.float64) - want, axis=-1).max() / np.sqrt(c))
+        else:
+            bound = float(2 * np.linalg.norm(_unit(have) - _unit(want), axis=-1).max())
+        bounds[name] = bound
+        if not bound <= tolerance:
+            raise CoreMLNumericsError(
+                f"{path}: output {name!r} of the Core ML program moves verification scores by up to {bound:.3g} "
+                f"(tolerance {tolerance:g}) on {len(px)} images: accept/reject decisions would differ from torch "
+                "(an fp16 intermediate overflowed or lost precision); fix the graph or export fp32")
+    return {"reference": "export/coreml_reference.py: the saved ML Program run op by op, tensors stored in "
+                         "the program's dtypes, fp32 arithmetic inside each op",
+            "images": int(len(px)), "max_score_change": bounds, "tolerance": tolerance}
 
 
 def _const_floats(ops: dict[str, Any], name: str) -> list[float]:
@@ -106,9 +204,13 @@ def _const_floats(ops: dict[str, Any], name: str) -> list[float]:
 
 
 def validate_coreml(path: str | os.PathLike[str], *, input_size: int, outputs: dict[str, int],
-                    metadata: dict[str, str] | None = None, precision: str | None = None) -> dict[str, Any]:
+                    metadata: dict[str, str] | None = None, precision: str | None = None,
+                    verifier: torch.nn.Module | None = None, pixels: np.ndarray | None = None,
+                    tolerance: float = NUMERICS_TOLERANCE) -> dict[str, Any]:
     """Check a saved ``.mlpackage`` on any OS. ``outputs`` maps name → last dimension.
 
+    Checks the spec and, when ``verifier`` (the torch model it was converted from) is given,
+    the numerics (:func:`check_coreml_numerics`, on ``pixels`` or SynthFaces).
     Raises :class:`CoreMLValidationError` naming the first mismatch; returns a summary.
     """
     ct = _ct()
@@ -155,6 +257,9 @@ def validate_coreml(path: str | os.PathLike[str], *, input_size: int, outputs: d
             raise CoreMLValidationError(f"metadata {k!r} is {user.get(k)!r}, expected {v!r}")
     if precision is not None and user.get("fedfs.precision") != precision:
         raise CoreMLValidationError(f"fedfs.precision is {user.get('fedfs.precision')!r}, expected {precision!r}")
-    return {"spec_version": int(spec.specificationVersion), "input": {"name": IMAGE_INPUT, "width": it.width,
-            "height": it.height, "color": "RGB", "scale": float(scale[0]), "bias": [float(b) for b in bias]},
-            "outputs": got, "precision": user.get("fedfs.precision"), "model_id": user.get("fedfs.model_id")}
+    summary = {"spec_version": int(spec.specificationVersion), "input": {"name": IMAGE_INPUT, "width": it.width,
+               "height": it.height, "color": "RGB", "scale": float(scale[0]), "bias": [float(b) for b in bias]},
+               "outputs": got, "precision": user.get("fedfs.precision"), "model_id": user.get("fedfs.model_id")}
+    if verifier is not None:
+        summary["numerics"] = check_coreml_numerics(p, verifier, pixels, tolerance=tolerance)
+    return summary

@@ -106,3 +106,95 @@ def test_model_config_bounds_every_size() -> None:
     with pytest.raises(InputError, match="JSON"):
         ModelConfig.from_json("[" * 5000)
     assert ModelConfig("mobilefacenet", code_length=511, proj_dim=64).resolved().embedding_dim == 128
+
+
+# ---- l2_normalize / FedUV σ: overflow-proof in any precision (issue 13, defect 2) ------------
+
+def _old_l2_normalize(x: torch.Tensor, dim: int = -1, eps: float = 1e-12) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("scale", [1e-6, 1e-2, 1.0, 1e3, 1e15])
+def test_l2_normalize_is_x_over_its_norm_at_every_scale(scale: float) -> None:
+    from fedfs_sdk.backbones.layers import l2_normalize_scaled as l2_normalize
+
+    x = torch.randn(6, 127, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * scale
+    want = x / x.norm(dim=-1, keepdim=True)                      # float64 reference
+    got = l2_normalize(x.float())
+    assert torch.allclose(got.double(), want, rtol=0, atol=5e-7)  # a few float32 ulps of entries ≤ 1
+    # float64: the only difference is ε = 1e-12 added to ‖u‖² ≥ 1 (relative ≤ 5e-13)
+    assert torch.allclose(l2_normalize(x, dim=0), x / x.norm(dim=0, keepdim=True), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_l2_normalize_does_not_overflow_in_half_precision(dtype: torch.dtype) -> None:
+    """‖x‖² = 1.3e8 ≫ fp16's 65504: the old Σx² overflowed to inf and σ returned 0."""
+    from fedfs_sdk.backbones import l2_normalize
+    from fedfs_sdk.model import scale_to_sqrt_c
+
+    x = torch.randn(8, 511, generator=torch.Generator().manual_seed(2)) * 500
+    want = x / x.norm(dim=-1, keepdim=True)
+    got = l2_normalize(x.to(dtype)).float()
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.norm(dim=-1), torch.ones(8), atol=1e-2)
+    assert (got - want).abs().max() < (2e-3 if dtype == torch.float16 else 1e-2)
+    assert torch.allclose(scale_to_sqrt_c(x.to(dtype)).float().norm(dim=-1), torch.full((8,), 511 ** 0.5), rtol=1e-2)
+    if dtype == torch.float16:                                       # the defect this guards against
+        assert _old_l2_normalize(x.half()).abs().max() == 0
+
+
+def test_l2_normalize_keeps_zero_at_zero() -> None:
+    from fedfs_sdk.backbones.layers import l2_normalize, l2_normalize_scaled
+
+    assert torch.equal(l2_normalize_scaled(torch.zeros(2, 5)), torch.zeros(2, 5))   # exactly 0/tiny: no NaN
+    assert torch.equal(l2_normalize(torch.zeros(2, 5)), torch.zeros(2, 5))
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
+def test_l2_normalize_gradcheck(scale: float) -> None:
+    """The detached mean magnitude leaves the gradient of x/‖x‖ exact (finite differences)."""
+    from fedfs_sdk.backbones.layers import l2_normalize_scaled as l2_normalize
+
+    x = (torch.randn(3, 9, dtype=torch.float64) * scale).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: l2_normalize(t), (x,), eps=1e-6 * scale, atol=1e-5)
+    w = torch.randn(3, 9, dtype=torch.float64)
+    (g,) = torch.autograd.grad((l2_normalize(x) * w).sum(), x)
+    (g_exact,) = torch.autograd.grad((x / x.norm(dim=-1, keepdim=True) * w).sum(), x)
+    assert torch.allclose(g, g_exact, rtol=1e-9, atol=1e-9 / scale)
+
+
+def test_l2_normalize_scaled_form_is_what_traced_graphs_and_half_precision_get() -> None:
+    from fedfs_sdk.backbones.layers import l2_normalize
+
+    class Sigma(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return l2_normalize(x)
+
+    ops = {n.kind() for n in torch.jit.trace(Sigma(), torch.ones(2, 7)).graph.nodes()}
+    assert "aten::abs" in ops                                       # traced: the scaled form
+    x = torch.randn(3, 7) * 300
+    assert torch.isfinite(l2_normalize(x.half())).all()              # fp16 eager: the scaled form
+
+
+def test_l2_normalize_onnx_does_not_overflow_in_float32(tmp_path) -> None:
+    """The exported graph (ONNX Runtime, fp32) at ‖x‖² = 1e42 > float32's 3.4e38."""
+    import warnings
+
+    import numpy as np
+    import onnxruntime as ort
+
+    from fedfs_sdk.backbones import l2_normalize
+
+    class Sigma(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return l2_normalize(x)
+
+    path = tmp_path / "sigma.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Sigma(), (torch.ones(2, 127),), str(path), dynamo=False, opset_version=17,
+                          input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "n"}, "y": {0: "n"}})
+    x = np.random.default_rng(3).standard_normal((4, 127)) * 1e20
+    y = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.astype(np.float32)})[0]
+    assert np.isfinite(y).all()
+    np.testing.assert_allclose(y, x / np.linalg.norm(x, axis=1, keepdims=True), rtol=0, atol=5e-7)

@@ -59,6 +59,7 @@ def test_training_is_deterministic_with_seed() -> None:
     cfg = TrainConfig(method="fedfs+feduv", batch_size=8, seed=3)
     a = LocalTrainer(mc, cfg, xi=xi).train(w, x, codeword=v)
     b = LocalTrainer(mc, cfg, xi=xi).train(w, x, codeword=v)
+    # one code path run twice with one seed in one process (deterministic CPU ops): bit-equal
     for k in a.weights:
         assert torch.equal(a.weights[k], b.weights[k])
     c = LocalTrainer(mc, cfg, xi=xi).train(w, x, codeword=v, seed=4)

@@ -461,7 +461,8 @@ def test_local_training_is_seeded_per_round_and_deterministic(tmp_path):
         rt = TorchRuntime()
         w1 = [read_weights(rt.train(task(1), model, agent).body) for _ in range(2)]
         w2 = read_weights(rt.train(task(2), model, agent).body)
-    assert all(np.array_equal(w1[0][k], w1[1][k]) for k in w1[0])      # same round, same inputs: same update
+    # same round, same inputs, same code path in one process (deterministic CPU ops): bit-equal
+    assert all(np.array_equal(w1[0][k], w1[1][k]) for k in w1[0])
     assert any(not np.array_equal(w1[0][k], w2[k]) for k in w2)        # another round: another batch order
 
 

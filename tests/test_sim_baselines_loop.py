@@ -56,6 +56,7 @@ def test_resume_reproduces_next_round_with_server_state(spec: str, population: P
     resumed = federation(spec, population, tiny_xi, participation=0.5)
     resumed.load(ckpt)
     resumed.run_round()
+    # same code path and seeds, state restored bit for bit: resume is promised to be exact
     for k, v in full.global_weights.items():
         assert torch.equal(v, resumed.global_weights[k]), k
     for k, v in full.method.server_state().items():

@@ -57,6 +57,8 @@ def test_resume_reproduces_the_next_round_exactly(spec: str, xi, data, tmp_path)
     resumed.load(latest_checkpoint(tmp_path))
     assert resumed.round == 1 and len(resumed.history) == 1
     resumed.run(2)
+    # bit equality is what the design promises here: the same code path, executor and seeds
+    # on the same machine, deterministic CPU ops, state restored bit for bit (safetensors)
     for k, v in full.global_weights.items():
         assert torch.equal(v, resumed.global_weights[k]), k
     if full.store is not None:

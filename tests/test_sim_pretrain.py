@@ -42,6 +42,7 @@ def test_pretrain_learns_and_is_cached(tmp_path) -> None:
     assert not res.cached and len(losses) == 9 and losses[-1] < losses[0]
     again = pretrain_cached(ds, ids, idx, ids, CFG, cache_dir=tmp_path)
     assert again.cached
+    # the cached model is the trained one read back from safetensors: a bit-exact copy
     assert all(torch.equal(a, b) for a, b in zip(res.model.state_dict().values(), again.model.state_dict().values()))
     _, _, meta = read_checkpoint(tmp_path / "xi.safetensors")
     assert meta["public_identities"] == list(range(6))

@@ -1,0 +1,113 @@
+"""Accept/reject parity of the exported FedUV verifier with torch when ‖W g‖² ≫ fp16's range.
+
+Issue 13: after one round of MobileFaceNet fedfs+feduv, ‖W g‖² had median 2.6e6 (> 65504);
+the Core ML fp16 program computed Σ (W g)² in fp16, got inf, returned ``uv = 0`` and accepted
+everyone. This builds a MobileFaceNet fedfs+feduv verifier (c = 127) whose head is scaled so
+every image has ‖W g‖² ≥ 1e6 (``--head-norm2``, the minimum over the images), and replays a
+device (``export.parity``): owner codeword, warm-up τ (q = 0.9) computed with each backend's
+own scores, then accept/reject on ``--genuine`` owner images and ``--impostors`` images of
+other identities (SynthFaces). Backends: torch fp32 (reference), Core ML fp16 (the saved
+``.mlpackage`` run by ``export.coreml_reference``), ONNX fp32 and ONNX int8 (ONNX Runtime),
+and the pre-fix σ formula in Core ML fp16 — which ``export_coreml`` refuses (shown).
+
+Usage: PYTHONPATH=. python benchmarks/export_fp16_parity.py [--backbone mobilefacenet]
+       [--genuine 100] [--impostors 100] [--warmup 20] [--head-norm2 1e6]
+Prints one line per backend: τ, TPR, FPR, decisions that differ from torch, max |Δscore|.
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import fedfs_sdk.model as model_mod
+from device_sim.synthfaces import SynthFaces
+from export.coreml import CoreMLNumericsError, export_coreml
+from export.coreml_reference import CoreMLReference
+from export.onnx_inference import export_onnx
+from export.parity import decide, disagreements, owner_codeword
+from export.quantize import quantize_int8, synthetic_calibration
+from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.onnx_backend import OnnxBackend
+
+
+def _old_l2_normalize(x: torch.Tensor, dim: int = -1, eps: float = 1e-12) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backbone", default="mobilefacenet")
+    ap.add_argument("--code-length", type=int, default=127)
+    ap.add_argument("--genuine", type=int, default=100)
+    ap.add_argument("--impostors", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--head-norm2", type=float, default=1e6, help="minimum ‖W g‖² over all images")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    m = FaceNet(ModelConfig(args.backbone, code_length=args.code_length)).eval()
+    s = m.input_size
+    faces = SynthFaces(seed=args.seed + 1, image_size=s)
+    n_own = args.warmup + args.genuine
+    ids = np.concatenate([np.zeros(n_own, int), 1 + np.arange(args.impostors) // 2])
+    idx = np.concatenate([np.arange(n_own), np.arange(args.impostors) % 2])
+    x = faces.render(ids, idx).float()
+    warm, gen, imp = slice(0, args.warmup), slice(args.warmup, n_own), slice(n_own, None)
+    with torch.no_grad():
+        wg = m.backbone(x) @ m.uv_head.weight.t()
+        m.uv_head.weight.mul_(float((args.head_norm2 / (wg * wg).sum(1).min()).sqrt()))
+        wg = m.backbone(x) @ m.uv_head.weight.t()
+    n2 = (wg * wg).sum(1)
+    print(f"{args.backbone} fedfs+feduv verifier, c={args.code_length}, {s}x{s}: ‖W g‖² min {float(n2.min()):.3g}, "
+          f"median {float(n2.median()):.3g} (fp16 max 65504); {args.warmup} warm-up + {args.genuine} genuine "
+          f"+ {args.impostors} impostor images ({args.impostors // 2 + args.impostors % 2} identities)")
+    verifier = VerifierNet(m.backbone, m.uv_head).eval()
+    with torch.no_grad():
+        uv = {"torch fp32": verifier(x)[1].numpy().astype(np.float64)}
+    pixels = (x.numpy() * 127.5 + 127.5).astype(np.float32)
+    times = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        path = export_coreml(verifier, Path(tmp) / "v.fp16.mlpackage", precision="fp16")   # checks numerics
+        uv["coreml fp16 (reference)"] = CoreMLReference(path).run(pixels)["uv"].astype(np.float64)
+        times["coreml fp16"] = time.perf_counter() - t
+        t = time.perf_counter()
+        onnx_path = export_onnx(verifier, Path(tmp) / "v.onnx")
+        uv["onnx fp32"] = OnnxBackend(onnx_path).run(x.numpy())["uv"].astype(np.float64)
+        quantize_int8(onnx_path, Path(tmp) / "v.int8.onnx", synthetic_calibration(s))
+        uv["onnx int8"] = OnnxBackend(Path(tmp) / "v.int8.onnx").run(x.numpy())["uv"].astype(np.float64)
+        times["onnx fp32+int8"] = time.perf_counter() - t
+        t = time.perf_counter()
+        real = model_mod.l2_normalize
+        model_mod.l2_normalize = _old_l2_normalize        # the pre-fix σ: x / sqrt(Σ x² + ε)
+        try:
+            old = export_coreml(verifier, Path(tmp) / "old.fp16.mlpackage", precision="fp16", check_numerics=False)
+            uv["pre-fix σ, coreml fp16"] = CoreMLReference(old).run(pixels)["uv"].astype(np.float64)
+            try:
+                export_coreml(verifier, Path(tmp) / "old2.fp16.mlpackage", precision="fp16")
+                refused = "NOT refused"
+            except CoreMLNumericsError as e:
+                refused = f"refused: {str(e).split(': ', 1)[1][:110]}…"
+        finally:
+            model_mod.l2_normalize = real
+        times["pre-fix"] = time.perf_counter() - t
+    code = owner_codeword(uv["torch fp32"][warm])
+    ref = decide(uv["torch fp32"][warm], uv["torch fp32"][gen], uv["torch fp32"][imp], code)
+    print(f"{'backend':26s} {'tau':>7s} {'TPR':>6s} {'FPR':>6s} {'differ':>7s} {'max|Δscore|':>11s} {'‖uv‖/√c':>8s}")
+    for name, u in uv.items():
+        d = decide(u[warm], u[gen], u[imp], code)
+        dscore = np.abs((u - uv["torch fp32"]) @ code / code.size).max()
+        norm = np.linalg.norm(u, axis=1).mean() / np.sqrt(code.size)
+        print(f"{name:26s} {d.tau:7.4f} {d.tpr:6.2f} {d.fpr:6.2f} {disagreements(ref, d):4d}/{args.genuine + args.impostors}"
+              f" {dscore:11.2e} {norm:8.4f}")
+    print(f"export_coreml of the pre-fix σ (fp16): {refused}")
+    print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
+
+
+if __name__ == "__main__":
+    main()
