@@ -189,26 +189,17 @@ def xi_config_of(xi: bytes | None) -> dict[str, Any] | None:
 
 def check_proj_dim(method: str, model_config: dict[str, Any] | None, xi_config: dict[str, Any] | None,
                    train: dict[str, Any], where: str = "the initial model") -> None:
-    """Refuse (``InputError``) a FedFS start whose projection size does not fit ξ.
+    """Refuse (``InputError``) a FedFS start whose projection size does not fit ξ
+    (:func:`~server_agg.config.proj_dim_mismatch`): the round would open and every device fail."""
+    from .config import proj_dim_mismatch
 
-    FedFS Eq. 2 compares ``z = r ⊕ q`` with ``v = ξ(x)``: with ``combine = concat`` each of
-    ``r``, ``q`` has half of ξ's embedding size, with ``sum`` all of it. Otherwise every
-    device fails its first round (``set proj_dim = …``) and the round waits for its deadline.
-    """
-    if not uses_fedfs(method) or model_config is None or xi_config is None or not model_config.get("proj_dim"):
-        return
-    from fedfs_sdk.losses.fedfs import FedFSLossConfig
-
-    fedfs = dict((train.get("objective") or {}).get("fedfs") or {})
-    cfg = FedFSLossConfig(**fedfs)
-    xi_dim = int(xi_config["embedding_dim"])
-    need = cfg.projection_dim(xi_dim)
-    have = int(model_config["proj_dim"])
-    if have != need:
+    bad = proj_dim_mismatch(method, model_config, xi_config, train)
+    if bad is not None:
+        have, need, xi_dim, combine = bad
         fix = f"give --proj-dim {need}" if where == "the initial model" else \
             f"install a model with proj_dim = {need} (POST /v1/admin/model) or give the matching --xi"
         raise InputError(f"--proj-dim {have} cannot be trained with this ξ: ξ's embedding has {xi_dim} dims and "
-                         f"FedFS (combine={cfg.combine!r}) needs proj_dim = {need} for {where}; {fix}")
+                         f"FedFS (combine={combine!r}) needs proj_dim = {need} for {where}; {fix}")
 
 
 def bind_listener(host: str, port: int) -> socket.socket:

@@ -142,6 +142,25 @@ def mismatch_reason(method: str, missing: str, model: str = "this model") -> str
     return f"method {method!r} needs a model with {what} ({missing}), and {model} has none"
 
 
+def proj_dim_mismatch(method: str, model_config: Mapping[str, Any] | None, xi_config: Mapping[str, Any] | None,
+                      train: Mapping[str, Any]) -> tuple[int, int, int, str] | None:
+    """``(proj_dim, needed, ξ dims, combine)`` when a FedFS ``method`` cannot train a model
+    with ``model_config`` against a ξ with ``xi_config``; None when it can (or nothing to check).
+
+    FedFS Eq. 2 compares ``z = r ⊕ q`` with ``v = ξ(x)``: with ``combine = concat`` each of
+    ``r``, ``q`` has half of ξ's embedding size, with ``sum`` all of it. A mismatch fails
+    every device in its first round (``set proj_dim = …``)."""
+    if not uses_fedfs(method) or model_config is None or xi_config is None or not model_config.get("proj_dim"):
+        return None
+    from fedfs_sdk.losses.fedfs import FedFSLossConfig
+
+    cfg = FedFSLossConfig(**dict((train.get("objective") or {}).get("fedfs") or {}))
+    xi_dim = int(xi_config["embedding_dim"])
+    need = cfg.projection_dim(xi_dim)
+    have = int(model_config["proj_dim"])
+    return None if have == need else (have, need, xi_dim, cfg.combine)
+
+
 def _check_int(name: str, v: Any, minimum: int, maximum: int = MAX_ID) -> None:
     if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
         raise InputError(f"{name} must be an integer in [{minimum}, {maximum}], got {str(v)[:40]}")
@@ -160,4 +179,4 @@ def _check_fraction(name: str, v: Any) -> None:
         raise InputError(f"{name} must be in (0, 1], got {v!r}")
 
 
-__all__ = ["RoundPolicy", "missing_model_field", "mismatch_reason", "MAX_NEG_CODEWORDS", "MAX_NUM_SAMPLES", "MAX_SECONDS"]
+__all__ = ["RoundPolicy", "missing_model_field", "mismatch_reason", "proj_dim_mismatch", "MAX_NEG_CODEWORDS", "MAX_NUM_SAMPLES", "MAX_SECONDS"]

@@ -38,7 +38,7 @@ from fedfs_sdk.wire import (MODEL_FORMAT, check_finite, check_layout, clip_updat
 
 from .aggregate import StreamingFedAvg
 from .auth import device_id_of, hash_token, new_device_id, new_device_token, tokens_equal
-from .config import RoundPolicy, mismatch_reason, missing_model_field
+from .config import RoundPolicy, mismatch_reason, missing_model_field, proj_dim_mismatch
 from .errors import BadRequest, Conflict, Forbidden, Gone, NotFound, Unauthorized, Unprocessable
 from .store import Database, Layout, atomic_write, commit_file, write_temp
 
@@ -238,6 +238,9 @@ class Coordinator:
                 hint = "" if method is not None else " (to switch both, POST the model with ?method=…)"
                 raise Conflict(f"model rejected: {mismatch_reason(policy.method, missing)}{hint}",
                                code="model_method_mismatch")
+            why = self._xi_mismatch(policy, config)
+            if why is not None:
+                raise Conflict(f"model rejected: {why}", code="proj_dim_mismatch")
             if policy != self.policy:
                 self.db.set_meta("policy", json.dumps(policy.to_json()))
                 self.policy = policy
@@ -297,6 +300,25 @@ class Coordinator:
             raise NotFound(f"model version {version} does not exist", code="unknown_model_version")
         return self.layout.models / row["file"], row["sha256"]
 
+    def _xi_mismatch(self, policy: RoundPolicy, model_config: Mapping[str, Any] | None) -> str | None:
+        """Why devices could not train ``policy`` on ``model_config`` with the served ξ, if so."""
+        if not self.layout.xi.is_file() or model_config is None:
+            return None
+        from fedfs_sdk.model import ModelConfig
+        from fedfs_sdk.wire_format import read_header
+
+        try:
+            meta = read_header(self.layout.xi.read_bytes())[1]
+            xi_config = json.loads(ModelConfig.from_json(meta.get("model_config", "null")).resolved().to_json())
+        except (OSError, InputError, ValueError):
+            return None                       # a ξ without a readable config: nothing to compare
+        bad = proj_dim_mismatch(policy.method, model_config, xi_config, policy.train)
+        if bad is None:
+            return None
+        have, need, xi_dim, combine = bad
+        return (f"proj_dim {have} cannot be trained with the served ξ: its embedding has {xi_dim} dims and "
+                f"FedFS (combine={combine!r}) needs proj_dim = {need}")
+
     def xi_sha256(self) -> str | None:
         with self._lock:
             return self.db.get_meta("xi_sha256")
@@ -325,6 +347,10 @@ class Coordinator:
                 raise Conflict(f"{mismatch_reason(policy.method, missing, which)}; "
                                "install one that has it with POST /v1/admin/model?method=…",
                                code="model_method_mismatch")
+            why = self._xi_mismatch(policy, self.model.model_config if self.model else None)
+            if why is not None:
+                raise Conflict(f"{why}; keep the settings or install a model that fits (POST /v1/admin/model)",
+                               code="proj_dim_mismatch")
             self.db.set_meta("policy", json.dumps(policy.to_json()))
             self.policy = policy
         _event("policy changed", keys=sorted(changes))

@@ -140,7 +140,18 @@ def test_a_proj_dim_that_xi_cannot_train_is_refused(tmp_path, method, code):
     s = start_server(tmp_path / "ok", "--method", method, "--init-backbone", "tiny", "--embedding-dim", "64",
                      "--proj-dim", "64", *code, "--xi", str(xi),
                      "--train", '{"objective": {"fedfs": {"combine": "sum"}}}')
-    s.stop()
+    try:
+        with s.admin() as a:                  # the admin cannot switch to a combine ξ does not fit either
+            r = a.put("/v1/admin/config", json={"train": {}})
+            assert r.status_code == 409 and r.json()["error"] == "proj_dim_mismatch", r.text
+            assert "needs proj_dim = 32" in r.json()["reason"]
+            r = a.post("/v1/admin/model", content=checkpoint_bytes(embedding_dim=64, proj_dim=48, code_length=127)
+                       if code else checkpoint_bytes(embedding_dim=64, proj_dim=48),
+                       params={"method": method}, headers={"Content-Type": "application/octet-stream"})
+            assert r.status_code == 409 and r.json()["error"] == "proj_dim_mismatch", r.text
+            assert a.get("/v1/models/latest").json()["version"] == 1
+    finally:
+        s.stop()
     # a restart of that state with the default combine (concat) is refused, naming the state's model
     r = serve("--state", str(tmp_path / "ok"), "--port", "0", "--train", "{}")
     assert r.returncode == 2 and "the state's model v1" in r.stderr and "proj_dim = 32" in r.stderr, r.stderr
