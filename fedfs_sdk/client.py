@@ -77,10 +77,11 @@ class ServerUnavailableError(ProtocolError):
 
 def is_transient(e: BaseException) -> bool:
     """Whether ``e`` means "the server is down or overloaded, try again later" (unreachable,
-    5xx but 501/505, 429) rather than a refusal or a configuration mistake."""
+    5xx but 501/505, 429, 408) rather than a refusal or a configuration mistake. 408: the
+    server's body deadline (``fedfs serve --body-timeout``) passed before a slow upload arrived."""
     if isinstance(e, ServerUnavailableError):
         return True
-    return isinstance(e, ServerError) and (e.status == 429 or (e.status >= 500 and e.status not in (501, 505)))
+    return isinstance(e, ServerError) and (e.status in (408, 429) or (e.status >= 500 and e.status not in (501, 505)))
 
 
 def check_server_url(url: str) -> str:
@@ -233,9 +234,9 @@ class ServerClient:
                 return r
             code, reason, hint = self._error_of(r)
             last = ServerError(r.status_code, code, reason, method, path, hint)
-            retry = r.status_code == 429 or (r.status_code >= 500 and r.status_code not in (501, 505))
-            if not idempotent:
-                retry = r.status_code in (429, 503)
+            retry = r.status_code in (408, 429) or (r.status_code >= 500 and r.status_code not in (501, 505))
+            if not idempotent:                    # 408 too: the server refused before acting on the body
+                retry = r.status_code in (408, 429, 503)
             if retry:
                 if attempt + 1 < self.retry.attempts and not self._retry_wait(
                         self.retry.delay(attempt, _retry_after(r)), str(last)):
