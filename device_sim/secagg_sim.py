@@ -93,9 +93,9 @@ def run_round(params: SecAggParams, device_ids: Collection[int], update_of: Upda
         send("advertise", u, devs[u].advertise)
     roster, st = _timed(srv.close_advertise)
     cost["advertise"].server_cpu_s += st
-    roster = wire(roster)
+    roster_bytes, roster = wire_bytes(roster), wire(roster)
     for u in alive("share_keys"):
-        cost["share_keys"].received.append(wire_bytes(roster))
+        cost["share_keys"].received.append(roster_bytes)
         send("share_keys", u, devs[u].share_keys, roster)
     inboxes, st = _timed(srv.close_share_keys)
     cost["share_keys"].server_cpu_s += st
@@ -116,10 +116,10 @@ def run_round(params: SecAggParams, device_ids: Collection[int], update_of: Upda
         n_total += n
     request, st = _timed(srv.close_masked)
     cost["masked_input"].server_cpu_s += st
-    request = wire(request)
+    request_bytes, request = wire_bytes(request), wire(request)
     for u in alive("unmask"):
         if u in request["survivors"]:
-            cost["unmask"].received.append(wire_bytes(request))
+            cost["unmask"].received.append(request_bytes)
             send("unmask", u, devs[u].unmask, request)
     result, st = _timed(srv.finalize)
     cost["unmask"].server_cpu_s += st

@@ -195,6 +195,8 @@ def test_roster_checks_on_device():
     roster = r.srv.close_advertise()
     with pytest.raises(RefusedError, match="threshold 2"):
         r.devs[1].share_keys(dict(roster, threshold=2))
+    with pytest.raises(RefusedError, match="graph degree 4"):
+        r.devs[1].share_keys(dict(roster, neighbours=4))
     other = copy.deepcopy(roster)
     other["devices"][0]["s_pk"] = other["devices"][1]["s_pk"]
     with pytest.raises(RefusedError, match="own public keys"):

@@ -50,6 +50,7 @@ class SecAggDevice:
         self._u2: list[int] = []
         self._own: tuple[bytes, bytes] | None = None
         self._held: dict[int, tuple[bytes, bytes]] = {}   # sender → (s_sk share, b share)
+        self._enc: dict[int, bytes] = {}                   # neighbour → AES-GCM key (both directions)
         self.n_clipped = 0
 
     def _expect(self, step: str, what: str) -> None:
@@ -91,6 +92,9 @@ class SecAggDevice:
         t = self.params.threshold_for(len(pks))
         if roster.get("threshold") != t:
             raise RefusedError(f"{where}: roster threshold {roster.get('threshold')!r} ≠ agreed {t}")
+        if roster.get("neighbours") != self.params.neighbours:
+            raise RefusedError(f"{where}: roster graph degree {roster.get('neighbours')!r} ≠ agreed "
+                               f"{self.params.neighbours!r}")
         self._pks, self._t = pks, t
         self._graph = neighbours(self.params, list(pks))
         holders = self._graph[self.id] + [self.id]
@@ -98,7 +102,7 @@ class SecAggDevice:
         shares = shamir.split([keys.private_bytes(self._s_sk), self._b], holders, t)
         out = []
         for v in self._graph[self.id]:
-            key = keys.pair_key(self._c_sk, pks[v][0], b"enc", self.params.round_id, self.id, v)
+            key = self._enc[v] = keys.pair_key(self._c_sk, pks[v][0], b"enc", self.params.round_id, self.id, v)
             ct = keys.seal(key, self.params.round_id, self.id, v, shares[v][0] + shares[v][1])
             out.append({"to": v, "ct": ct})
         self._own = (shares[self.id][0], shares[self.id][1])
@@ -134,8 +138,7 @@ class SecAggDevice:
             if v in held:
                 raise ReplayError(f"{where}: two shares from device {v}")
             ct = M.get_bytes(e, "ct", where, CIPHERTEXT_BYTES)
-            key = keys.pair_key(self._c_sk, self._pks[v][0], b"enc", self.params.round_id, self.id, v)
-            pt = keys.open_sealed(key, self.params.round_id, v, self.id, ct)
+            pt = keys.open_sealed(self._enc[v], self.params.round_id, v, self.id, ct)
             held[v] = (pt[:SHARE_BYTES], pt[SHARE_BYTES:])
         if set(held) != mine:
             raise BadMessageError(f"{where}: shares missing from devices {sorted(mine - set(held))}")
@@ -181,7 +184,7 @@ class SecAggDevice:
         b_out = [{"of": v, "share": held[v][1]} for v in sorted(held) if v in u3]
         s_out = [{"of": v, "share": held[v][0]} for v in sorted(held) if v in dropped]
         # erase secrets: nothing more is revealed this round, whatever is asked
-        self._held, self._own, self._b = {}, None, None
+        self._held, self._own, self._b, self._enc = {}, None, None, {}
         self._step = "done"
         return {"type": M.UNMASK_SHARES, "round": self.params.round_id, "device": self.id,
                 "b_shares": b_out, "s_shares": s_out}

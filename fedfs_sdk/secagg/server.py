@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import time
+
 import numpy as np
 
 from . import keys, shamir
@@ -64,6 +66,9 @@ class SecAggServer:
         self.s_shares: dict[int, dict[int, bytes]] = {}
         self._unmasked_from: set[int] = set()
         self._masked_from: set[int] = set()
+        # cost accounting for benchmarks (thread CPU seconds, PRG expansions of dim + 1 words)
+        self.stats: dict[str, float] = {"prg_expansions": 0, "key_agreements": 0,
+                                        "self_masks_cpu_s": 0.0, "dropped_masks_cpu_s": 0.0}
 
     def _log(self, msg: dict[str, Any]) -> dict[str, Any]:
         if self.transcript is not None:
@@ -242,12 +247,14 @@ class SecAggServer:
         assert self._sum is not None
         z = self._sum.copy()
         rid, t = self.params.round_id, self.threshold
+        t0 = time.thread_time()
         for v in self.u3:
             try:
                 b = shamir.reconstruct(self.b_shares.get(v, {}), t, SECRET_BYTES)
             except ValueError as e:
                 raise self._fail(f"self-mask seed of device {v} cannot be reconstructed: {e}") from e
             add_mask(z, b, -1)
+        t1 = time.thread_time()
         survivors = set(self.u3)
         for v in self.dropped["masked_input"]:
             try:
@@ -260,6 +267,11 @@ class SecAggServer:
                 if w in survivors:   # y_w carries +PRG(s_wv) if w < v, else −PRG(s_wv)
                     seed = keys.pair_key(sk, self.pks[w][1], b"mask", rid, v, w)
                     add_mask(z, seed, -1 if w < v else +1)
+                    self.stats["prg_expansions"] += 1
+                    self.stats["key_agreements"] += 1
+        self.stats["prg_expansions"] += len(self.u3)
+        self.stats["self_masks_cpu_s"] = t1 - t0
+        self.stats["dropped_masks_cpu_s"] = time.thread_time() - t1
         try:
             mean, total = self.params.fixed_point.decode_sum(z, len(self.u3))
         except RoundFailedError as e:
