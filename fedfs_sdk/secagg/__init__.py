@@ -10,10 +10,11 @@ from .encoding import FixedPoint
 from .errors import (BadMessageError, IntegrityError, RefusedError, ReplayError, RoundFailedError,
                      SecAggError, UnknownDeviceError)
 from .messages import from_json, to_json
+from .persist import restore, snapshot
 from .params import SecAggParams, default_threshold, min_threshold, neighbours
 from .server import SecAggResult, SecAggServer
 
 __all__ = ["SecAggDevice", "SecAggServer", "SecAggParams", "SecAggResult", "FixedPoint",
            "SecAggError", "BadMessageError", "UnknownDeviceError", "ReplayError", "IntegrityError",
            "RefusedError", "RoundFailedError", "default_threshold", "min_threshold", "neighbours",
-           "to_json", "from_json"]
+           "to_json", "from_json", "snapshot", "restore"]

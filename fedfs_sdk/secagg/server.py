@@ -217,13 +217,17 @@ class SecAggServer:
         self.dropped["share_keys"] = sorted(set(self.pks) - set(self.u2))
         self._check_recoverable(set(self.u2), set(self.u2), "share_keys")
         self.step = "masked"
-        inboxes = {}
-        for v in self.u2:
-            cts = [{"from": u, "ct": self.cts[u][v]} for u in self.graph[v] if u in self.cts]
-            inboxes[v] = self._log({"type": M.SHARES_INBOX, "round": self.params.round_id, "device": v,
-                                    "senders": self.u2, "ciphertexts": cts})
-        self.cts = {}   # delivered; the server keeps no ciphertexts
-        return inboxes
+        return {v: self._log(self.inbox(v)) for v in self.u2}
+
+    def inbox(self, device: int) -> dict[str, Any]:
+        """The ShareKeys inbox of ``device`` (again, e.g. after a restart), until close_masked."""
+        if self.step != "masked":
+            raise ReplayError(f"inboxes are served between ShareKeys and MaskedInput; round is at {self.step!r}")
+        if device not in self.u2:
+            raise UnknownDeviceError(f"device {device} is not in U2 of round {self.params.round_id}")
+        cts = [{"from": u, "ct": self.cts[u][device]} for u in self.graph[device] if u in self.cts]
+        return {"type": M.SHARES_INBOX, "round": self.params.round_id, "device": device,
+                "senders": self.u2, "ciphertexts": cts}
 
     def close_masked(self) -> dict[str, Any]:
         """End MaskedInputCollection; return the unmask request (survivors U3, dropped)."""
@@ -233,6 +237,7 @@ class SecAggServer:
         alive = set(self.u3)
         self._check_recoverable(alive, alive | set(self.dropped["masked_input"]), "masked_input")
         self.step = "unmask"
+        self.cts = {}   # delivered; the server keeps no ciphertexts
         return self._log({"type": M.UNMASK_REQUEST, "round": self.params.round_id,
                           "survivors": self.u3, "dropped": self.dropped["masked_input"]})
 
