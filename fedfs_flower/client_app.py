@@ -9,7 +9,9 @@ plus the loss metrics. ``θ_c``, ``r_u`` and the codeword stay in the state fold
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from fedfs_flower import require_flwr
 
@@ -24,20 +26,25 @@ from .node import local_step  # noqa: E402
 from .settings import NodeSettings  # noqa: E402
 from .strategy import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, to_weights  # noqa: E402
 
-def create_app(run_config: Mapping[str, Any] | None = None) -> ClientApp:
+ImagesFn = Callable[[Context], np.ndarray]
+
+
+def create_app(run_config: Mapping[str, Any] | None = None, images_fn: ImagesFn | None = None) -> ClientApp:
     """A ClientApp whose run config is ``run_config`` over Flower's (the deprecated in-process
-    ``flwr.simulation.run_simulation`` passes no run config; ``flwr run`` passes the project's)."""
+    ``flwr.simulation.run_simulation`` passes no run config; ``flwr run`` passes the project's).
+    ``images_fn(context)``: the node's preprocessed images, instead of its image folder
+    (benchmarks/peer_flower.py gives Flower the fedfs simulator's in-memory clients)."""
     client = ClientApp()
     overrides = dict(run_config or {})
 
     @client.train()
     def _train(msg: Message, context: Context) -> Message:
-        return train(msg, context, {**context.run_config, **overrides})
+        return train(msg, context, {**context.run_config, **overrides}, images_fn)
 
     return client
 
 
-def train(msg: Message, context: Context, run_config: Mapping[str, Any]) -> Message:
+def train(msg: Message, context: Context, run_config: Mapping[str, Any], images_fn: ImagesFn | None = None) -> Message:
     """One local round of the method the server's message names."""
     content = msg.content
     if ARRAYS not in content.array_records or CONFIG not in content.config_records:
@@ -45,7 +52,7 @@ def train(msg: Message, context: Context, run_config: Mapping[str, Any]) -> Mess
                          "fedfs_flower.server_app:app?")
     cfg = content.config_records[CONFIG]
     method = str(cfg["method"])
-    settings = NodeSettings.from_configs(run_config, context.node_config, method)
+    settings = NodeSettings.from_configs(run_config, context.node_config, method, need_data=images_fn is None)
     try:
         train_settings = json.loads(str(cfg.get("train", "{}")))
     except json.JSONDecodeError as e:
@@ -55,7 +62,8 @@ def train(msg: Message, context: Context, run_config: Mapping[str, Any]) -> Mess
                       base_vector=int(base) if base is not None else None,
                       global_weights=to_weights(content.array_records[ARRAYS]),
                       server_round=int(cfg["server-round"]), node_id=int(context.node_id),
-                      run_id=int(context.run_id), neg_codewords=int(cfg.get("neg-codewords", 0)))
+                      run_id=int(context.run_id), neg_codewords=int(cfg.get("neg-codewords", 0)),
+                      images=images_fn(context) if images_fn is not None else None)
     metrics = {NUM_EXAMPLES: int(step.num_samples)}
     metrics.update({k: float(v) for k, v in step.metrics.items()})
     reply = RecordDict({ARRAYS: ArrayRecord.from_torch_state_dict(step.weights), METRICS: MetricRecord(metrics)})

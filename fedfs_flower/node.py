@@ -81,9 +81,10 @@ def register_base_vector(state: DeviceState, base_vector: int, node_id: int) -> 
 
 def local_step(settings: NodeSettings, *, method: str, model_config_json: str, train: Mapping[str, object],
                base_vector: int | None, global_weights: Mapping[str, torch.Tensor], server_round: int,
-               node_id: int, run_id: int, neg_codewords: int = 0) -> StepResult:
+               node_id: int, run_id: int, neg_codewords: int = 0, images: np.ndarray | None = None) -> StepResult:
     """One round of ``method``'s local training on this node (FedFS Alg. 1 client step;
-    FedUV Alg. 2). Returns ``w_c``, ``|D_c|``, the loss metrics and the digest of ``w_c``."""
+    FedUV Alg. 2). Returns ``w_c``, ``|D_c|``, the loss metrics and the digest of ``w_c``.
+    ``images``: preprocessed float32 ``[N, 3, S, S]`` instead of the node's ``data_dir``."""
     from fedfs_sdk.checkpoint import load_checkpoint
     from fedfs_sdk.device_runtime import negative_codewords, round_seed
     from fedfs_sdk.model import ModelConfig
@@ -95,7 +96,8 @@ def local_step(settings: NodeSettings, *, method: str, model_config_json: str, t
         torch.set_num_threads(settings.torch_threads)
     config = ModelConfig.from_json(model_config_json).resolved()
     train_cfg = train_config_from_json(method, dict(train), "cpu")
-    images = node_images(settings.data_dir, int(config.input_size), settings.detect_face)
+    if images is None:
+        images = node_images(settings.data_dir, int(config.input_size), settings.detect_face)
     xi = load_checkpoint(settings.xi)[0] if uses_fedfs(method) and settings.xi is not None else None
     with DeviceState(settings.state_dir) as state:
         codeword = neg = None

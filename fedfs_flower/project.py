@@ -43,7 +43,9 @@ def pyproject_text(run_config: Mapping[str, Any] | None = None) -> str:
         "[build-system]", 'requires = ["setuptools>=77"]', 'build-backend = "setuptools.build_meta"', "",
         "[project]", f'name = "{APP_NAME}"', 'version = "1.0.0"',
         'description = "fedfs methods (FedFS, FedUV, FedFS+FedUV) on Flower"', 'license = "Apache-2.0"',
-        f'dependencies = ["fedfs", "{FLWR_REQUIREMENT}"]', "",
+        # fedfs itself is not listed: it must already be installed where the apps run (a
+        # runtime `uv sync` would fetch whatever the index calls "fedfs"); see docs/flower.md.
+        f'dependencies = ["{FLWR_REQUIREMENT}"]', "",
         "[tool.flwr.app]", f'publisher = "{PUBLISHER}"', "",
         "[tool.flwr.app.components]", 'serverapp = "fedfs_flower.server_app:app"',
         'clientapp = "fedfs_flower.client_app:app"', "",

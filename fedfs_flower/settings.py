@@ -99,10 +99,17 @@ class NodeSettings:
     detect_face: bool
 
     @classmethod
-    def from_configs(cls, run_cfg: Mapping[str, Any], node_cfg: Mapping[str, Any], method: str) -> "NodeSettings":
+    def from_configs(cls, run_cfg: Mapping[str, Any], node_cfg: Mapping[str, Any], method: str,
+                     need_data: bool = True) -> "NodeSettings":
         """A SuperNode's ``data-dir``/``state-dir`` (deployment), else client ``partition-id``
-        of ``data-root``'s sorted sub-folders and ``state-root/node-<partition-id>`` (simulation)."""
+        of ``data-root``'s sorted sub-folders and ``state-root/node-<partition-id>`` (simulation).
+        ``need_data=False``: the images come from elsewhere (a benchmark's in-memory clients)."""
         data, state = node_cfg.get("data-dir"), node_cfg.get("state-dir")
+        if not need_data and state is None and node_cfg.get("partition-id") is not None:
+            sroot = _get(run_cfg, "state-root", str)
+            if not sroot:
+                raise InputError("run config 'state-root' is empty: each node needs a device-state folder")
+            data, state = "", str(Path(sroot) / f"node-{int(node_cfg['partition-id'])}")
         if data is None or state is None:
             pid = node_cfg.get("partition-id")
             root, sroot = _get(run_cfg, "data-root", str), _get(run_cfg, "state-root", str)
