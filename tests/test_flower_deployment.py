@@ -104,12 +104,15 @@ def test_deployment_rounds_equal_fedfs_aggregation(tmp_path):
                      "--disable-runtime-dependency-installation")
         _wait_port(link_port, link, logs["superlink"])
         folders = sorted(p for p in paths["data"].iterdir())
-        for i, folder in enumerate(folders):
+        nodes = []
+        for i, folder in enumerate(folders):        # start both, then wait: their start-ups overlap
             port = free_port()
-            node = start(f"supernode{i}", supernode, "--insecure", "--superlink", f"127.0.0.1:{link_port}",
-                         "--host", "127.0.0.1", "--port", str(port),
-                         "--node-config", f'data-dir="{folder}" state-dir="{paths["state"] / f"node-{i}"}"')
-            _wait_port(port, node, logs[f"supernode{i}"])
+            nodes.append((port, f"supernode{i}", start(
+                f"supernode{i}", supernode, "--insecure", "--superlink", f"127.0.0.1:{link_port}",
+                "--host", "127.0.0.1", "--port", str(port),
+                "--node-config", f'data-dir="{folder}" state-dir="{paths["state"] / f"node-{i}"}"')))
+        for port, name, node in nodes:
+            _wait_port(port, node, logs[name])
         run = subprocess.run([flwr, "run", str(app), "fedfs-test", "--stream"], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=240)
         final = paths["out"] / f"global_round{ROUNDS:03d}.safetensors"
