@@ -303,7 +303,9 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
                 summary = validate_coreml(tmp / rel, input_size=verifier.input_size, outputs=outs, precision=prec)
                 variants[prec] = {"package": rel, **summary}
             artifacts["coreml"] = {"variants": variants, "minimum_deployment_target": "iOS16",
-                                   "prediction": "needs macOS/iOS; validated here by spec inspection only",
+                                   "prediction": "runs natively on macOS/iOS only; here the saved ML Program was executed "
+                                                 "in its declared precision (export/coreml_reference.py) and its scores "
+                                                 "compared with torch (the export fails if they drift)",
                                    "updatable": False,
                                    "updatable_reason": "MLUpdateTask cannot back-propagate through FedUV's sigma "
                                                        "(L2 normalization) nor use its hinge loss; on-device training "
