@@ -129,3 +129,13 @@ def test_base_vectors_unique_stable_and_kept(tmp_path):
     f.write_text(json.dumps({"1": 5, "2": 5}))
     with pytest.raises(InputError, match="same b_u"):
         FedFSStrategy(method="feduv", model_config_json=TINY.to_json(), base_vectors_file=f)
+
+
+def test_missing_flower_is_one_line_naming_the_extra(monkeypatch):
+    import sys
+
+    from fedfs_flower import require_flwr
+
+    monkeypatch.setitem(sys.modules, "flwr", None)      # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'fedfs\[flower\]'"):
+        require_flwr()
