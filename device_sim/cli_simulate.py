@@ -24,6 +24,7 @@ from typing import Any
 from fedfs_sdk.checkpoint import atomic_write_bytes
 from fedfs_sdk.errors import InputError
 
+from . import dp_sim
 from .cli_common import (add_data_arguments, add_device_argument, add_pretrain_arguments, build_data,
                          progress_bar, resolve_xi, setup_device, skipped_lines)
 from .evaluate import EvalConfig, evaluate
@@ -73,9 +74,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/simulate", help="output directory (a relative path is relative to the "
                    "current directory)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
+    _add_dp_arguments(p)
     add_device_argument(p)
     add_data_arguments(p)
     add_pretrain_arguments(p)
+
+
+def _add_dp_arguments(p: argparse.ArgumentParser) -> None:
+    """User-level DP-FedAvg (McMahan et al. 2018; device_sim.dp_sim, docs/privacy.md)."""
+    g = p.add_argument_group("user-level differential privacy (DP-FedAvg)")
+    g.add_argument("--dp-epsilon", type=float, default=None, help="target ε after --rounds rounds: σ is "
+                   "calibrated (RDP accountant, dp-accounting); 'inf' clips without noise")
+    g.add_argument("--dp-noise", type=float, default=None, help="noise multiplier σ (instead of --dp-epsilon)")
+    g.add_argument("--dp-clip", type=float, default=None, help="C: L2 bound on a client's update of the global weights")
+    g.add_argument("--dp-delta", type=float, default=None, help="δ of the reported ε (default N^-1.1)")
 
 
 def federation_config(args: argparse.Namespace) -> FederationConfig:
@@ -95,6 +107,9 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
     cfg = federation_config(args)
     ckdir = out / "checkpoints" / slug(method.label)
     fed = Federation(method, pop, xi, cfg, store_path=ckdir / "store.mmap")
+    fed.dp = dp_sim.from_args(args, pop.num_clients) if method.trains else None
+    if fed.dp is not None:
+        dp_sim.check_dp_method(method)
     if args.resume and (ck := latest_checkpoint(ckdir)) is not None:
         fed.load(ck)
     planned = fed.planned_rounds          # one pass for a per-client baseline (local_only)
@@ -120,7 +135,8 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
         keep[spec] = fed
     return {"method": method.name, "label": method.label, "options": method.options(), "rounds": fed.round,
             "seconds": train_s, "touched_clients": int(fed.store.touched().size) if fed.store is not None else None,
-            "history": [vars(h) for h in fed.history], "eval": result}
+            "history": [vars(h) for h in fed.history], "eval": result,
+            **({"dp": fed.dp.record(fed.round)} if fed.dp is not None and method.trains else {})}
 
 
 def _evaluate(fed: Federation, pop: Population, cfg: EvalConfig, args: argparse.Namespace, quiet: bool) -> dict:

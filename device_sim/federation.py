@@ -171,6 +171,7 @@ class Federation:
         self._states: dict[int, Any] = {}
         self._xi_fingerprint: str | None = None               # computed on the first save/load
         self._data_fingerprint: dict[str, str] | None = None   # computed on the first save/load
+        self.dp = None   # device_sim.dp_sim.SimDp: user-level DP-FedAvg (fedfs simulate --dp-*), set by the caller
 
     # ---- one round ---------------------------------------------------------------------
     @property
@@ -204,9 +205,11 @@ class Federation:
         t0 = time.perf_counter()
         r = self.round + 1
         cfg, method, ex = self.config, self.method, self.executor
-        participants = self.sample_participants()
+        participants = self.sample_participants() if self.dp is None else self.dp.sample(self.sampler)
         plan = method.configure_round(r, participants)
         acc = StreamingFedAvg(self.global_weights)
+        if self.dp is not None:     # DP-FedAvg: clipped, weighted, noised sum (device_sim.dp_sim)
+            acc = self.dp.accumulator(self.global_weights, r)
         # Each chunk's mean stays float64 until the end of the round: the result then does not
         # depend on the chunking beyond float64 rounding (a float32 chunk mean would).
         chunk_ref = {k: torch.empty(v.shape, dtype=torch.float64, device="meta") for k, v in self.global_weights.items()}
@@ -231,7 +234,10 @@ class Federation:
             res = ex.train(method, plan, tasks, cfg.local)
             method.receive(plan, res.clients, res.params, res.num_samples)  # server-held class embeddings (FedAwS, FedGC, PrivacyFace)
             n_chunk = int(res.num_samples.sum())
-            acc.add(fedavg_stacked(res.params["global"], res.num_samples, reference=chunk_ref), n_chunk)
+            if self.dp is not None:
+                self.dp.add_chunk(acc, res.params["global"], res.num_samples)
+            else:
+                acc.add(fedavg_stacked(res.params["global"], res.num_samples, reference=chunk_ref), n_chunk)
             if self.store is not None:
                 self.store.put(res.clients, {g: res.params[g] for g in method.private_groups})
             took = res.client_steps > 0

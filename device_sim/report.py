@@ -253,6 +253,13 @@ def _cell(row: Mapping[str, Any], source: str | tuple[str, ...], ref_label: str 
     return _marked(row, source)
 
 
+def _dp_cell(dp: Mapping[str, Any] | None) -> str:
+    if not dp:
+        return "–"
+    eps = dp["epsilon"]
+    return f"{eps if isinstance(eps, str) else format(eps, '.3g')} ({dp['delta']:.2g}; σ={dp['noise_multiplier']:.3g})"
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,
                    reference: str = "pretrained") -> str:
     """One row per method: ``{"label", "eval", "rounds", "seconds"[, "delta"]}``.
@@ -265,11 +272,12 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,
     if not any("column_notes" in r for r in rows):
         rows = annotate_rows([dict(r) for r in rows])
     ref_label = next((r.get("delta_reference") for r in rows if "delta_reference" in r), None)
-    head = ["method", *(h for h, _ in COLUMNS), "rounds", "train s"]
+    dp = any(r.get("dp") for r in rows)     # user-level DP-FedAvg runs (device_sim.dp_sim): ε (δ) column
+    head = ["method", *(["ε (δ)"] if dp else []), *(h for h, _ in COLUMNS), "rounds", "train s"]
     lines = [f"### {title}", ""] if title else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["label"], *(_cell(r, src, ref_label) for _, src in COLUMNS),
+        cells = [r["label"], *([_dp_cell(r.get("dp"))] if dp else []), *(_cell(r, src, ref_label) for _, src in COLUMNS),
                  str(r.get("rounds", 0)), f"{r.get('seconds', 0.0):.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     foot = notes_lines(rows)

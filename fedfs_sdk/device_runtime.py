@@ -54,6 +54,34 @@ class LocalUpdate:
     personal: bytes | None = None
 
 
+def dp_clip_norm(task: Mapping[str, Any]) -> float | None:
+    """The clip norm ``C`` of a DP-FedAvg round (``task["dp"]["clip"]``; None: not a DP round).
+
+    The device clips its update ``w_c − w`` to ``C`` before encoding the upload, so what
+    leaves the device is already bounded (McMahan et al. 2018, Alg. 1); the server clips
+    again, since it cannot trust a device."""
+    dp = task.get("dp")
+    if not dp:
+        return None
+    from .dp import DpParams
+
+    return DpParams.from_json(dp).clip
+
+
+def clip_upload(weights: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], task: Mapping[str, Any],
+                metrics: dict[str, float]) -> Mapping[str, np.ndarray]:
+    """``weights`` with ``w_c − w`` clipped to the round's DP clip norm (unchanged outside DP);
+    the norm before clipping goes into ``metrics["dp_update_norm"]``."""
+    clip = dp_clip_norm(task)
+    if clip is None:
+        return weights
+    from .dp import clip_flat_update
+
+    out, norm, _ = clip_flat_update(weights, reference, clip)
+    metrics["dp_update_norm"] = norm
+    return out
+
+
 def round_seed(seed: int, round_id: int) -> int:
     """The local-training seed of round ``round_id``: 32 bits drawn from
     ``numpy.random.SeedSequence([seed, round_id])`` (``seed`` = the server's ``train.seed``),
@@ -140,10 +168,18 @@ class TorchRuntime:
             self._decode(model)[0], agent.images_array(int(config.input_size)), personal_weights=personal,
             codeword=codeword, neg_codewords=neg, seed=round_seed(train_cfg.seed, int(task["round_id"])))
         check_finite(result.weights, "local result")
-        body = encode_update(result.weights, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
+        metrics = dict(result.metrics)
+        upload = result.weights
+        if dp_clip_norm(task) is not None:       # DP round: clip w_c − w to C before encoding (float64)
+            import torch
+
+            ref = {k: v.detach().cpu().numpy() for k, v in self._decode(model)[0].items()}
+            clipped = clip_upload({k: v.detach().cpu().numpy() for k, v in upload.items()}, ref, task, metrics)
+            upload = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in clipped.items()}
+        body = encode_update(upload, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
                              num_samples=result.num_samples)
         personal_bytes = encode_weights(result.personal_weights) if result.personal_weights is not None else None
-        return LocalUpdate(body, result.num_samples, dict(result.metrics), personal_bytes)   # θ_c stays on the device
+        return LocalUpdate(body, result.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
     def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int,
                  verify: str | None = None) -> "InferenceBackend":
@@ -310,14 +346,16 @@ class OrtRuntime:
         personal = agent.state.load_arrays("personal") if uses_fedfs(method) else None
         up = trainer.train(weights, agent.images_array(art.input_size), personal_weights=personal,
                            codeword=codeword, neg_codewords=neg, seed=round_seed(settings.seed, int(task["round_id"])))
-        body = encode_update(up.weights, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
+        metrics = dict(up.metrics)
+        upload = clip_upload(up.weights, weights, task, metrics)   # DP round: w_c − w clipped to C (float64)
+        body = encode_update(upload, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
                              num_samples=up.num_samples)
         personal_bytes = None
         if up.personal_weights is not None:
             from safetensors.numpy import save
 
             personal_bytes = save({k: np.ascontiguousarray(v) for k, v in up.personal_weights.items()})
-        return LocalUpdate(body, up.num_samples, dict(up.metrics), personal_bytes)   # θ_c stays on the device
+        return LocalUpdate(body, up.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
     def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int,
                  verify: str | None = None) -> "InferenceBackend":
@@ -355,4 +393,4 @@ DUAL_ONNX_FILE = "onnx/verifier-dual.onnx"
 
 __all__ = ["DeviceRuntime", "LocalUpdate", "TorchRuntime", "OrtRuntime", "DUAL_ONNX_FILE", "verifier_model",
            "OrtTrainSettings", "ort_settings_for",
-           "negative_codewords", "round_seed"]
+           "negative_codewords", "round_seed", "dp_clip_norm", "clip_upload"]

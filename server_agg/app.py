@@ -110,6 +110,8 @@ class ServerStatus(BaseModel):
     devices: int
     active_devices: int
     round: RoundStatus | None
+    dp: dict[str, Any] | None = None
+    """User-level DP-FedAvg: ε spent at δ, the budget, whether it is exhausted (server_agg.dp)."""
 
 
 class ModelInfo(BaseModel):
@@ -117,6 +119,8 @@ class ModelInfo(BaseModel):
     sha256: str
     config: dict[str, Any]
     nbytes: int
+    dp: dict[str, Any] | None = None
+    """The (ε, δ) per user this version is published with (DP-FedAvg rounds; server_agg.dp)."""
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -33,6 +33,10 @@ _POLICY_FLAGS: dict[str, tuple[str, type]] = {
     "round_timeout": ("round_timeout_s", float), "rounds": ("rounds", int),
     "max_update_norm": ("max_update_norm", float), "max_num_samples": ("max_num_samples", int), "seed": ("seed", int),
     "device_ttl": ("device_ttl_s", float),
+    # user-level DP-FedAvg (server_agg.dp; docs/privacy.md)
+    "dp_noise_multiplier": ("dp_noise_multiplier", float), "dp_delta": ("dp_delta", float),
+    "dp_epsilon_budget": ("dp_epsilon_budget", float), "dp_weight_cap": ("dp_weight_cap", int),
+    "dp_accountant": ("dp_accountant", str),
 }
 
 
@@ -75,6 +79,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-ttl", type=float, metavar="SECONDS",
                    help="sample only devices that contacted the server (any authenticated request) within this "
                         "many seconds (stored default: 2 × round timeout; 0: every registered device)")
+    g.add_argument("--dp-noise-multiplier", type=float, metavar="SIGMA",
+                   help="user-level DP-FedAvg: Gaussian noise σ·C on each round's sum, C = --max-update-norm "
+                        "(needs --dp-delta; rounds then use Poisson sampling at --participation)")
+    g.add_argument("--dp-delta", type=float, help="δ at which ε is reported with every model version")
+    g.add_argument("--dp-epsilon-budget", type=float, metavar="EPS",
+                   help="refuse to open a round that would take ε above this; the federation stops")
+    g.add_argument("--dp-weight-cap", type=int, metavar="N", help="a device weighs min(|D_c|/N, 1) in a DP round")
+    g.add_argument("--dp-accountant", choices=("rdp", "pld"), help="privacy accountant (dp-accounting)")
     from .config import RoundPolicy
 
     initial = RoundPolicy()
@@ -242,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
         xi = args.xi.read_bytes()
         validate_xi(xi)
     overrides = policy_overrides(args)
+    if overrides.get("dp_noise_multiplier") is not None:
+        from .dp import require_accountant
+
+        require_accountant()                   # DP without its accountant: say so now, not at round 1
     layout = Layout(args.state.resolve())
     if layout.root.exists() and not layout.root.is_dir():
         raise InputError(f"--state {args.state} exists and is not a directory")

@@ -48,6 +48,16 @@ class RoundPolicy:
         device_ttl_s: liveness: only devices whose last authenticated request (any, e.g.
             ``GET /v1/task``) is at most this many seconds old are sampled. ``None``:
             ``2 · round_timeout_s``; ``0``: every registered device is eligible.
+        dp_noise_multiplier: user-level DP-FedAvg (McMahan et al. 2018; ``server_agg.dp``):
+            the noise std ``σ`` in units of the clip norm ``C = max_update_norm`` (required
+            then). ``None``: no DP. With DP, rounds sample devices by Poisson sampling at
+            rate ``participation``, weigh them ``min(n/dp_weight_cap, 1)`` and divide by the
+            fixed ``participation · N``.
+        dp_delta: the δ at which ε is reported and the budget is checked (DP on: required).
+        dp_epsilon_budget: a round whose opening would take ε above this is refused and the
+            automatic federation stops (``None``: no budget, ε is still reported).
+        dp_weight_cap: ``ŵ``: a device's weight ``min(|D_c|/ŵ, 1)`` (1: all weigh the same).
+        dp_accountant: ``rdp`` or ``pld`` (Google ``dp-accounting``).
     """
 
     method: str = "feduv"
@@ -63,6 +73,11 @@ class RoundPolicy:
     max_num_samples: int = 1_000_000
     seed: int = 0
     device_ttl_s: float | None = None
+    dp_noise_multiplier: float | None = None
+    dp_delta: float | None = None
+    dp_epsilon_budget: float | None = None
+    dp_weight_cap: int = 1
+    dp_accountant: str = "rdp"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -82,6 +97,7 @@ class RoundPolicy:
             _check_number("device_ttl_s", self.device_ttl_s, maximum=MAX_SECONDS)
             if self.device_ttl_s < 0:
                 raise InputError(f"device_ttl_s must be ≥ 0 (0 disables the liveness rule), got {self.device_ttl_s!r}")
+        self._check_dp()
         if not isinstance(self.train, Mapping):
             raise InputError("train must be an object")
         from fedfs_sdk.wire import train_config_from_json
@@ -89,6 +105,36 @@ class RoundPolicy:
         if cfg.objective.lambda_neg > 0 and uses_feduv(self.method) and self.neg_codewords < 1:
             raise InputError("train.objective.lambda_neg > 0 needs neg_codewords ≥ 1 (FedUV ℓ_neg)")
         object.__setattr__(self, "train", json.loads(json.dumps(dict(self.train))))
+
+    def _check_dp(self) -> None:
+        """DP-FedAvg settings: consistent, or a clear error naming the missing one."""
+        _check_int("dp_weight_cap", self.dp_weight_cap, 1, MAX_NUM_SAMPLES)
+        if self.dp_accountant not in ("rdp", "pld"):
+            raise InputError(f"dp_accountant must be 'rdp' or 'pld', got {str(self.dp_accountant)[:40]!r}")
+        if self.dp_delta is not None:
+            _check_number("dp_delta", self.dp_delta, positive=True)
+            if not self.dp_delta < 1:
+                raise InputError(f"dp_delta must be in (0, 1), got {self.dp_delta!r}")
+        if self.dp_epsilon_budget is not None:
+            _check_number("dp_epsilon_budget", self.dp_epsilon_budget, positive=True)
+        if self.dp_noise_multiplier is None:
+            if self.dp_epsilon_budget is not None:
+                raise InputError("dp_epsilon_budget needs DP on: set dp_noise_multiplier (σ) too")
+            return
+        _check_number("dp_noise_multiplier", self.dp_noise_multiplier)
+        if self.dp_noise_multiplier < 0:
+            raise InputError(f"dp_noise_multiplier must be ≥ 0, got {self.dp_noise_multiplier!r}")
+        if self.max_update_norm is None:
+            raise InputError("DP (dp_noise_multiplier) needs max_update_norm: it is the clip norm C the noise "
+                             "is calibrated to (--max-update-norm)")
+        if self.dp_delta is None:
+            raise InputError("DP (dp_noise_multiplier) needs dp_delta, the δ that ε is reported at "
+                             "(--dp-delta; McMahan et al. use N^-1.1 for N users)")
+
+    @property
+    def dp(self) -> bool:
+        """Whether rounds run user-level DP-FedAvg."""
+        return self.dp_noise_multiplier is not None
 
     def sample_size(self, registered: int) -> int:
         """How many of ``registered`` devices a round samples: ``max(min, ⌈fraction·N⌉)``, ≤ N."""

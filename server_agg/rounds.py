@@ -39,6 +39,7 @@ from fedfs_sdk.wire import (MODEL_FORMAT, check_finite, check_layout, clip_updat
 from .aggregate import StreamingFedAvg
 from .auth import device_id_of, hash_token, new_device_id, new_device_token, tokens_equal
 from .config import RoundPolicy, mismatch_reason, missing_model_field, proj_dim_mismatch
+from .dp import DpFedAvg, DpParams, Ledger, dp_epsilon_cached, publish_record
 from .errors import BadRequest, Conflict, Forbidden, Gone, NotFound, Unauthorized, Unprocessable
 from .store import Database, Layout, atomic_write, commit_file, write_temp
 
@@ -72,7 +73,7 @@ class OpenRound:
     quorum: int
     opened_at: float
     deadline: float
-    acc: StreamingFedAvg
+    acc: StreamingFedAvg | DpFedAvg
     accepted: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -268,8 +269,11 @@ class Coordinator:
         return weights, json.loads(config.to_json())
 
     def _publish(self, version: int, weights: dict[str, torch.Tensor], model_config: dict[str, Any],
-                 round_id: int | None, count: int, samples: int, reason: str | None = None) -> str:
+                 round_id: int | None, count: int, samples: int, reason: str | None = None,
+                 dp: dict[str, Any] | None = None) -> str:
         meta = {"version": version, "round_id": round_id, "num_updates": count, "total_samples": samples}
+        if dp is not None:
+            meta["dp"] = dp                            # the (ε, δ) this version is published with
         data = encode_weights(weights, {"format": MODEL_FORMAT, "model_config": json.dumps(model_config, sort_keys=True),
                                         "meta": json.dumps(meta)})
         path = self.layout.model_file(version)
@@ -282,6 +286,9 @@ class Coordinator:
             if round_id is not None:
                 c.execute("UPDATE rounds SET state = 'closed', closed_at = ?, result_version = ?, reason = ?"
                           " WHERE id = ?", (self.clock(), version, reason, round_id))
+            if dp is not None:
+                c.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                          (f"dp_model_v{version}", json.dumps(dp)))
         self.model = GlobalModel(version, sha, {k: v.clone() for k, v in weights.items()}, model_config)
         return sha
 
@@ -290,8 +297,9 @@ class Coordinator:
             m = self.model
             if m is None:
                 raise NotFound("no global model yet", code="no_model")
+            dp = self.db.get_meta(f"dp_model_v{m.version}")
             return {"version": m.version, "sha256": m.sha256, "config": m.model_config,
-                    "nbytes": m.nbytes}
+                    "nbytes": m.nbytes, "dp": json.loads(dp) if dp else None}
 
     def model_file(self, version: int) -> tuple[Path, str]:
         with self._lock:
@@ -379,15 +387,25 @@ class Coordinator:
                         f"device_ttl_s = {policy.device_ttl:g} s")
                 raise Conflict(f"{have}; the policy needs {policy.min_participants}", code="too_few_devices")
             round_id = int(self.db.scalar("SELECT COALESCE(MAX(id), 0) FROM rounds")) + 1
-            k = policy.sample_size(len(devices))
-            # A string seed is hashed deterministically, so round t's sample is reproducible.
-            selected = sorted(random.Random(f"fedfs-round:{policy.seed}:{round_id}").sample(devices, k))
+            ledger, dp_params = self._dp_check_budget(policy, len(devices))
+            if dp_params is not None:
+                # DP-FedAvg: Poisson sampling at rate q from the OS's CSPRNG — the accountant's
+                # privacy amplification assumes each device is in with probability q, secretly.
+                pick = random.SystemRandom()
+                selected = sorted(d for d in devices if pick.random() < policy.participation)
+                k = len(selected)
+            else:
+                k = policy.sample_size(len(devices))
+                # A string seed is hashed deterministically, so round t's sample is reproducible.
+                selected = sorted(random.Random(f"fedfs-round:{policy.seed}:{round_id}").sample(devices, k))
             opened = self.clock()
             deadline = opened + policy.round_timeout_s
             task = {"round_id": round_id, "model_version": model.version, "model_sha256": model.sha256,
                     "method": policy.method, "model_config": cfg, "train": dict(policy.train),
                     "neg_codewords": policy.neg_codewords, "deadline": deadline,
                     "xi_sha256": self.db.get_meta("xi_sha256")}
+            if dp_params is not None:    # devices clip to C before uploading (the server clips again)
+                task["dp"] = dp_params.to_json()
             quorum = policy.quorum_count(k)
             with self.db.transaction() as c:
                 c.execute("INSERT INTO rounds(id, state, model_version, task, policy, quorum, opened_at, deadline)"
@@ -396,8 +414,12 @@ class Coordinator:
                            opened, deadline))
                 c.executemany("INSERT INTO participants(round_id, device_id) VALUES (?, ?)",
                               [(round_id, d) for d in selected])
+                # the round is charged to the privacy budget when it opens, with the round itself
+                c.execute("INSERT INTO meta(key, value) VALUES ('dp_ledger', ?) ON CONFLICT(key) DO UPDATE SET "
+                          "value = excluded.value", (ledger.to_json(),))
+            acc = StreamingFedAvg(model.weights) if dp_params is None else DpFedAvg(model.weights, dp_params)
             self.round = OpenRound(round_id, model.version, task, policy, frozenset(selected), quorum,
-                                   opened, deadline, StreamingFedAvg(model.weights))
+                                   opened, deadline, acc)
             _event("round opened", round_id=round_id, model_version=model.version, sampled=k,
                    eligible=len(devices), registered=self.device_count(), quorum=quorum, deadline=deadline)
             return self._round_status(round_id)
@@ -417,7 +439,8 @@ class Coordinator:
             t0 = time.perf_counter()
             new = r.acc.result()
             version = self.model.version + 1
-            self._publish(version, new, self.model.model_config, r.id, r.acc.count, r.acc.total_samples, reason)
+            self._publish(version, new, self.model.model_config, r.id, r.acc.count, r.acc.total_samples, reason,
+                          dp=self._dp_statement(r.policy, r.task.get("dp")))
             _event("round closed", round_id=r.id, reason=reason, updates=r.acc.count,
                    total_samples=r.acc.total_samples, new_version=version,
                    aggregate_ms=round(1000 * (time.perf_counter() - t0), 2))
@@ -440,7 +463,7 @@ class Coordinator:
                 self._close_locked("deadline")
             p = self.policy
             if self.round is None and p.rounds > 0 and self.model is not None and self._completed() < p.rounds:
-                if len(self.eligible_devices(p)) >= p.min_participants:
+                if len(self.eligible_devices(p)) >= p.min_participants and not self._dp_exhausted():
                     self.open_round()
 
     def _completed(self) -> int:
@@ -460,6 +483,9 @@ class Coordinator:
                 return {"action": "train", **r.task}
             if r is None and self.policy.rounds > 0 and self._completed() >= self.policy.rounds:
                 return {"action": "done", "model_version": self.model.version if self.model else None}
+            if r is None and self._dp_exhausted():     # the privacy budget ended the federation
+                return {"action": "done", "model_version": self.model.version if self.model else None,
+                        "reason": "dp_budget_exhausted"}
             return {"action": "wait", "retry_after": self.poll_interval_s,
                     "round_id": r.id if r is not None else None}
 
@@ -591,6 +617,63 @@ class Coordinator:
                                                         num_samples=meta.num_samples)
         return clipped_w, meta.num_samples, norm, clipped, stored
 
+    # ---- user-level DP (server_agg.dp) -------------------------------------------------
+
+    def _dp_ledger(self) -> Ledger:
+        return Ledger.from_json(self.db.get_meta("dp_ledger"))
+
+    def _dp_check_budget(self, policy: RoundPolicy, eligible: int) -> tuple[Ledger, DpParams | None]:
+        """The ledger with the round about to open charged, and its DP mechanism (None: no
+        DP). 409 ``dp_budget_exhausted`` if the round would take ε above the budget."""
+        ledger = self._dp_ledger()
+        if not policy.dp:
+            return ledger.charge_non_private(), None
+        q, sigma = policy.participation, float(policy.dp_noise_multiplier)  # type: ignore[arg-type]
+        after = ledger.charge(q, sigma)
+        if policy.dp_epsilon_budget is not None:
+            eps = dp_epsilon_cached(after.to_json(), float(policy.dp_delta), policy.dp_accountant)  # type: ignore[arg-type]
+            if eps > policy.dp_epsilon_budget:
+                now = dp_epsilon_cached(ledger.to_json(), float(policy.dp_delta), policy.dp_accountant)  # type: ignore[arg-type]
+                why = (f"{ledger.non_private} round(s) of this state ran without DP, so no finite ε holds"
+                       if ledger.non_private else f"ε = {now:.4g} spent in {ledger.rounds} round(s)")
+                raise Conflict(f"privacy budget exhausted: {why}; one more round (q = {q:g}, σ = {sigma:g}) would "
+                               f"reach ε = {eps:.4g} > dp_epsilon_budget = {policy.dp_epsilon_budget:g} at "
+                               f"δ = {policy.dp_delta:g}", code="dp_budget_exhausted")
+        params = DpParams(clip=float(policy.max_update_norm), noise_multiplier=sigma,  # type: ignore[arg-type]
+                          denominator=q * eligible, weight_cap=policy.dp_weight_cap)
+        return after, params
+
+    def _dp_exhausted(self) -> bool:
+        """Whether the budget refuses the next round (False without DP or without a budget)."""
+        p = self.policy
+        if not p.dp or p.dp_epsilon_budget is None:
+            return False
+        after = self._dp_ledger().charge(p.participation, float(p.dp_noise_multiplier))  # type: ignore[arg-type]
+        return dp_epsilon_cached(after.to_json(), float(p.dp_delta), p.dp_accountant) > p.dp_epsilon_budget  # type: ignore[arg-type]
+
+    def _dp_statement(self, policy: RoundPolicy, params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """The (ε, δ) a version published now carries (None when DP was never on)."""
+        ledger = self._dp_ledger()
+        if params is None and not ledger.counts:
+            return None
+        delta = policy.dp_delta if policy.dp_delta is not None else self.policy.dp_delta
+        if delta is None:
+            return None
+        return publish_record(ledger, float(delta), policy.dp_epsilon_budget, policy.dp_accountant,
+                              DpParams.from_json(params) if params is not None else None,
+                              policy.participation if params is not None else None)
+
+    def _dp_status(self) -> dict[str, Any] | None:
+        p = self.policy
+        if not p.dp and not self._dp_ledger().counts:
+            return None
+        ledger = self._dp_ledger()
+        st = publish_record(ledger, float(p.dp_delta), p.dp_epsilon_budget, p.dp_accountant, None, None) \
+            if p.dp_delta is not None else {}
+        return {**st, "epsilon_budget": p.dp_epsilon_budget, "budget_exhausted": self._dp_exhausted(),
+                "noise_multiplier": p.dp_noise_multiplier, "clip": p.max_update_norm,
+                "sampling_rate": p.participation if p.dp else None}
+
     # ---- status ------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
@@ -598,7 +681,8 @@ class Coordinator:
             return {"model_version": self.model.version if self.model else None,
                     "rounds_completed": self._completed(), "rounds_target": self.policy.rounds,
                     "devices": self.device_count(), "active_devices": len(self.eligible_devices()),
-                    "round": self._round_status(self.round.id) if self.round else None}
+                    "round": self._round_status(self.round.id) if self.round else None,
+                    "dp": self._dp_status()}
 
     def health(self) -> dict[str, Any]:
         """The public summary: the latest model version and the open round, if any. Reads
@@ -663,8 +747,11 @@ class Coordinator:
         rid = row["id"]
         policy = RoundPolicy.from_json(json.loads(row["policy"]))
         participants = frozenset(r[0] for r in self.db.all("SELECT device_id FROM participants WHERE round_id = ?", rid))
-        r = OpenRound(rid, row["model_version"], json.loads(row["task"]), policy, participants, row["quorum"],
-                      row["opened_at"], row["deadline"], StreamingFedAvg(self.model.weights))
+        task = json.loads(row["task"])
+        acc = StreamingFedAvg(self.model.weights) if "dp" not in task else \
+            DpFedAvg(self.model.weights, DpParams.from_json(task["dp"]))
+        r = OpenRound(rid, row["model_version"], task, policy, participants, row["quorum"],
+                      row["opened_at"], row["deadline"], acc)
         keep: set[str] = set()
         for u in self.db.all("SELECT * FROM updates WHERE round_id = ? ORDER BY received_at", rid):
             path = self.layout.round_dir(rid) / u["file"]
