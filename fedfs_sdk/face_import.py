@@ -5,19 +5,26 @@ that ``--xi`` / ``--pretrained`` and ``fedfs enroll --model`` accept:
 
 * :func:`import_state_dict`: a PyTorch state dict (a ``.pt``/``.pth`` file read with
   ``weights_only=True``, or a ``.safetensors`` file) mapped onto the project's backbone by
-  name, then by shape in order — BatchNorm statistics (``running_mean``/``running_var``),
-  which fedfs' per-sample normalization has no use for, are reported as unmapped, as is any
-  other key that found no place. The :class:`MappingReport` lists every key either way.
+  name, then by shape in order. The :class:`MappingReport` lists every key that found no place.
 * :func:`import_onnx`: an insightface-style ONNX recognizer — input ``[N, 3, 112, 112]``
   RGB, ``(x − 127.5) / 127.5``, output the embedding (``rgb=False`` when the graph wants
-  BGR: the first convolution's input channels are then swapped). Its initializers are read
+  BGR: the first convolution's input channels are then swapped). Its parameters are read
   in the order the graph uses them (torch.onnx folds ``weight.reshape(1, C, 1, 1)`` of the
   norm/PReLU layers into anonymous ``onnx::Mul_…`` constants, so names cannot be relied on)
   and mapped by shape onto the project's MobileFaceNet. The import is then **checked**: the
   ONNX graph (ONNX Runtime) and the imported model embed the same random images; a maximum
-  difference above ``atol`` means the graph is not this architecture (e.g. a BatchNorm
-  MobileFaceNet or ResNet from insightface, OpenCV's SFace) and the import is refused
-  with the figure — never a silently different model.
+  difference above ``atol`` means the graph is not this architecture (e.g. a ResNet) and the
+  import is refused with the figure — never a silently different model.
+
+**BatchNorm** (insightface's MobileFaceNet, OpenCV's SFace): at inference a BatchNorm is the
+per-channel affine ``a·x + b`` with ``a = γ/sqrt(σ² + ε)``, ``b = β − a·μ``. Both paths fold
+it so (``BatchNormalization`` nodes; ``running_mean``/``running_var`` keys) and import onto
+``mobilefacenet-affine`` (:class:`~fedfs_sdk.backbones.mobilefacenet.MobileFaceNetAffine`),
+the same topology with :class:`~fedfs_sdk.backbones.layers.ChannelAffine` norms. A graph whose
+exporter already folded BatchNorm into the convolutions has biased convs instead; the
+project's convs have no bias, so that bias goes into the following affine's ``b`` (``a = 1``,
+or ``b += a·bias`` when a BatchNorm still follows). A source with neither imports onto the
+GroupNorm ``mobilefacenet`` as before.
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ from .model import FaceNet, ModelConfig
 
 # Buffers of BatchNorm layers: meaningless for GroupNormP (normalizes each sample by itself).
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
+GROUP, AFFINE = "mobilefacenet", "mobilefacenet-affine"
 
 
 @dataclass
@@ -41,13 +49,15 @@ class MappingReport:
     """Which source tensor went where. ``mapped``: ``(source, target)`` pairs; ``by_shape``:
     the targets filled by shape order rather than by name; ``unmapped_source`` /
     ``missing_target``: keys left over on either side (``missing_target`` keep their
-    initial values); ``max_abs_diff``: the parity check of an ONNX import (None otherwise)."""
+    initial values); ``max_abs_diff``: the parity check of an ONNX import (None otherwise);
+    ``folded``: the BatchNorm layers / conv biases folded into per-channel affines."""
 
     mapped: list[tuple[str, str]] = field(default_factory=list)
     by_shape: list[str] = field(default_factory=list)
     unmapped_source: list[str] = field(default_factory=list)
     missing_target: list[str] = field(default_factory=list)
     max_abs_diff: float | None = None
+    folded: list[str] = field(default_factory=list)
 
     @property
     def complete(self) -> bool:
@@ -57,6 +67,8 @@ class MappingReport:
         """A few lines for a CLI or a log: counts, then every unmapped key."""
         lines = [f"mapped {len(self.mapped)} tensors ({len(self.by_shape)} by shape order), "
                  f"{len(self.unmapped_source)} source keys unmapped, {len(self.missing_target)} model keys missing"]
+        if self.folded:
+            lines.append(f"folded {len(self.folded)} BatchNorm layers / conv biases into per-channel affines (a·x + b)")
         if self.max_abs_diff is not None:
             lines.append(f"parity with the source graph: max |Δembedding| = {self.max_abs_diff:.2e}")
         if self.unmapped_source:
@@ -146,18 +158,95 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     return dict(obj)
 
 
+def _affine_of_bn(gamma: torch.Tensor | None, beta: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eval-mode BatchNorm ``γ (x − μ)/sqrt(σ² + ε) + β`` as ``(a, b)`` of ``a·x + b`` (float64 on the way)."""
+    mean, var = mean.double(), var.double()
+    g = torch.ones_like(mean) if gamma is None else gamma.double()
+    a = g / torch.sqrt(var + eps)
+    b = (torch.zeros_like(mean) if beta is None else beta.double()) - a * mean
+    return a.float(), b.float()
+
+
+def fold_batchnorm(state: Mapping[str, torch.Tensor], eps: float = 1e-5) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A state dict with every BatchNorm (a module with ``running_mean``/``running_var``)
+    replaced by its eval-mode affine — ``weight`` = a, ``bias`` = b, statistics dropped — and
+    every conv/linear bias moved into the affine that follows it (the project's convs have no
+    bias): into the next BatchNorm's ``b`` (``b += a·bias``) or, when none follows, as an
+    identity affine ``(1, bias)`` of its own. ``eps``: the BatchNorm's ε, which a state dict
+    does not record (torch's default 1e-5; insightface's MobileFaceNet uses the default).
+    Returns the new dict (in the source's order) and the folded module names."""
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in state.items():
+        prefix, _, leaf = k.rpartition(".")
+        groups.setdefault(prefix, {})[leaf] = v
+    out: dict[str, torch.Tensor] = {}
+    folded: list[str] = []
+    pending: tuple[str, torch.Tensor] | None = None
+
+    def flush() -> None:
+        nonlocal pending
+        if pending is not None:
+            name, bias = pending
+            out[f"{name}.bias:affine.weight"] = torch.ones_like(bias)
+            out[f"{name}.bias:affine.bias"] = bias
+            folded.append(f"{name}.bias")
+            pending = None
+
+    for prefix, g in groups.items():
+        pre = f"{prefix}." if prefix else ""
+        if "running_mean" in g and "running_var" in g:
+            a, b = _affine_of_bn(g.get("weight"), g.get("bias"), g["running_mean"], g["running_var"], eps)
+            if pending is not None:
+                b = b + a * pending[1].float()
+                folded.append(f"{pending[0]}.bias")
+                pending = None
+            out[pre + "weight"], out[pre + "bias"] = a, b
+            folded.append(prefix)
+            continue
+        w, bias = g.get("weight"), g.get("bias")
+        flush()
+        if w is not None and w.dim() >= 2 and bias is not None and bias.dim() == 1 and bias.shape[0] == w.shape[0]:
+            out[pre + "weight"] = w
+            pending = (prefix, bias)
+            out.update({pre + k: v for k, v in g.items() if k not in ("weight", "bias")})
+            continue
+        out.update({pre + k: v for k, v in g.items()})
+    flush()
+    return out, folded
+
+
+def state_dict_backbone(state: Mapping[str, torch.Tensor]) -> str:
+    """``mobilefacenet-affine`` when the state dict has BatchNorm statistics or biased
+    convolutions (a BatchNorm network, folded or not), else ``mobilefacenet``."""
+    groups: dict[str, set[str]] = {}
+    for k, v in state.items():
+        prefix, _, leaf = k.rpartition(".")
+        groups.setdefault(prefix, set()).add(leaf if not (leaf == "weight" and v.dim() >= 2) else "weight2d")
+    return AFFINE if any({"running_mean", "running_var"} <= g or {"weight2d", "bias"} <= g
+                         for g in groups.values()) else GROUP
+
+
 def import_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig | None = None,
-                      require_complete: bool = True) -> tuple[FaceNet, MappingReport]:
+                      require_complete: bool = True, bn_eps: float = 1e-5) -> tuple[FaceNet, MappingReport]:
     """Map a state dict onto the backbone of a :class:`FaceNet` of ``config`` (default:
-    MobileFaceNet, 112 px, embedding size taken from the source's last layer). With
-    ``require_complete`` a model key left at its initial value is an :class:`InputError`
-    listing them (pass False to keep a partial import as ϕ's starting point)."""
+    MobileFaceNet, 112 px, embedding size taken from the source's last layer; the
+    ``mobilefacenet-affine`` variant when :func:`state_dict_backbone` finds BatchNorm, which
+    is then folded with :func:`fold_batchnorm` and ``bn_eps``). With an explicit GroupNorm
+    ``mobilefacenet`` config, BatchNorm statistics are not folded but reported as unmapped (a
+    starting point for ϕ, not the same function). With ``require_complete`` a model key left
+    at its initial value is an :class:`InputError` listing them (pass False to keep a partial
+    import as ϕ's starting point)."""
     state = _strip_prefix(state)
     w = state.get("embed.weight")
     emb = int(w.shape[0]) if w is not None else None
-    cfg = (config or ModelConfig("mobilefacenet", embedding_dim=emb, input_size=112)).resolved()
+    cfg = (config or ModelConfig(state_dict_backbone(state), embedding_dim=emb, input_size=112)).resolved()
+    folded: list[str] = []
+    if cfg.backbone == AFFINE:
+        state, folded = fold_batchnorm(state, bn_eps)
     model = FaceNet(replace(cfg, proj_dim=None, code_length=None))
     rep = map_onto(model.backbone, state)
+    rep.folded = folded
     if require_complete and not rep.complete:
         raise InputError("the state dict does not fill the model (not the same architecture?)\n" + rep.summary()
                          + "\n(pass require_complete=False, or --partial to fedfs import-model, to keep what maps as a starting point for ϕ)")
@@ -166,11 +255,18 @@ def import_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig | N
 
 def onnx_initializers_in_use_order(path: str | os.PathLike[str]) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
     """``([(name, tensor)], info)``: the float initializers with more than one element, once
-    per use, in the order the graph's nodes use them, and ``info`` (input name/shape). Once
-    per use, not once per name: torch.onnx stores equal constants once (two layers whose
-    norm weights are all ones share one initializer)."""
+    per use, in the order the graph's nodes use them, and ``info`` (input name/shape, and
+    ``folded``: the BatchNorm nodes / conv biases turned into affines). Once per use, not once
+    per name: torch.onnx stores equal constants once (two layers whose norm weights are all
+    ones share one initializer).
+
+    BatchNorm is read as its eval-mode affine: a ``BatchNormalization`` node's (scale, B,
+    mean, var, ε) give one ``(a, b)`` pair; a ``Conv``/``Gemm`` bias (an exporter's BatchNorm
+    folded into the conv) is carried to the next affine (``b += a·bias``) or emitted as an
+    identity affine ``(1, bias)`` before the next layer; ``Gemm``/``MatMul`` weights are
+    given as ``[out, in]`` like a conv's."""
     import onnx
-    from onnx import numpy_helper
+    from onnx import helper, numpy_helper
 
     p = Path(path)
     if not p.is_file():
@@ -188,23 +284,62 @@ def onnx_initializers_in_use_order(path: str | os.PathLike[str]) -> tuple[list[t
     for n in g.node:
         if n.op_type == "Identity" and n.input and (n.input[0] in inits or n.input[0] in consts or n.input[0] in alias):
             alias[n.output[0]] = alias.get(n.input[0], n.input[0])
+
+    def tensor(name: str) -> torch.Tensor | None:
+        proto = inits.get(alias.get(name, name)) or consts.get(alias.get(name, name))
+        if proto is None:
+            return None
+        a = numpy_helper.to_array(proto)
+        return torch.from_numpy(np.array(a, dtype=np.float32)) if a.dtype.kind == "f" else None
+
     out: list[tuple[str, torch.Tensor]] = []
+    folded: list[str] = []
+    pending: tuple[str, torch.Tensor] | None = None      # a conv bias waiting for its affine
+
+    def flush() -> None:
+        nonlocal pending
+        if pending is not None:
+            out.extend([(f"{pending[0]}:affine.weight", torch.ones_like(pending[1])), (f"{pending[0]}:affine.bias", pending[1])])
+            folded.append(pending[0])
+            pending = None
+
     for n in g.node:
         if n.op_type == "Identity" and n.output[0] in alias:
             continue
+        attrs = {at.name: helper.get_attribute_value(at) for at in n.attribute}
+        if n.op_type == "BatchNormalization":
+            scale, beta, mean, var = (tensor(i) for i in n.input[1:5])
+            if mean is None or var is None:
+                raise InputError(f"{p}: BatchNormalization node {n.name!r} has non-constant statistics")
+            a, b = _affine_of_bn(scale, beta, mean, var, float(attrs.get("epsilon", 1e-5)))
+            if pending is not None:
+                b = b + a * pending[1].reshape(-1)
+                folded.append(pending[0])
+                pending = None
+            out.extend([(f"{n.name}:a", a), (f"{n.name}:b", b)])
+            folded.append(n.name or n.output[0])
+            continue
+        w = tensor(n.input[1]) if n.op_type in ("Conv", "Gemm", "MatMul") and len(n.input) > 1 else None
+        if w is not None and w.dim() >= 2:
+            flush()
+            if (n.op_type == "Gemm" and not attrs.get("transB", 0)) or n.op_type == "MatMul":
+                w = w.t()                                          # [in, out] → [out, in]
+            out.append((n.input[1], w.contiguous()))
+            bias = tensor(n.input[2]) if len(n.input) > 2 and n.input[2] else None
+            if bias is not None:
+                pending = (n.input[2], bias.reshape(-1))
+            continue
         for name in n.input:
-            name = alias.get(name, name)
-            proto = inits.get(name) or consts.get(name)
-            if proto is None:
-                continue
-            a = numpy_helper.to_array(proto)
-            if a.dtype.kind == "f" and a.size > 1:
-                out.append((name, torch.from_numpy(np.array(a, dtype=np.float32))))
+            t = tensor(name)
+            if t is not None and t.numel() > 1:
+                flush()
+                out.append((alias.get(name, name), t))
+    flush()
     real_inputs = [i for i in g.input if i.name not in inits]
     if len(real_inputs) != 1:
         raise InputError(f"{p}: expected one image input, found {[i.name for i in real_inputs]}")
     dims = [d.dim_value or None for d in real_inputs[0].type.tensor_type.shape.dim]
-    return out, {"input": real_inputs[0].name, "shape": dims}
+    return out, {"input": real_inputs[0].name, "shape": dims, "folded": folded}
 
 
 def import_onnx(path: str | os.PathLike[str], rgb: bool = True, embedding_dim: int | None = None,
@@ -221,26 +356,40 @@ def import_onnx(path: str | os.PathLike[str], rgb: bool = True, embedding_dim: i
     if len(shape) != 4 or (shape[1] not in (None, 3)) or shape[-1] != shape[-2]:
         raise InputError(f"{path}: input {info['input']} has shape {shape}; expected [N, 3, S, S] (NCHW, square)")
     emb = embedding_dim or _last_dim(tensors)
-    model = FaceNet(ModelConfig("mobilefacenet", embedding_dim=emb, input_size=int(size)).resolved())
+    backbone = AFFINE if info["folded"] else GROUP           # BatchNorm (kept or folded) → per-channel affines
+    model = FaceNet(ModelConfig(backbone, embedding_dim=emb, input_size=int(size)).resolved())
     if not rgb and tensors:
         name, w = tensors[0]
         tensors[0] = (name, w.flip(1) if w.dim() == 4 and w.shape[1] == 3 else w)   # BGR → RGB filters
     rep = map_onto(model.backbone, tensors, by_shape=True)
+    rep.folded = list(info["folded"])
     if not rep.complete:
-        raise InputError(f"{path} is not the project's MobileFaceNet ({emb}-d, {size} px): its weights do not fill "
-                         f"it\n{rep.summary()}")
+        raise InputError(f"{path} is not the project's MobileFaceNet ({backbone}, {emb}-d, {size} px): its weights "
+                         f"do not fill it; {_first_mismatch(rep, tensors, model.backbone)}\n{rep.summary()}")
     model.eval()
     rep.max_abs_diff = _parity(path, info["input"], model, int(size), rgb, seed)
     if not rep.max_abs_diff <= atol:
         raise InputError(f"{path}: the imported model's embeddings differ from the ONNX graph's by up to "
                          f"{rep.max_abs_diff:.3g} (> {atol:g}): the graph is not the project's MobileFaceNet "
-                         "(BatchNorm instead of GroupNorm? a ResNet?) — see docs/real-faces-alignment.md")
+                         f"({backbone}; another topology with the same shapes in the same order?) — see "
+                         "docs/real-faces-alignment.md")
     return model, rep
 
 
+def _first_mismatch(rep: MappingReport, tensors: list[tuple[str, torch.Tensor]], target: torch.nn.Module) -> str:
+    """``first layer that does not map: source X [shape] → model Y [shape]`` for an error message."""
+    shapes = dict(tensors)
+    tstate = target.state_dict()
+    src = rep.unmapped_source[0] if rep.unmapped_source else None
+    tgt = rep.missing_target[0]
+    where = f"source {src} {list(shapes[src].shape)}" if src in shapes else "the source has no tensor left"
+    return f"first layer that does not map: {where} → model {tgt} {list(tstate[tgt].shape)}"
+
+
 def _last_dim(tensors: list[tuple[str, torch.Tensor]]) -> int:
+    # the embedding layer: a 1×1 conv [E, 512, 1, 1] (fedfs) or a linear layer [E, 512·k] (insightface)
     for _, t in reversed(tensors):
-        if t.dim() == 4 and t.shape[2:] == (1, 1) and t.shape[1] == 512:
+        if (t.dim() == 4 and t.shape[2:] == (1, 1) and t.shape[1] == 512) or (t.dim() == 2 and t.shape[1] % 512 == 0):
             return int(t.shape[0])
     return 128
 
@@ -270,7 +419,7 @@ def save_imported(path: str | os.PathLike[str], model: FaceNet, report: MappingR
     meta = {"kind": "xi", "imported_from": source, "mapping": {
         "mapped": len(report.mapped), "by_shape": len(report.by_shape),
         "unmapped_source": report.unmapped_source, "missing_target": report.missing_target,
-        "max_abs_diff": report.max_abs_diff}}
+        "folded_batchnorm": report.folded, "max_abs_diff": report.max_abs_diff}}
     try:
         save_checkpoint(path, model, model.config, meta)
     except OSError as e:
@@ -278,5 +427,5 @@ def save_imported(path: str | os.PathLike[str], model: FaceNet, report: MappingR
     return Path(path)
 
 
-__all__ = ["MappingReport", "map_onto", "read_state_dict", "import_state_dict", "import_onnx",
-           "onnx_initializers_in_use_order", "save_imported"]
+__all__ = ["MappingReport", "map_onto", "read_state_dict", "import_state_dict", "import_onnx", "fold_batchnorm",
+           "state_dict_backbone", "onnx_initializers_in_use_order", "save_imported"]

@@ -1,10 +1,13 @@
 """Bring your own face model (fedfs_sdk.face_import): an insightface-style ONNX exported by the
 test itself imports back with embeddings within 1e-5; a torch state dict maps by name or by
-shape order with BatchNorm statistics reported; a foreign graph is refused; the result is a
-fedfs checkpoint that loads as ξ."""
+shape order; a BatchNorm MobileFaceNet (BN kept in the graph, BN folded into the convs by the
+exporter, or a state dict with running statistics) imports onto ``mobilefacenet-affine``
+within 1e-5 of ONNX Runtime / torch; a foreign graph is refused naming the first layer that
+does not map; the result is a fedfs checkpoint that loads as ξ and trains as ϕ's start."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -111,19 +114,147 @@ def test_bgr_graph_is_imported_as_rgb(exported: tuple[FaceNet, Path], tmp_path: 
     assert (imported(x).embedding - model(x).embedding).abs().max().item() <= 1e-5
 
 
-def test_a_batchnorm_graph_is_refused_with_the_reason(tmp_path: Path) -> None:
-    # insightface's MobileFaceNet uses BatchNorm (folded into the convolutions on export)
-    net = copy.deepcopy(_trained_like(1).backbone)
-    for name, mod in list(net.named_modules()):
-        for cname, child in list(mod.named_children()):
-            if isinstance(child, GroupNormP):
-                bn = nn.BatchNorm2d(child.num_channels) if cname != "embed_norm" else nn.BatchNorm1d(child.num_channels)
-                bn.running_mean.uniform_(-0.1, 0.1)
-                bn.running_var.uniform_(0.5, 2.0)
-                setattr(mod, cname, bn)
-    path = _export(_EmbeddingOnly(net.eval()), tmp_path / "bn.onnx")
-    with pytest.raises(InputError, match="not the project's MobileFaceNet"):
+def _batchnorm_mobilefacenet(seed: int = 1) -> nn.Module:
+    """The project's MobileFaceNet topology as insightface builds it: nn.BatchNorm2d/1d with
+    random affine parameters and running statistics, nn.PReLU; eval mode."""
+    torch.manual_seed(seed)
+    net = copy.deepcopy(FaceNet(ModelConfig("mobilefacenet", input_size=112).resolved()).backbone)
+    with torch.no_grad():
+        for mod in list(net.modules()):
+            for cname, child in list(mod.named_children()):
+                if isinstance(child, GroupNormP):
+                    c = child.num_channels
+                    bn = nn.BatchNorm1d(c) if cname == "embed_norm" else nn.BatchNorm2d(c)
+                    bn.weight.uniform_(0.5, 1.5)
+                    bn.bias.uniform_(-0.2, 0.2)
+                    bn.running_mean.uniform_(-0.1, 0.1)
+                    bn.running_var.uniform_(0.5, 2.0)
+                    setattr(mod, cname, bn)
+                elif isinstance(child, PReLUP):
+                    pr = nn.PReLU(child.weight.shape[0])
+                    pr.weight.uniform_(0.05, 0.4)
+                    setattr(mod, cname, pr)
+    return net.eval()
+
+
+def _export_bn(net: nn.Module, path: Path, keep_bn: bool) -> Path:
+    """EVAL mode folds BatchNorm into the preceding Conv (do_constant_folding); PRESERVE keeps
+    the BatchNormalization nodes (the model is in eval mode either way)."""
+    mode = torch.onnx.TrainingMode.PRESERVE if keep_bn else torch.onnx.TrainingMode.EVAL
+    torch.onnx.export(net, (torch.zeros(1, 3, 112, 112),), str(path), input_names=["input.1"],
+                      output_names=["fc1"], dynamic_axes={"input.1": {0: "n"}, "fc1": {0: "n"}},
+                      opset_version=17, dynamo=False, training=mode, do_constant_folding=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def bn_net() -> nn.Module:
+    return _batchnorm_mobilefacenet()
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("keep_bn", [True, False], ids=["bn-kept", "bn-folded-into-conv"])
+def test_batchnorm_graph_imports_onto_the_affine_variant(bn_net: nn.Module, keep_bn: bool, tmp_path: Path) -> None:
+    path = _export_bn(bn_net, tmp_path / "bn.onnx", keep_bn)
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    convs_with_bias = sum(1 for n in onnx.load(str(path)).graph.node if n.op_type == "Conv" and len(n.input) == 3)
+    if keep_bn:      # 49 BatchNorm2d after convs + the BatchNorm1d after flatten
+        assert ops.count("BatchNormalization") == 50 and convs_with_bias == 0
+    else:            # the exporter folded every BatchNorm2d into its conv; the BatchNorm1d stays
+        assert ops.count("BatchNormalization") == 1 and convs_with_bias == 49
+    imported, rep = import_onnx(path)
+    assert imported.config.backbone == "mobilefacenet-affine"
+    assert rep.complete and not rep.unmapped_source and len(rep.folded) == 50
+    assert rep.max_abs_diff is not None and rep.max_abs_diff <= 1e-5
+    x = _images()
+    assert (imported(x).embedding - bn_net(x)).abs().max().item() <= 1e-5
+    assert "folded 50 BatchNorm layers" in rep.summary()
+
+
+def test_bn_folding_is_hand_checkable() -> None:
+    # conv with bias 4, then BatchNorm(γ=2, β=1, μ=3, σ²=15, ε=1)
+    from fedfs_sdk.face_import import fold_batchnorm
+
+    sd = {"c.weight": torch.ones(1, 1, 1, 1), "c.bias": torch.tensor([4.0]),
+          "n.weight": torch.tensor([2.0]), "n.bias": torch.tensor([1.0]),
+          "n.running_mean": torch.tensor([3.0]), "n.running_var": torch.tensor([15.0]),
+          "n.num_batches_tracked": torch.tensor(7), "p.weight": torch.ones(2, 1, 1, 1), "p.bias": torch.tensor([1.0, -1.0])}
+    out, folded = fold_batchnorm(sd, eps=1.0)
+    # a = 2/sqrt(16) = 0.5; b = 1 − 0.5·3 + 0.5·4 = 1.5; p's bias has no BatchNorm after it → (1, bias)
+    assert out["n.weight"].tolist() == [0.5] and out["n.bias"].tolist() == [1.5]
+    assert list(out) == ["c.weight", "n.weight", "n.bias", "p.weight", "p.bias:affine.weight", "p.bias:affine.bias"]
+    assert out["p.bias:affine.weight"].tolist() == [1.0, 1.0] and out["p.bias:affine.bias"].tolist() == [1.0, -1.0]
+    assert folded == ["c.bias", "n", "p.bias"]
+
+
+def test_a_foreign_graph_is_refused_naming_the_first_layer(tmp_path: Path) -> None:
+    # a BatchNorm MobileFaceNet whose first conv has 32 filters instead of 64 (another topology)
+    net = _batchnorm_mobilefacenet(2)
+    net.features[0][0] = nn.Conv2d(3, 32, 3, 2, 1, bias=False)
+    net.features[0][1] = nn.BatchNorm2d(32)
+    net.features[0][2] = nn.PReLU(32)
+    net.features[1][0] = nn.Conv2d(32, 64, 3, 1, 1, bias=False)
+    path = _export_bn(net.eval(), tmp_path / "other.onnx", keep_bn=True)
+    with pytest.raises(InputError, match=r"not the project's MobileFaceNet[\s\S]*first layer that does not map: "
+                                         r"source \S+ \[32, 3, 3, 3\] → model features\.0\.0\.weight \[64, 3, 3, 3\]"):
         import_onnx(path)
+
+
+def _fedfs_step_runs_from(xi: FaceNet) -> None:
+    """ξ frozen, ϕ's backbone starts from ξ's weights; one FedFS local step on 2 images moves ϕ."""
+    from fedfs_sdk.trainer import LocalTrainer, TrainConfig, initial_global_weights
+
+    from fedfs_sdk.losses.fedfs import FedFSLossConfig
+
+    cfg = replace(xi.config, proj_dim=FedFSLossConfig().projection_dim(xi.config.embedding_dim))
+    w0 = initial_global_weights(cfg, xi)
+    assert all(torch.equal(w0[f"backbone.{k}"], v) for k, v in xi.backbone.state_dict().items())
+    res = LocalTrainer(cfg, TrainConfig(method="fedfs", local_epochs=1, batch_size=2), xi=xi).train(w0, _images(2))
+    moved = max((res.weights[k] - w0[k]).abs().max().item() for k in w0)
+    assert np.isfinite(moved) and moved > 0
+    assert all(torch.isfinite(v).all() for v in res.weights.values())
+
+
+def test_imported_batchnorm_model_loads_as_xi_and_trains_phi(bn_net: nn.Module, tmp_path: Path) -> None:
+    path = _export_bn(bn_net, tmp_path / "bn.onnx", keep_bn=False)
+    imported, rep = import_onnx(path)
+    ck = save_imported(tmp_path / "xi.safetensors", imported, rep, str(path))
+    xi, meta = load_checkpoint(ck)
+    assert xi.config.backbone == "mobilefacenet-affine" and len(meta["mapping"]["folded_batchnorm"]) == 50
+    x = _images(2)
+    with torch.no_grad():
+        assert (xi(x).embedding - bn_net(x)).abs().max().item() <= 1e-5
+    _fedfs_step_runs_from(xi)
+
+
+@torch.no_grad()
+def test_batchnorm_state_dict_is_folded(bn_net: nn.Module, tmp_path: Path) -> None:
+    sd = {f"module.{k}": v for k, v in bn_net.state_dict().items()}
+    model, rep = import_state_dict(sd)
+    assert model.config.backbone == "mobilefacenet-affine"
+    assert rep.complete and not rep.unmapped_source and not rep.by_shape and len(rep.folded) == 50
+    x = _images(2)
+    assert (model(x).embedding - bn_net(x)).abs().max().item() <= 1e-5
+    # renamed keys (another code base) map by shape order, statistics still folded
+    regrouped: dict[str, torch.Tensor] = {}
+    for k, v in bn_net.state_dict().items():                   # keep each module's keys under one prefix
+        regrouped[f"m{k.rsplit('.', 1)[0].replace('.', '_')}.{k.rsplit('.', 1)[1]}"] = v
+    model2, rep2 = import_state_dict(regrouped)
+    assert rep2.complete and len(rep2.by_shape) == 183
+    assert (model2(x).embedding - bn_net(x)).abs().max().item() <= 1e-5
+    # a conv-folded state dict (biased convs, no statistics): the bias becomes the affine's b
+    folded_net = copy.deepcopy(bn_net)
+    from torch.nn.utils.fusion import fuse_conv_bn_eval
+    for mod in list(folded_net.modules()):
+        kids = list(mod.named_children())
+        for (n1, c1), (n2, c2) in zip(kids, kids[1:]):
+            if isinstance(c1, nn.Conv2d) and isinstance(c2, nn.BatchNorm2d):
+                setattr(mod, n1, fuse_conv_bn_eval(c1, c2))
+                setattr(mod, n2, nn.Identity())
+    assert (folded_net(x) - bn_net(x)).abs().max().item() <= 1e-5
+    model3, rep3 = import_state_dict(folded_net.state_dict())
+    assert model3.config.backbone == "mobilefacenet-affine" and rep3.complete and not rep3.unmapped_source
+    assert (model3(x).embedding - bn_net(x)).abs().max().item() <= 1e-5
 
 
 @torch.no_grad()
@@ -146,7 +277,8 @@ def test_state_dict_with_other_names_maps_by_shape_and_reports_batchnorm_stats()
         if k.endswith("bias") and v.dim() == 1:                     # a BatchNorm-style checkpoint
             renamed[f"layer{i:03d}.running_mean"] = torch.zeros_like(v)
             renamed[f"layer{i:03d}.running_var"] = torch.ones_like(v)
-    model, rep = import_state_dict(renamed)
+    # explicit GroupNorm target: statistics are not folded but reported (a starting point for ϕ)
+    model, rep = import_state_dict(renamed, ModelConfig("mobilefacenet", input_size=112))
     assert rep.complete and len(rep.by_shape) == len(src.backbone.state_dict())
     assert rep.unmapped_source and all(k.endswith(("running_mean", "running_var")) for k in rep.unmapped_source)
     assert "running_mean" in rep.summary()

@@ -6,25 +6,27 @@ from typing import Any, Callable
 from torch import nn
 
 from .feduv_cnn import FedUVCNN
-from .layers import GroupNormP, PReLUP, l2_normalize
-from .mobilefacenet import MobileFaceNet
+from .layers import ChannelAffine, GroupNormP, PReLUP, l2_normalize
+from .mobilefacenet import MobileFaceNet, MobileFaceNetAffine
 from .tiny import TinyFaceNet
 
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "mobilefacenet": MobileFaceNet,
+    "mobilefacenet-affine": MobileFaceNetAffine,
     "feduv_cnn": FedUVCNN,
     "tiny": TinyFaceNet,
 }
 
 DEFAULTS: dict[str, dict[str, int]] = {
     "mobilefacenet": {"embedding_dim": 128, "input_size": 112},
+    "mobilefacenet-affine": {"embedding_dim": 128, "input_size": 112},
     "feduv_cnn": {"embedding_dim": 1024, "input_size": 64},
     "tiny": {"embedding_dim": 64, "input_size": 32},
 }
 
 
 def get_backbone(name: str, **kwargs: Any) -> nn.Module:
-    """Build backbone ``name`` (``mobilefacenet``, ``feduv_cnn``, ``tiny``).
+    """Build backbone ``name`` (``mobilefacenet``, ``mobilefacenet-affine``, ``feduv_cnn``, ``tiny``).
 
     Every backbone maps ``[B, 3, S, S]`` normalized RGB to ``[B, embedding_dim]`` and has
     ``input_size`` and ``embedding_dim`` attributes.
@@ -38,5 +40,5 @@ def get_backbone(name: str, **kwargs: Any) -> nn.Module:
     return ctor(**args)
 
 
-__all__ = ["BACKBONES", "DEFAULTS", "get_backbone", "GroupNormP", "PReLUP", "l2_normalize",
-           "MobileFaceNet", "FedUVCNN", "TinyFaceNet"]
+__all__ = ["BACKBONES", "DEFAULTS", "get_backbone", "ChannelAffine", "GroupNormP", "PReLUP", "l2_normalize",
+           "MobileFaceNet", "MobileFaceNetAffine", "FedUVCNN", "TinyFaceNet"]

@@ -55,6 +55,33 @@ class GroupNormP(nn.Module):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}"
 
 
+class ChannelAffine(nn.Module):
+    """Per-channel affine ``y = a · x + b`` — what a BatchNorm is at inference.
+
+    An eval-mode BatchNorm computes ``γ (x − μ) / sqrt(σ² + ε) + β`` with *frozen* running
+    statistics, i.e. ``a = γ / sqrt(σ² + ε)`` and ``b = β − a μ`` per channel. This layer
+    holds that folded form (``weight`` = a, ``bias`` = b), so a BatchNorm-trained recognizer
+    (insightface, OpenCV SFace) is imported exactly (``fedfs_sdk.face_import``). It has no
+    batch statistics, so — like :class:`GroupNormP` — it behaves identically in torch
+    training and eval, under vmap, in a one-identity phone batch and in ORT training (Mul/Add
+    only). Parameter names match :class:`GroupNormP`'s.
+    """
+
+    def __init__(self, num_channels: int) -> None:
+        super().__init__()
+        self.num_channels = num_channels
+        self.weight = nn.Parameter(torch.ones(num_channels))
+        self.bias = nn.Parameter(torch.zeros(num_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # static [1, C, 1, …] shape for ONNX Runtime training (see GroupNormP.forward)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        return x * self.weight.reshape(shape) + self.bias.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_channels}"
+
+
 class PReLUP(nn.Module):
     """Per-channel PReLU as ``relu(x) − a · relu(−x)`` (ORT has no ``PRelu`` gradient)."""
 
