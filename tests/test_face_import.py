@@ -200,6 +200,39 @@ def test_a_foreign_graph_is_refused_naming_the_first_layer(tmp_path: Path) -> No
         import_onnx(path)
 
 
+class _LinearHead(nn.Module):
+    """insightface's classic MobileFaceNet head (fmobilefacenet; zhongyy/SFace's torch port):
+    GDC → flatten → Linear(512, E) *with* bias → BatchNorm1d(eps=2e-5), convs' BatchNorm eps=1e-3."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.features, self.gdc = net.features, net.gdc
+        self.fc = nn.Linear(512, 128, bias=True)
+        self.bn = nn.BatchNorm1d(128, eps=2e-5)
+        with torch.no_grad():
+            self.bn.running_mean.uniform_(-0.1, 0.1)
+            self.bn.running_var.uniform_(0.5, 2.0)
+            self.bn.bias.uniform_(-0.2, 0.2)
+        for m in self.features.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eps = 1e-3
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(self.gdc(self.features(x)).flatten(1)))
+
+
+@torch.no_grad()
+def test_linear_embedding_with_bias_and_other_eps_imports(tmp_path: Path) -> None:
+    net = _LinearHead(_batchnorm_mobilefacenet(3)).eval()
+    path = _export_bn(net, tmp_path / "fmobilefacenet.onnx", keep_bn=True)
+    assert "Gemm" in [n.op_type for n in onnx.load(str(path)).graph.node]
+    imported, rep = import_onnx(path)
+    assert imported.config.backbone == "mobilefacenet-affine" and imported.config.embedding_dim == 128
+    assert rep.max_abs_diff <= 1e-5
+    x = _images(2)
+    assert (imported(x).embedding - net(x)).abs().max().item() <= 1e-5
+
+
 def _fedfs_step_runs_from(xi: FaceNet) -> None:
     """ξ frozen, ϕ's backbone starts from ξ's weights; one FedFS local step on 2 images moves ϕ."""
     from fedfs_sdk.trainer import LocalTrainer, TrainConfig, initial_global_weights
