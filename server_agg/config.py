@@ -121,7 +121,7 @@ class RoundPolicy:
             if self.dp_epsilon_budget is not None:
                 raise InputError("dp_epsilon_budget needs DP on: set dp_noise_multiplier (σ) too")
             return
-        _check_number("dp_noise_multiplier", self.dp_noise_multiplier)
+        _check_number("dp_noise_multiplier", self.dp_noise_multiplier, maximum=1e6)
         if self.dp_noise_multiplier < 0:
             raise InputError(f"dp_noise_multiplier must be ≥ 0, got {self.dp_noise_multiplier!r}")
         if self.max_update_norm is None:

@@ -60,7 +60,12 @@ def _event(q: float, sigma: float, count: int):
 
 
 def _fresh(accountant: str):
+    require_accountant()
     from dp_accounting import pld, rdp
+
+    # dp-accounting logs (absl) a warning per fractional RDP order whose series does not
+    # converge at large q and then drops that order — harmless, and library code never prints.
+    logging.getLogger("absl").setLevel(logging.ERROR)
 
     if accountant == "rdp":
         return rdp.RdpAccountant()
@@ -74,9 +79,6 @@ def epsilon(rounds: Iterable[tuple[float, float, int]], delta: float, accountant
     Gaussian rounds. 0 rounds → 0; a group with σ = 0 → ∞ (no noise, no privacy)."""
     if not 0 < delta < 1:
         raise InputError(f"δ must be in (0, 1), got {delta!r}")
-    # dp-accounting logs (absl) a warning per fractional RDP order whose series does not
-    # converge at large q and then drops that order — harmless, and library code never prints.
-    logging.getLogger("absl").setLevel(logging.ERROR)
     acc = _fresh(accountant)
     any_round = False
     for q, sigma, count in rounds:

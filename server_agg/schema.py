@@ -79,7 +79,7 @@ POLICY_CHANGES_SCHEMA: dict[str, Any] = {
         "seed": _int(0),
         "device_ttl_s": _nullable(_num(0.0, MAX_SECONDS)),
         # user-level DP-FedAvg (server_agg.dp)
-        "dp_noise_multiplier": _nullable(_num(0.0)),
+        "dp_noise_multiplier": _nullable(_num(0.0, 1e6)),
         "dp_delta": _nullable(_num(0.0, 1.0, exclusive_lo=True)),
         "dp_epsilon_budget": _nullable(_num(0.0, exclusive_lo=True)),
         "dp_weight_cap": _int(1, MAX_NUM_SAMPLES),
