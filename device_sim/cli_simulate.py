@@ -24,7 +24,7 @@ from typing import Any
 from fedfs_sdk.checkpoint import atomic_write_bytes
 from fedfs_sdk.errors import InputError
 
-from . import dp_sim
+from . import cli_distributed, distributed, dp_sim
 from .cli_common import (add_data_arguments, add_device_argument, add_pretrain_arguments, build_data,
                          progress_bar, resolve_xi, setup_device, skipped_lines)
 from .evaluate import EvalConfig, evaluate
@@ -75,6 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "current directory)")
     p.add_argument("--quiet", action="store_true", help="no progress display")
     _add_dp_arguments(p)
+    cli_distributed.add_arguments(p)
     add_device_argument(p)
     add_data_arguments(p)
     add_pretrain_arguments(p)
@@ -106,7 +107,7 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
     method = parse_method(spec)
     cfg = federation_config(args)
     ckdir = out / "checkpoints" / slug(method.label)
-    fed = Federation(method, pop, xi, cfg, store_path=ckdir / "store.mmap")
+    fed = Federation(method, pop, xi, cfg, store_path=ckdir / "store.mmap", dist=distributed.current())
     fed.dp = dp_sim.from_args(args, pop.num_clients) if method.trains else None
     if fed.dp is not None:
         dp_sim.check_dp_method(method)
@@ -124,13 +125,15 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
                                 upd_s=f"{rec.client_updates_per_s:.1f}")
                 # evaluate first, so a checkpoint of this round holds its eval in the history
                 if args.eval_every and f.round % args.eval_every == 0 and f.round < planned:
-                    rec.eval = _summary(_evaluate(f, pop, eval_cfg, args, quiet=True))
+                    f.collect_private()             # distributed: the shards to rank 0, which evaluates
+                    rec.eval = _summary(_evaluate(f, pop, eval_cfg, args, quiet=True)) if f.is_main else None
                 if args.checkpoint_every and (f.round % args.checkpoint_every == 0 or f.round == planned):
                     f.save(checkpoint_path(ckdir, f.round))
 
             fed.run(planned, on_round=on_round)
     train_s = time.perf_counter() - t0
-    result = _evaluate(fed, pop, eval_cfg, args, quiet=args.quiet)
+    fed.collect_private()
+    result = _evaluate(fed, pop, eval_cfg, args, quiet=args.quiet) if fed.is_main else None
     if keep is not None:
         keep[spec] = fed
     return {"method": method.name, "label": method.label, "options": method.options(), "rounds": fed.round,
@@ -154,10 +157,15 @@ def _summary(ev: dict) -> dict:
 
 
 def run_simulation(args: argparse.Namespace, title: str = "fedfs simulate",
-                   keep: dict[str, Federation] | None = None) -> dict[str, Any]:
+                   keep: dict[str, Federation] | None = None) -> dict[str, Any] | None:
     """Everything ``fedfs simulate`` does; returns the results dict (also written to ``--out``).
-    ``keep`` receives the trained federations by method spec."""
+    ``keep`` receives the trained federations by method spec. In a distributed run only
+    rank 0 evaluates, writes and returns the results; the other ranks return None."""
     setup_device(args)
+    dctx = distributed.current()
+    main = dctx is None or dctx.is_main
+    if not main:
+        args.quiet = True
     if args.rounds < 0:
         raise InputError(f"--rounds must be ≥ 0, got {args.rounds}")
     for spec in args.method:  # fail fast on a typo before any pre-training
@@ -165,7 +173,8 @@ def run_simulation(args: argparse.Namespace, title: str = "fedfs simulate",
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)      # an unwritable --out fails now, not after training
+    if main:
+        out.mkdir(parents=True, exist_ok=True)      # an unwritable --out fails now, not after training
     t0 = time.perf_counter()
     ds, splits = build_data(args)
     notes = list(splits.meta.get("plan", []))
@@ -177,9 +186,13 @@ def run_simulation(args: argparse.Namespace, title: str = "fedfs simulate",
         for line in notes + skipped_lines(splits.meta.get("skipped") or {}):
             print(line, file=sys.stderr, flush=True)
     pop = Population(ds, splits)
-    xi, xi_info = resolve_xi(args, ds, splits, quiet=args.quiet)
+    xi, xi_info = resolve_xi(args, ds, splits, quiet=args.quiet) if main else (None, None)
+    if dctx is not None:        # ξ pre-trained (or read) once, on rank 0: every rank the same weights
+        xi, xi_info = distributed.broadcast((xi, xi_info), dctx)
     eval_cfg = EvalConfig(q=q, max_clients=args.eval_clients, impostor_pool=args.impostor_pool, seed=args.seed)
     rows = [run_method(spec, pop, xi, args, out, eval_cfg, keep) for spec in args.method]
+    if not main:
+        return None
     settings = {k: v for k, v in vars(args).items() if k not in ("func",)}
     results = {"title": title, "settings": settings, "xi": xi_info, "eval_config": vars(eval_cfg),
                "population": {"clients": pop.num_clients, "new_users": pop.num_new_users,
@@ -199,7 +212,7 @@ def _client_names(ds, splits) -> list[str]:
     return ds.identity_names(splits.identities("clients"))
 
 
-def run_seeds(args: argparse.Namespace, title: str = "fedfs simulate") -> dict[str, Any]:
+def run_seeds(args: argparse.Namespace, title: str = "fedfs simulate") -> dict[str, Any] | None:
     """``--seeds K``: :func:`run_simulation` K times (seed and split seed ``+k``) into
     ``--out/seed_k``, then the combined table (mean ± sd over seeds, each seed's paired Δ)
     in ``--out/results.md`` and ``--out/results.json``."""
@@ -211,6 +224,8 @@ def run_seeds(args: argparse.Namespace, title: str = "fedfs simulate") -> dict[s
         a = argparse.Namespace(**vars(args))
         a.seed, a.split_seed, a.out = args.seed + k, args.split_seed + k, str(out / f"seed_{k}")
         per_seed.append(run_simulation(a, title=f"{title} (seed {a.seed})"))
+    if per_seed[0] is None:         # a distributed rank other than 0: rank 0 writes
+        return None
     rows = combine_seeds(per_seed)
     head = f"{title}: {per_seed[0]['population']['clients']} clients, {args.rounds} rounds, " \
            f"p = {args.participation}, {args.seeds} seeds"
@@ -229,12 +244,23 @@ def run_seeds(args: argparse.Namespace, title: str = "fedfs simulate") -> dict[s
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.distributed or args.workers > 1:
+        return cli_distributed.run_distributed(args, run_here)
+    return run_here(args)
+
+
+def run_here(args: argparse.Namespace) -> int:
+    """``fedfs simulate`` in this process (one rank of it when distributed: rank 0 prints)."""
     if args.seeds > 1:
         res = run_seeds(args)
+        if res is None:
+            return 0
         print(res["table"])
         print(f"wrote {', '.join(res['files'].values())} and seed_*/")
         return 0
     results = run_simulation(args)
+    if results is None:
+        return 0
     print(markdown_table(results["methods"], f"{results['population']['clients']} clients, "
                                              f"{args.rounds} rounds, p = {args.participation}"))
     print(headroom_line(results["methods"]))

@@ -214,6 +214,35 @@ class ClientStore:
         r = torch.from_numpy(self.rows[a]).to(self._data.device)
         self._data[r] = flat.to(self._data.device, DTYPES[self.dtype])
 
+    def export_rows(self, ids: Sequence[int] | np.ndarray) -> torch.Tensor:
+        """The stored rows of ``ids`` exactly as kept (storage dtype and encoding, on the
+        CPU): what :meth:`import_rows` of another store with the same template takes, bit
+        for bit (distributed shards → rank 0, :mod:`device_sim.distributed`). Every id
+        must have a row."""
+        a = self._check_ids(ids)
+        rows = self.rows[a]
+        if (rows < 0).any():
+            raise InputError(f"client {int(a[rows < 0][0])} has no stored row to export")
+        return self._data[torch.from_numpy(rows).to(self._data.device)].detach().to("cpu").contiguous()
+
+    def import_rows(self, ids: Sequence[int] | np.ndarray, raw: torch.Tensor) -> None:
+        """Store rows written by :meth:`export_rows` of a store with the same layout,
+        dtype and template (allocating rows on first write)."""
+        a = self._check_ids(ids)
+        if tuple(raw.shape) != (a.size, self.params_per_client) or raw.dtype != DTYPES[self.dtype]:
+            raise InputError(f"rows to import must be [{a.size}, {self.params_per_client}] {self.dtype}, "
+                             f"got {list(raw.shape)} {raw.dtype}")
+        if len(set(a.tolist())) != len(a):
+            raise InputError("duplicate client ids in one import_rows()")
+        if not a.size:
+            return
+        new = a[self.rows[a] < 0]
+        if new.size:
+            self._ensure_capacity(self.used + new.size)
+            self.rows[new] = np.arange(self.used, self.used + new.size)
+            self.used += int(new.size)
+        self._data[torch.from_numpy(self.rows[a]).to(self._data.device)] = raw.to(self._data.device)
+
     def flatten_one(self, params: Params) -> torch.Tensor:
         """One client's ``{group: {name: tensor}}`` as the flat float32 ``[P]`` vector
         :meth:`get` takes as ``fresh_flat`` (on the tensors' device)."""

@@ -15,6 +15,12 @@ Each round ``t``:
 Every client's local randomness is seeded from ``(seed, round, client)``, so a round's
 result does not depend on the executor, the chunking or on what ran before — and resuming
 from a checkpoint reproduces the next round bit for bit (tested).
+
+Given a :class:`~device_sim.distributed.DistContext` (``fedfs simulate --distributed`` /
+``--workers N``), every rank runs this loop, trains only the participants it owns and
+stores only their ``θ_c``, and the ranks combine their float64 FedAvg sums with one
+all-reduce per round (:mod:`device_sim.distributed`, which states the bound on the
+difference from a one-process run).
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from fedfs_sdk.errors import CheckpointError, InputError
 from server_agg.aggregate import StreamingFedAvg, fedavg_stacked
 
 from .client_store import ClientStore
+from .distributed import DistContext, DistributedFedAvg, all_gather, gather_to_main
 from .executors import ClientTask, LocalConfig, make_executor, unstack
 from .methods.base import FederatedMethod, Params, SimContext, Weights
 
@@ -151,15 +158,24 @@ class Federation:
         data: the clients' training images.
         xi: the frozen pre-trained model ``ξ`` (a FaceNet).
         config: the run settings.
-        store_path: memmap file for ``store_location="disk"``.
+        store_path: memmap file for ``store_location="disk"`` (rank ``r > 0`` of a
+            distributed run appends ``.rank<r>``: each rank's shard is its own file).
+        dist: the rank's place in a distributed run (:mod:`device_sim.distributed`), or None.
     """
 
     def __init__(self, method: FederatedMethod, data: ClientData, xi: torch.nn.Module,
-                 config: FederationConfig, store_path: str | Path | None = None) -> None:
+                 config: FederationConfig, store_path: str | Path | None = None,
+                 dist: DistContext | None = None) -> None:
         self.method, self.data, self.config = method, data, config
+        self.dist = dist if dist is not None and dist.world_size > 1 else None
+        if self.dist is not None:
+            check_distributable(method)
+            if store_path is not None and not self.dist.is_main:
+                store_path = Path(f"{store_path}.rank{self.dist.rank}")
         self.ctx = SimContext(xi.config, xi, data.num_clients, config.seed, config.device)
         method.setup(self.ctx)
-        method.prepare(data)
+        if method.trains or self.is_main:      # a method that only evaluates is evaluated on rank 0
+            method.prepare(data)
         self.global_weights: Weights = method.init_global()
         self.executor = make_executor(config.executor, config.device, config.chunk_size)
         template = method.init_private(self.global_weights)
@@ -172,6 +188,11 @@ class Federation:
         self._xi_fingerprint: str | None = None               # computed on the first save/load
         self._data_fingerprint: dict[str, str] | None = None   # computed on the first save/load
         self.dp = None   # device_sim.dp_sim.SimDp: user-level DP-FedAvg (fedfs simulate --dp-*), set by the caller
+
+    @property
+    def is_main(self) -> bool:
+        """True outside a distributed run and on rank 0 (the rank that evaluates and writes)."""
+        return self.dist is None or self.dist.is_main
 
     # ---- one round ---------------------------------------------------------------------
     @property
@@ -207,7 +228,10 @@ class Federation:
         cfg, method, ex = self.config, self.method, self.executor
         participants = self.sample_participants() if self.dp is None else self.dp.sample(self.sampler)
         plan = method.configure_round(r, participants)
-        acc = StreamingFedAvg(self.global_weights)
+        # Distributed: every rank sampled the same participants; this one trains those it owns.
+        mine = participants if self.dist is None else self.dist.owned(participants)
+        acc = StreamingFedAvg(self.global_weights) if self.dist is None else \
+            DistributedFedAvg(self.global_weights, self.dist)
         if self.dp is not None:     # DP-FedAvg: clipped, weighted, noised sum (device_sim.dp_sim)
             acc = self.dp.accumulator(self.global_weights, r)
         # Each chunk's mean stays float64 until the end of the round: the result then does not
@@ -222,8 +246,8 @@ class Federation:
         stepped = 0
         total_samples = 0
         start = 0
-        while start < len(participants):
-            chunk = participants[start:start + ex.chunk_size]
+        while start < len(mine):
+            chunk = mine[start:start + ex.chunk_size]
             private = self.store.get(chunk, ex.device, fresh_flat=fresh_flat) if self.store is not None else {}
             tasks = []
             for i, c in enumerate(chunk.tolist()):
@@ -247,7 +271,16 @@ class Federation:
             total_samples += n_chunk
             start += len(chunk)
             # executor chunk size may be calibrated by the first call (CUDA)
-        aggregated = acc.result()
+        aggregated = acc.result()          # distributed: the round's one all-reduce
+        if self.dist is not None:
+            # a round's metric sums from every rank, added in rank order (small Python floats)
+            gathered = all_gather((stepped, sums), self.dist)
+            stepped, sums = 0, {}
+            for st, sm in gathered:
+                stepped += st
+                for k, v in sm.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            total_samples = acc.total_samples
         self.global_weights = {k: v.detach().to("cpu") for k, v in method.server_update(aggregated, plan).items()}
         self.round = r
         dt = time.perf_counter() - t0
@@ -271,8 +304,22 @@ class Federation:
         return out
 
     def private_weights(self, client: int) -> Params | None:
-        """``θ_c`` of ``client`` (None if it never trained or the method has none)."""
+        """``θ_c`` of ``client`` (None if it never trained or the method has none). In a
+        distributed run, complete on rank 0 after :meth:`collect_private`."""
         return None if self.store is None else self.store.get_one(client)
+
+    def collect_private(self) -> None:
+        """Distributed: bring every rank's store shard to rank 0 (a collective — every rank
+        calls it at the same point: before rank 0 evaluates or checkpoints). Each rank sends
+        the stored rows of the clients it owns, bit for bit; a no-op in one process."""
+        if self.dist is None or self.store is None:
+            return
+        mine = self.dist.owned(self.store.touched())
+        shards = gather_to_main((mine, self.store.export_rows(mine)), self.dist)
+        if shards is not None:
+            for r, (ids, rows) in enumerate(shards):
+                if r != self.dist.rank:
+                    self.store.import_rows(ids, rows)
 
     # ---- checkpoints -------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
@@ -287,9 +334,15 @@ class Federation:
                 "num_clients": self.data.num_clients, "model_config": self.ctx.model_config.to_json(),
                 "data": self._data_fingerprint, "xi": self._xi_fingerprint}
 
-    def save(self, path: str | os.PathLike[str]) -> Path:
+    def save(self, path: str | os.PathLike[str]) -> Path | None:
         """Write the whole federation state (global and server weights, client store, round,
-        sampler and torch RNG states, history) to one safetensors file, atomically."""
+        sampler and torch RNG states, history) to one safetensors file, atomically.
+
+        Distributed: a collective (every rank calls it); rank 0 gathers the store shards and
+        writes, the other ranks write nothing and return None."""
+        self.collect_private()
+        if not self.is_main:
+            return None
         tensors: dict[str, torch.Tensor] = {f"global/{k}": v.contiguous() for k, v in self.global_weights.items()}
         tensors.update({f"server/{k}": v.detach().cpu().contiguous() for k, v in self.method.server_state().items()})
         if self.store is not None:
@@ -319,6 +372,16 @@ class Federation:
         self.sampler.bit_generator.state = json.loads(meta["sampler"])
         self.round = int(meta["round"])
         self.history = [RoundRecord(**h) for h in json.loads(meta["history"])]
+
+
+def check_distributable(method: FederatedMethod) -> None:
+    """Refuse a method whose server reads per-client uploads (:meth:`FederatedMethod.receive`:
+    FedAwS / FedGC class embeddings, PrivacyFace's DP cluster centres) in a distributed run:
+    only the FedAvg sums cross ranks, so such a server would see one rank's clients only."""
+    if type(method).receive is not FederatedMethod.receive:
+        raise InputError(f"method {method.name!r} cannot run distributed (--distributed / --workers > 1): its server "
+                         f"reads each client's upload (method.receive), and only the FedAvg sums are combined "
+                         f"across ranks; run it in one process (--workers 1)")
 
 
 def _identity_mismatch(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> str:
@@ -361,5 +424,5 @@ def checkpoint_path(directory: str | os.PathLike[str], round_idx: int) -> Path:
     return Path(directory) / f"round_{round_idx:05d}.safetensors"
 
 
-__all__ = ["Federation", "FederationConfig", "RoundRecord", "ClientData", "client_seed",
+__all__ = ["Federation", "FederationConfig", "RoundRecord", "ClientData", "client_seed", "check_distributable",
            "latest_checkpoint", "checkpoint_path", "data_fingerprint", "CHECKPOINT_FORMAT"]

@@ -1,0 +1,83 @@
+"""``fedfs simulate --distributed`` (under ``torchrun``) and ``--workers N`` (N local processes).
+
+Both run the same command body on every rank inside one torch.distributed process group
+(:mod:`device_sim.distributed`); rank 0 prints, evaluates and writes ``--out``, the other
+ranks train their share of each round and stay silent. Each rank uses
+``cores // processes-on-this-machine`` torch threads unless ``--threads`` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+from fedfs_sdk.errors import FedFSError, InputError
+
+from . import distributed
+from .federation import check_distributable
+from .methods import parse_method
+
+Body = Callable[[argparse.Namespace], int]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--distributed", action="store_true",
+                   help="join the torch.distributed process group torchrun set up (gloo on CPU, NCCL with "
+                        "--device cuda): each rank trains its share of a round's clients, one all-reduce of "
+                        "the FedAvg sums per round, rank 0 evaluates and writes --out")
+    p.add_argument("--workers", type=int, default=1,
+                   help="train with N local processes (the --distributed mechanism on 127.0.0.1), each with "
+                        "cores/N torch threads (unless --threads); default 1: 2 workers were not faster than 1 "
+                        "on a busy shared 2-core CPU (docs/simulation.md)")
+
+
+def run_distributed(args: argparse.Namespace, body: Body) -> int:
+    """Run ``body(args)`` as one rank of a process group (``--distributed``) or in
+    ``--workers`` spawned processes; the exit status of rank 0's body (2 when a worker failed)."""
+    if args.workers < 1:
+        raise InputError(f"--workers must be ≥ 1, got {args.workers}")
+    if args.distributed and args.workers > 1:
+        raise InputError("--workers N starts its own processes; under torchrun use --distributed with "
+                         "torchrun's --nproc-per-node instead of --workers")
+    if any(getattr(args, k, None) is not None for k in ("dp_epsilon", "dp_noise", "dp_clip")):
+        raise InputError("--dp-* (DP-FedAvg's clipped, noised sum) runs in one process: drop --workers / --distributed")
+    for spec in args.method:            # fail before any process starts
+        check_distributable(parse_method(spec))
+    if args.distributed:
+        return _rank_main(args, body)
+    try:
+        distributed.spawn_workers(_worker, (args, body), args.workers)
+    except Exception as e:          # noqa: BLE001 — torch.multiprocessing's ProcessExitedException et al.
+        code = getattr(e, "exit_code", None)
+        if code == 2:               # the worker printed its error line
+            return 2
+        raise
+    return 0
+
+
+def _worker(args: argparse.Namespace, body: Body) -> None:
+    """One spawned ``--workers`` process: a rank of the local process group."""
+    args = argparse.Namespace(**vars(args))
+    args.distributed, args.workers = True, 1
+    try:
+        code = _rank_main(args, body)
+    except FedFSError as e:
+        print(f"fedfs simulate: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if code:
+        sys.exit(code)
+
+
+def _rank_main(args: argparse.Namespace, body: Body) -> int:
+    ctx = distributed.init_from_env(args.device)
+    if args.threads is None:
+        args.threads = distributed.threads_per_worker(ctx.local_world_size)
+    try:
+        code = body(args)
+        distributed.barrier()       # the others wait while rank 0 evaluates and writes, then all leave
+        return code
+    finally:
+        distributed.shutdown()
+
+
+__all__ = ["add_arguments", "run_distributed"]
