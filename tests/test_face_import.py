@@ -368,3 +368,40 @@ def test_import_model_command_writes_a_checkpoint_and_names_missing_keys(tmp_pat
     part = subprocess.run(cmd + [str(tmp_path / "part.pth"), "--out", str(tmp_path / "p.safetensors"), "--partial"],
                           capture_output=True, text=True, timeout=300)
     assert part.returncode == 0 and "model keys left at their initial values: embed_norm.bias" in part.stdout
+
+
+def test_channel_affine_and_the_affine_backbone() -> None:
+    from fedfs_sdk.backbones import get_backbone
+    from fedfs_sdk.backbones.layers import ChannelAffine
+
+    aff = ChannelAffine(2)
+    with torch.no_grad():
+        aff.weight.copy_(torch.tensor([2.0, 0.5]))
+        aff.bias.copy_(torch.tensor([1.0, -1.0]))
+    x = torch.tensor([[[[1.0, -2.0]], [[4.0, 0.0]]]])                   # [1, 2, 1, 2]
+    assert aff(x).tolist() == [[[[3.0, -3.0]], [[1.0, -1.0]]]]
+    assert aff(torch.tensor([[1.0, 4.0]])).tolist() == [[3.0, 1.0]]     # [B, C] (the embedding norm)
+    # same topology and keys as the GroupNorm MobileFaceNet; no batch statistics (no buffers)
+    a, g = get_backbone("mobilefacenet-affine"), get_backbone("mobilefacenet")
+    assert [(k, v.shape) for k, v in a.state_dict().items()] == [(k, v.shape) for k, v in g.state_dict().items()]
+    assert not list(a.buffers())
+    # a per-sample layer: one image's output does not depend on the rest of the batch, in train mode too
+    a.train()
+    xb = _images(3, seed=1)
+    with torch.no_grad():
+        assert torch.allclose(a(xb)[:1], a(xb[:1]), atol=1e-5)
+
+
+def test_import_model_command_folds_a_batchnorm_state_dict(bn_net: nn.Module, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    torch.save(bn_net.state_dict(), tmp_path / "bn.pth")
+    r = subprocess.run([sys.executable, "-m", "fedfs_sdk.cli.import_model", str(tmp_path / "bn.pth"),
+                        "--out", str(tmp_path / "xi.safetensors")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "folded 50 BatchNorm layers" in r.stdout and "mobilefacenet-affine" in r.stdout
+    xi, meta = load_checkpoint(tmp_path / "xi.safetensors")
+    x = _images(2)
+    with torch.no_grad():
+        assert (xi(x).embedding - bn_net(x)).abs().max().item() <= 1e-5
