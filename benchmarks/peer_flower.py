@@ -1,7 +1,9 @@
 """fedfs's simulator vs Flower's simulation engine (the Flower column of issue 14 item 4).
 
 Same clients (SynthFaces, the ``fedfs simulate`` split: N clients, 20 training images each),
-same model (tiny backbone at 32 px with the method's projection / FedUV head), same local
+same model (``--backbone``: tiny at 32 px or MobileFaceNet at 112 px, with the method's
+projection / FedUV head; Flower's ξ is a random one of the same architecture, since only the
+speed is compared), same local
 objective and settings (``fedfs_sdk.trainer.LocalTrainer``, 1 epoch, batch 10, the method's
 default lr), same participation and rounds. Each run is a fresh process, the two engines
 interleaved (A B A B …) so a shared machine's drift hits both.
@@ -20,6 +22,7 @@ GCS and workers included), sampled every 0.2 s.
 
     PYTHONPATH=. /path/to/venv-with-flwr/bin/python benchmarks/peer_flower.py
     PYTHONPATH=. python benchmarks/peer_flower.py --method feduv --clients 1000 --participation 0.1 --rounds 3
+    PYTHONPATH=. python benchmarks/peer_flower.py --backbone mobilefacenet --clients 50 --participation 0.2 --random-xi
 """
 from __future__ import annotations
 
@@ -96,7 +99,12 @@ def run_fedfs(a: argparse.Namespace, env: dict[str, str], tmp: Path, rounds: int
     cmd = [sys.executable, "-m", "fedfs_sdk.cli.main", "simulate", "--method", a.method, "--clients", str(a.clients),
            "--participation", str(a.participation), "--rounds", str(rounds or a.rounds), "--train-per-client",
            str(a.images), "--local-epochs", "1", "--batch-size", str(a.batch_size), "--eval-clients", "20",
-           "--quiet", "--threads", str(a.threads), "--out", str(out)]
+           "--quiet", "--threads", str(a.threads), "--backbone", a.backbone, "--image-size", str(a.image_size),
+           "--out", str(out)]
+    if a.pretrain_epochs is not None:
+        cmd += ["--pretrain-epochs", str(a.pretrain_epochs)]
+    if a.xi_file:
+        cmd += ["--pretrained", a.xi_file]
     wall, rss = run_measured(cmd, env)
     hist = json.loads((out / "results.json").read_text())["methods"][0]["history"]
     updates, seconds = sum(h["participants"] for h in hist), sum(h["seconds"] for h in hist)
@@ -110,7 +118,7 @@ def run_fedfs(a: argparse.Namespace, env: dict[str, str], tmp: Path, rounds: int
 _POP = {}
 
 
-def _population(clients: int, images: int):
+def _population(clients: int, images: int, size: int):
     """The ``fedfs simulate`` clients (synth data, default split seeds), built once per process."""
     if "pop" not in _POP:
         from device_sim.cli_common import add_data_arguments, build_data
@@ -118,7 +126,8 @@ def _population(clients: int, images: int):
 
         p = argparse.ArgumentParser()
         add_data_arguments(p)
-        ds, splits = build_data(p.parse_args(["--clients", str(clients), "--train-per-client", str(images)]))
+        ds, splits = build_data(p.parse_args(["--clients", str(clients), "--train-per-client", str(images),
+                                              "--image-size", str(size)]))
         _POP["pop"] = Population(ds, splits)
     return _POP["pop"]
 
@@ -132,15 +141,20 @@ def flower_child(a: argparse.Namespace, tmp: Path, result_file: Path) -> None:
     from fedfs_flower.client_app import create_app
     from fedfs_flower.settings import ServerSettings
     from fedfs_flower.strategy import FedFSStrategy
-    from fedfs_sdk.checkpoint import read_checkpoint, save_checkpoint
+    from fedfs_sdk.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
     from fedfs_sdk.methods import uses_fedfs, uses_feduv
     from fedfs_sdk.model import FaceNet, ModelConfig
     from fedfs_sdk.trainer import initial_global_weights
 
+    from fedfs_sdk.losses.fedfs import FedFSLossConfig
+
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    xi = FaceNet(ModelConfig("tiny", input_size=32)).eval()
-    mc = ModelConfig("tiny", input_size=32, proj_dim=32 if uses_fedfs(a.method) else None,
+    xi = load_checkpoint(a.xi_file)[0].eval() if a.xi_file else FaceNet(ModelConfig(a.backbone, input_size=a.image_size)).eval()
+    emb = int(xi.config.resolved().embedding_dim)
+    # the simulator's model: ξ's backbone, the FedFS projection it sizes from ξ, FedUV's c = 127
+    mc = ModelConfig(a.backbone, input_size=a.image_size,
+                     proj_dim=FedFSLossConfig().projection_dim(emb) if uses_fedfs(a.method) else None,
                      code_length=127 if uses_feduv(a.method) else None)
     model = FaceNet(mc)
     model.load_state_dict(initial_global_weights(mc, xi, seed=0))
@@ -165,8 +179,8 @@ def flower_child(a: argparse.Namespace, tmp: Path, result_file: Path) -> None:
         strategy.start(grid=grid, initial_arrays=ArrayRecord.from_torch_state_dict(weights), num_rounds=s.num_rounds,
                        train_config=ConfigRecord({}))
 
-    clients, images = a.clients, a.images
-    client = create_app(cfg, images_fn=lambda ctx: _population(clients, images).train_images(
+    clients, images, size = a.clients, a.images, a.image_size
+    client = create_app(cfg, images_fn=lambda ctx: _population(clients, images, size).train_images(
         int(ctx.node_config["partition-id"])).numpy())
     run_simulation(server_app=server, client_app=client, num_supernodes=a.clients,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
@@ -184,7 +198,9 @@ def run_flower(a: argparse.Namespace, env: dict[str, str], tmp: Path) -> dict[st
     d = tmp / f"flower_{time.monotonic_ns()}"
     d.mkdir()
     res = d / "result.json"
-    cmd = [sys.executable, __file__, "--flower-child", str(d), *sys.argv[1:]]
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--flower-child", str(d)]
+    if a.xi_file:
+        cmd += ["--xi-file", a.xi_file]
     wall, rss = run_measured(cmd, env)
     return {**json.loads(res.read_text()), "wall_s": wall, "peak_rss_mb": rss / 2 ** 20}
 
@@ -200,10 +216,19 @@ def main() -> None:
     p.add_argument("--images", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="torch threads of fedfs's simulator")
+    p.add_argument("--backbone", default="tiny", choices=["tiny", "mobilefacenet", "feduv_cnn"])
+    p.add_argument("--image-size", type=int, default=None, help="input side (default: 32 tiny, 112 otherwise)")
+    p.add_argument("--pretrain-epochs", type=int, default=None,
+                   help="ξ pre-training epochs of fedfs simulate (untimed; default: its own)")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="Ray CPUs = Flower actors (1 thread each)")
+    p.add_argument("--random-xi", action="store_true",
+                   help="both engines use one randomly initialized ξ (no pre-training: only speed is compared)")
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--xi-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--flower-child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.image_size is None:
+        a.image_size = 32 if a.backbone == "tiny" else 112
     if a.flower_child:
         d = Path(a.flower_child)
         flower_child(a, d, d / "result.json")
@@ -212,7 +237,18 @@ def main() -> None:
         tmp = Path(tmpd)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0",
                "FEDFS_CACHE_DIR": os.environ.get("FEDFS_CACHE_DIR", str(tmp / "cache"))}
-        run_fedfs(a, env, tmp, rounds=1)                       # ξ pre-trained into the cache (untimed)
+        if a.random_xi:
+            import torch
+
+            from fedfs_sdk.checkpoint import save_checkpoint
+            from fedfs_sdk.model import FaceNet, ModelConfig
+
+            torch.manual_seed(0)
+            xi = FaceNet(ModelConfig(a.backbone, input_size=a.image_size))
+            a.xi_file = str(tmp / "xi_random.safetensors")
+            save_checkpoint(a.xi_file, xi, xi.config, {"role": "xi", "random": True})
+        else:
+            run_fedfs(a, env, tmp, rounds=1)                   # ξ pre-trained into the cache (untimed)
         res: dict[str, list[dict[str, float]]] = {"fedfs simulate": [], "Flower simulation": []}
         for rep in range(a.repeats):
             for name, fn in (("fedfs simulate", run_fedfs), ("Flower simulation", run_flower)):
@@ -221,7 +257,7 @@ def main() -> None:
                 print(f"# repeat {rep + 1} {name}: {r['updates_per_s']:.1f} updates/s "
                       f"(warm {r['warm_updates_per_s']:.1f}), wall {r['wall_s']:.1f} s, "
                       f"peak RSS {r['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
-    print(f"{a.method}, tiny backbone @32 px, {a.clients} SynthFaces clients, "
+    print(f"{a.method}, {a.backbone} backbone @{a.image_size} px, {a.clients} SynthFaces clients, "
           f"{round(a.participation * a.clients)} per round, {a.rounds} rounds, {a.images} images, 1 epoch, "
           f"batch {a.batch_size}; fedfs: 1 process × {a.threads} thread(s); Flower: Ray, {a.cores} actors × 1 thread; "
           f"{a.repeats} interleaved repeats (median [min–max])")
