@@ -25,3 +25,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """In-process CLI runs (``--threads 1``) set torch's global thread count; restore it so a
+    later test's float rounding does not depend on which tests ran before it."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and before is not None and torch.get_num_threads() != before:
+        torch.set_num_threads(before)
