@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fedfs_sdk.backbones import BACKBONES
 from fedfs_sdk.cli.progress import progress_bar
 from fedfs_sdk.errors import CheckpointError, InputError
 
@@ -174,7 +175,7 @@ def build_pretrain_data(args: argparse.Namespace, ds: IdentityDataset,
 
 def add_pretrain_arguments(p: argparse.ArgumentParser, epochs: int = 10) -> None:
     g = p.add_argument_group("pre-training of ξ")
-    g.add_argument("--backbone", default="tiny", choices=["tiny", "mobilefacenet", "feduv_cnn"],
+    g.add_argument("--backbone", default="tiny", choices=sorted(BACKBONES),
                    help="backbone of ξ and of the federated models")
     g.add_argument("--width", type=int, default=None, help="backbone width multiplier (tiny, feduv_cnn)")
     g.add_argument("--embedding-dim", type=int, default=None, help="embedding size (backbone default)")

@@ -15,10 +15,11 @@ def run(args: argparse.Namespace) -> int:
     from ..profile import profile_model
 
     names = args.backbone or list(BACKBONES)
-    print(f"{'backbone':<14}{'input':>8}{'emb':>6}{'params':>12}{'MFLOPs':>10}{'MMACs':>9}")
+    w = max(len("backbone"), *(len(n) for n in names)) + 2
+    print(f"{'backbone':<{w}}{'input':>8}{'emb':>6}{'params':>12}{'MFLOPs':>10}{'MMACs':>9}")
     for name in names:
         prof = profile_model(ModelConfig(name, code_length=args.code_length))
-        print(f"{name:<14}{prof.input_size:>5}x{prof.input_size:<3}{prof.embedding_dim:>5}"
+        print(f"{name:<{w}}{prof.input_size:>5}x{prof.input_size:<3}{prof.embedding_dim:>5}"
               f"{prof.params:>12,}{prof.mflops:>10.1f}{prof.mflops / 2:>9.1f}")
     print("MFLOPs = 2 × multiply-adds of convolutions and matmuls (torch FlopCounterMode), one image.")
     return 0
