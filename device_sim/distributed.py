@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from fedfs_sdk.errors import InputError
+from server_agg.aggregate import _cast_back  # one rule for float / bool / int tensors, as the server
 
 Weights = dict[str, torch.Tensor]
 
@@ -169,15 +170,6 @@ class DistributedFedAvg:
             off += s.numel()
             out[k] = _cast_back(avg, self._dtypes[k])
         return out
-
-
-def _cast_back(avg: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """As ``server_agg.aggregate``: float → dtype, bool → weighted majority, int → rounded."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return avg.to(dtype)
-    if dtype == torch.bool:
-        return avg >= 0.5
-    return torch.round(avg).to(dtype)
 
 
 def all_gather(obj: Any, ctx: DistContext) -> list[Any]:
