@@ -34,6 +34,7 @@ class ExportError(InputError):
 
 FORMAT_ONNX = "fedfs-onnx/1"
 FORMAT_ORT_TRAINING = "fedfs-ort-training/1"
+FORMAT_COREML = "fedfs-coreml/1"
 FORMAT_MANIFEST = "fedfs-export/1"
 
 

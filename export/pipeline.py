@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping
 from fedfs_sdk.errors import CheckpointError, InputError
 from fedfs_sdk.ort_device import artifact_subdir
 
-from .common import ExportError, load_for_export, model_version
+from .common import FORMAT_COREML, ExportError, load_for_export, model_version
 
 FORMATS = ("onnx", "onnx-int8", "coreml", "ort-training")
 """Export formats in the order they are produced."""
@@ -290,7 +290,8 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
             from .coreml import export_coreml, validate_coreml
             from .onnx_inference import inference_metadata
 
-            md = inference_metadata(verifier, model_id=mid, model_version=version)
+            md = {**inference_metadata(verifier, model_id=mid, model_version=version),
+                  "fedfs.format": FORMAT_COREML}
             outs = {"embedding": int(model.config.embedding_dim)}
             if model.config.code_length:
                 outs["uv"] = int(model.config.code_length)

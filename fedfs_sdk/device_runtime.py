@@ -306,9 +306,26 @@ class OrtRuntime:
     def check(self, enroll: bool = False) -> int:
         """Check the export folder before the device registers: every ``ort-training/*``
         artifact complete and readable (at least one), and ``onnx/verifier.onnx`` when the
-        device will enroll. Returns the model's input size (for preprocessing the images)."""
+        device will enroll. Returns the model's input size (for preprocessing the images).
+
+        First the folder must be exactly what ``fedfs export`` wrote: every file's sha256 as
+        its ``manifest.json`` lists it, nothing missing or added (a swapped graph or edited
+        metadata would otherwise run, or fail later with a raw ONNX Runtime error)."""
+        from export.manifest import MANIFEST_NAME, verify_manifest
+
         from .ort_device import TrainingArtifact
 
+        if not (self.root / MANIFEST_NAME).is_file():
+            raise CheckpointError(f"{self.root} has no {MANIFEST_NAME}: not a complete fedfs export; "
+                                  "write one with `fedfs export --formats onnx,ort-training`")
+        try:
+            changed = verify_manifest(self.root)
+        except (ValueError, KeyError, OSError) as e:
+            raise CheckpointError(f"{self.root / MANIFEST_NAME} is unreadable ({e}); export again") from None
+        if changed:
+            raise CheckpointError(f"{self.root} differs from its {MANIFEST_NAME} (changed, missing or extra: "
+                                  f"{', '.join(changed[:5])}{' …' if len(changed) > 5 else ''}); the export was "
+                                  "modified or damaged: export again")
         arts = [TrainingArtifact.load(p) for p in sorted((self.root / "ort-training").iterdir()) if p.is_dir()]
         if not arts:
             raise CheckpointError(f"{self.root / 'ort-training'} holds no ORT training artifact; "

@@ -104,12 +104,42 @@ def model_id_problem(model) -> str | None:
         return None
     if precision == "int8":
         implied = f"{INT8_SUFFIX}-{graph_digest(model)}"
-        ok = recorded.endswith(implied)
+        prefix = recorded[:-len(implied)] if recorded.endswith(implied) else ""
+        # the fp32 id it was quantized from cannot be recomputed here, but it must be one
+        ok = len(prefix) == 16 and all(c in "0123456789abcdef" for c in prefix)
     else:
         implied = weights_id({i.name: numpy_helper.to_array(i) for i in model.graph.initializer
                               if i.name.startswith(PARAM_PREFIXES)})
         ok = recorded == implied
     return None if ok else f"records fedfs.model_id {recorded!r} but its weights imply {implied.lstrip('-')!r}"
+
+
+def metadata_vs_graph(meta: Mapping[str, str], session) -> list[str]:
+    """Where a verifier's ``fedfs.*`` metadata (input size, output names, embedding and code
+    dims) disagrees with the graph ONNX Runtime loaded; empty when they agree. Symbolic
+    (dynamic) dims are not compared."""
+    def static(dim) -> int | None:
+        return dim if isinstance(dim, int) else None
+
+    out: list[str] = []
+    inputs = {i.name: i for i in session.get_inputs()}
+    name = meta.get("fedfs.input_name", next(iter(inputs), ""))
+    if name not in inputs:
+        return [f"input {name!r} is not a graph input ({sorted(inputs)})"]
+    shape = list(inputs[name].shape)
+    size = meta.get("fedfs.input_size")
+    if len(shape) != 4 or static(shape[1]) not in (3, None):
+        out.append(f"input shape {shape} is not [N, 3, S, S]")
+    elif size is not None and any(static(d) not in (int(size), None) for d in shape[2:]):
+        out.append(f"fedfs.input_size {size} but the graph takes {shape[2]}x{shape[3]}")
+    dims = {"embedding": meta.get("fedfs.embedding_dim"), "uv": meta.get("fedfs.code_length")}
+    for o in session.get_outputs():
+        want = dims.get(o.name)
+        got = static(o.shape[-1]) if o.shape else None
+        if want is not None and got is not None and got != int(want):
+            key = "fedfs.embedding_dim" if o.name == "embedding" else "fedfs.code_length"
+            out.append(f"{key} {want} but output {o.name!r} has {got}")
+    return out
 
 
 def session_options(intra_op_threads: int | None = None):
@@ -221,6 +251,11 @@ class OnnxBackend:
         missing = [o for o in self.outputs if o not in graph_outputs]
         if missing:
             raise CheckpointError(f"{p} metadata lists outputs {missing} that the graph does not have")
+        problems = metadata_vs_graph(meta, self.session)
+        if problems:
+            # the model id covers the weights, not the metadata: an edited key must not reach ORT
+            raise CheckpointError(f"{p}: its fedfs metadata disagrees with its graph ({'; '.join(problems)}); "
+                                  "edited or mislabelled model: export again")
         self.batch_size = int(batch_size)
 
     @staticmethod

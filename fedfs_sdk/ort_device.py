@@ -140,14 +140,20 @@ class OrtDeviceTrainer:
         self._ortvalue = ort.OrtValue
         self._vector = C.OrtValueVector
         p = self.artifact.path
-        self._state = C.load_checkpoint(str(p / "checkpoint"))
         device = C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
         so = C.SessionOptions()
         so.log_severity_level = 3
         if intra_op_threads is not None:
             so.intra_op_num_threads = int(intra_op_threads)
-        self._module = C.Module(str(p / "training_model.onnx"), self._state, str(p / "eval_model.onnx"), device, so)
-        self._optimizer = C.Optimizer(str(p / "optimizer_model.onnx"), self._state, device, so)
+        try:    # ORT raises its own RuntimeError subclasses for a damaged or mismatched file
+            self._state = C.load_checkpoint(str(p / "checkpoint"))
+            self._module = C.Module(str(p / "training_model.onnx"), self._state, str(p / "eval_model.onnx"),
+                                    device, so)
+            self._optimizer = C.Optimizer(str(p / "optimizer_model.onnx"), self._state, device, so)
+        except Exception as e:  # noqa: BLE001 — any ORT failure here means the artifact is unusable
+            raise CheckpointError(f"ONNX Runtime cannot load the training artifact {p} (checkpoint, training, "
+                                  f"eval or optimizer graph damaged or from another export: "
+                                  f"{str(e).splitlines()[0][:300]}); export again") from None
         self._optimizer.set_learning_rate(self.lr)
         self._global_base: Weights | None = None
         self._personal_base: Weights | None = None
