@@ -19,6 +19,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -55,16 +56,24 @@ def pretrained_tiny(steps: int) -> FaceNet:
     return model.eval()
 
 
-def timed(fn, runs: int) -> tuple[float, float]:
-    for _ in range(10):
-        fn()
-    times = []
+def timed_interleaved(fns: dict[str, Callable[[], object]], runs: int) -> dict[str, tuple[float, float]]:
+    """Median and p90 ms of each variant, timed in turn (variant A, B, C, A, B, C, …) so a
+    noisy, shared machine's load hits every variant alike — separate blocks would compare
+    the load of one moment with another's."""
+    for fn in fns.values():
+        for _ in range(10):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1000)
-    times.sort()
-    return statistics.median(times), times[int(0.9 * (len(times) - 1))]
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append((time.perf_counter() - t0) * 1000)
+    out = {}
+    for k, ts in times.items():
+        ts.sort()
+        out[k] = (statistics.median(ts), ts[int(0.9 * (len(ts) - 1))])
+    return out
 
 
 def dir_size(path: Path) -> int:
@@ -82,11 +91,14 @@ def bench(name: str, model: FaceNet, source: str, runs: int, coreml: bool, tmp: 
     x = np.random.default_rng(0).uniform(-1, 1, size=(1, 3, s, s)).astype(np.float32)
     torch.set_num_threads(1)
     xt = torch.from_numpy(x)
-    with torch.inference_mode():
-        t_torch = timed(lambda: verifier(xt), runs)
     b32, b8 = OnnxBackend(fp32, intra_op_threads=1), OnnxBackend(int8, intra_op_threads=1)
-    t_fp32 = timed(lambda: b32.run(x), runs)
-    t_int8 = timed(lambda: b8.run(x), runs)
+
+    def torch_once():
+        with torch.inference_mode():
+            return verifier(xt)
+
+    t = timed_interleaved({"torch": torch_once, "fp32": lambda: b32.run(x), "int8": lambda: b8.run(x)}, runs)
+    t_torch, t_fp32, t_int8 = t["torch"], t["fp32"], t["int8"]
     imgs, labels = synthetic_eval_set(s, identities=40, per_identity=6)
     quality = compare_int8(fp32, int8, imgs, labels)
     row = {"model": f"{name}@{s}", "weights": source, "torch": t_torch, "onnx_fp32": t_fp32, "onnx_int8": t_int8,
