@@ -8,13 +8,14 @@ manifest hashes the bytes the export was built from.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from fedfs_sdk.errors import CheckpointError, InputError
 from fedfs_sdk.ort_device import artifact_subdir
@@ -195,7 +196,6 @@ def _publish(tmp: Path, out: Path) -> None:
 def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], options: ExportOptions,
                progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Export ``checkpoint`` into ``out``; returns the manifest. See :class:`ExportOptions`."""
-    from .manifest import build_manifest, write_manifest
     from .ort_training import supported_methods
 
     step = progress or (lambda _msg: None)
@@ -244,12 +244,7 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
             build_step(m, model, xi=xi, objective=train_cfgs[m].objective, lr=train_cfgs[m].effective_lr,
                        head_lr=train_cfgs[m].head_lr)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the published folder gets the usual mode
-    try:
+    with staged(out) as tmp:
         artifacts: dict[str, Any] = {}
         with tempfile.TemporaryDirectory() as scratch:
             fp32_path = tmp / ONNX_FILE if "onnx" in formats else Path(scratch) / "verifier.onnx"
@@ -333,38 +328,66 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
         source = {"file": source_ckpt.name, "sha256": source_ckpt.sha256, "meta": meta}
         if xi_ckpt is not None:
             source["xi"] = {"file": xi_ckpt.name, "sha256": xi_ckpt.sha256}
-        cfg = model.config
-        model_info = {"backbone": cfg.backbone, "input_size": int(cfg.input_size),
-                      "embedding_dim": int(cfg.embedding_dim), "code_length": int(cfg.code_length or 0),
-                      "proj_dim": int(cfg.proj_dim or 0)}
-        manifest = build_manifest(tmp, source=source, model=model_info, model_id=mid, model_version=version,
-                                  artifacts=artifacts)
-        write_manifest(tmp, manifest)
+        manifest = write_folder_manifest(tmp, model.config, source=source, model_id=mid, model_version=version,
+                                         artifacts=artifacts)
+    return manifest
+
+
+@contextlib.contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A hidden sibling folder of ``out`` to write an export into; on success it replaces ``out``
+    (:func:`_publish`), on any failure it is removed and ``out`` stays as it was."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the published folder gets the usual mode
+    try:
+        yield tmp
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_folder_manifest(tmp: Path, cfg: Any, *, source: dict[str, Any], model_id: str, model_version: str,
+                          artifacts: dict[str, Any]) -> dict[str, Any]:
+    """Build and write ``manifest.json`` of the staged folder ``tmp`` for a model of config ``cfg``."""
+    from .manifest import build_manifest, write_manifest
+
+    model_info = {"backbone": cfg.backbone, "input_size": int(cfg.input_size),
+                  "embedding_dim": int(cfg.embedding_dim), "code_length": int(cfg.code_length or 0),
+                  "proj_dim": int(cfg.proj_dim or 0)}
+    manifest = build_manifest(tmp, source=source, model=model_info, model_id=model_id, model_version=model_version,
+                              artifacts=artifacts)
+    write_manifest(tmp, manifest)
     return manifest
 
 
-def _export_dual(model: Any, tmp: Path, version: str) -> dict[str, Any]:
-    """``onnx/verifier-dual.onnx``: the ``verify=both`` graph of ``fedfs+feduv``
-    (:class:`~fedfs_sdk.model.DualVerifierNet`, ``unit(W q') ⊕ unit(W r')``), both backbones
-    the checkpoint's; a device swaps in ``θ_c`` and ``w`` (``OrtRuntime.verifier``)."""
+def export_dual_onnx(dual: Any, path: Path, version: str) -> dict[str, Any]:
+    """Write a :class:`~fedfs_sdk.model.DualVerifierNet` (``verify=both``: ``unit(W q') ⊕
+    unit(W r')``) to ``path`` with the torch-parity check; returns its manifest entry."""
     from fedfs_sdk.checkpoint import model_id_of
-    from fedfs_sdk.device_runtime import DUAL_ONNX_FILE
-    from fedfs_sdk.model import DualVerifierNet
 
     from .onnx_inference import export_onnx, onnx_vs_torch
 
-    dual = DualVerifierNet(model.backbone, copy.deepcopy(model.backbone), model.uv_head).eval()
-    path = tmp / DUAL_ONNX_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
     export_onnx(dual, path, model_version=version)
     parity = onnx_vs_torch(dual, path)
     if max(parity.values()) > 1e-4:
         raise ExportError(f"dual ONNX verifier differs from torch by {parity} (> 1e-4)")
-    return {"file": DUAL_ONNX_FILE, "model_id": model_id_of(dual.state_dict()), "precision": "fp32",
-            "opset": _opset(path), "max_abs_diff_vs_torch": parity, "verify": "both"}
+    return {"model_id": model_id_of(dual.state_dict()), "precision": "fp32", "opset": _opset(path),
+            "max_abs_diff_vs_torch": parity, "verify": "both"}
+
+
+def _export_dual(model: Any, tmp: Path, version: str) -> dict[str, Any]:
+    """``onnx/verifier-dual.onnx``: the ``verify=both`` graph of ``fedfs+feduv`` with both
+    backbones the checkpoint's; a device swaps in ``θ_c`` and ``w`` (``OrtRuntime.verifier``)."""
+    from fedfs_sdk.device_runtime import DUAL_ONNX_FILE
+    from fedfs_sdk.model import DualVerifierNet
+
+    dual = DualVerifierNet(model.backbone, copy.deepcopy(model.backbone), model.uv_head).eval()
+    return {"file": DUAL_ONNX_FILE, **export_dual_onnx(dual, tmp / DUAL_ONNX_FILE, version)}
 
 
 def _opset(path: Path) -> int:
