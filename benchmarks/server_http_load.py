@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ADMIN = "bench-admin"
 BIG = 60 << 20
 
 
@@ -176,114 +175,91 @@ def main() -> int:
     import httpx
     import torch
 
-    from fedfs_sdk.wire import decode_weights, encode_update
+    from fedfs_sdk.wire import encode_update
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    print(f"machine: {os.cpu_count()} CPU core(s), load average {os.getloadavg()[0]:.1f}, python {sys.version.split()[0]}")
+    from bench_server import serve_open_round
+
+    extra = ("--header-timeout", str(args.header_timeout), "--body-timeout", str(args.body_timeout),
+             *args.server_args.split())
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--port", str(port), "--state", f"{tmp}/state",
-               "--admin-token", ADMIN, "--init-backbone", args.backbone, "--code-length", "127",
-               "--min-participants", str(args.devices), "--round-timeout", "3600", "--log-level", "warning",
-               "--header-timeout", str(args.header_timeout), "--body-timeout", str(args.body_timeout),
-               *args.server_args.split()]
-        log = open(f"{tmp}/server.log", "wb")
-        proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
-                                stderr=subprocess.STDOUT)
         try:
-            for _ in range(1200):
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.1)
-            else:
-                raise RuntimeError("server did not start")
-            admin = {"Authorization": f"Bearer {ADMIN}"}
-            with httpx.Client(base_url=url, timeout=60) as c:
-                tokens = [c.post("/v1/devices").json()["token"] for _ in range(args.devices)]
-                opened = c.post("/v1/admin/rounds", headers=admin).json()
-                rid, version = opened["round_id"], opened["model_version"]
-                global_w, _ = decode_weights(c.get(f"/v1/models/{version}", headers=admin).content)
-            nparams = sum(t.numel() for t in global_w.values())
-            g = torch.Generator().manual_seed(0)
-            w = {k: v + 1e-3 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
-                 for k, v in global_w.items()}
-            body = encode_update(w, round_id=rid, model_version=version, num_samples=5)
-            del global_w, w
-            with HealthProbe(port) as hp:            # the machine's own noise: an idle server
-                time.sleep(3.0)
-            idle = rss_mb(proc.pid)
-            print(f"\n[0] idle server          : RSS {idle:.0f} MB; /health {hp.summary()}")
+            with serve_open_round(tmp, args.backbone, args.devices, *extra) as srv:
+                proc, port, url, admin = srv.proc, srv.port, srv.url, srv.admin
+                tokens, rid, version, global_w = srv.tokens, srv.round_id, srv.model_version, srv.global_weights
+                nparams = sum(t.numel() for t in global_w.values())
+                g = torch.Generator().manual_seed(0)
+                w = {k: v + 1e-3 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                     for k, v in global_w.items()}
+                body = encode_update(w, round_id=rid, model_version=version, num_samples=5)
+                del global_w, w
+                with HealthProbe(port) as hp:            # the machine's own noise: an idle server
+                    time.sleep(3.0)
+                idle = rss_mb(proc.pid)
+                print(f"\n[0] idle server          : RSS {idle:.0f} MB; /health {hp.summary()}")
 
-            # ---- 1. concurrent uploads
-            statuses: list[int] = []
+                # ---- 1. concurrent uploads
+                statuses: list[int] = []
 
-            async def upload_all() -> float:
-                limits = httpx.Limits(max_connections=args.devices + 8, max_keepalive_connections=0)
-                async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as ac:
-                    async def one(tok: str) -> None:
-                        r = await ac.put(f"/v1/rounds/{rid}/update", content=body,
-                                         headers={"Authorization": f"Bearer {tok}",
-                                                  "Content-Type": "application/octet-stream"})
-                        statuses.append(r.status_code)
-                    t0 = time.perf_counter()
-                    await asyncio.gather(*(one(t) for t in tokens))
-                    return time.perf_counter() - t0
+                async def upload_all() -> float:
+                    limits = httpx.Limits(max_connections=args.devices + 8, max_keepalive_connections=0)
+                    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as ac:
+                        async def one(tok: str) -> None:
+                            r = await ac.put(f"/v1/rounds/{rid}/update", content=body,
+                                             headers={"Authorization": f"Bearer {tok}",
+                                                      "Content-Type": "application/octet-stream"})
+                            statuses.append(r.status_code)
+                        t0 = time.perf_counter()
+                        await asyncio.gather(*(one(t) for t in tokens))
+                        return time.perf_counter() - t0
 
-            with RssSampler(proc.pid) as rs, HealthProbe(port) as hp:
-                wall = asyncio.run(upload_all())
-            time.sleep(0.5)
-            after = rss_mb(proc.pid)
-            ok = sum(s == 200 for s in statuses)
-            print(f"\n[1] {args.devices} concurrent uploads, {args.backbone} + FedUV head ({nparams:,} params, "
-                  f"{len(body) / 2**20:.2f} MiB each), all started at once")
-            print(f"  accepted            : {ok}/{args.devices} in {wall:.2f} s")
-            print(f"  server RSS          : idle {idle:.0f} MB, peak {rs.peak:.0f} MB (+{rs.peak - idle:.0f} MB), "
-                  f"after {after:.0f} MB (+{after - idle:.0f} MB)")
-            print(f"  /health meanwhile   : {hp.summary()}")
-            if os.environ.get("FEDFS_BENCH_DEBUG"):
-                print("  slow probes (end time, ms):", [(round(a, 3), round(m)) for m, a in zip(hp.ms, hp.at) if m > 50])
+                with RssSampler(proc.pid) as rs, HealthProbe(port) as hp:
+                    wall = asyncio.run(upload_all())
+                time.sleep(0.5)
+                after = rss_mb(proc.pid)
+                ok = sum(s == 200 for s in statuses)
+                print(f"\n[1] {args.devices} concurrent uploads, {args.backbone} + FedUV head ({nparams:,} params, "
+                      f"{len(body) / 2**20:.2f} MiB each), all started at once")
+                print(f"  accepted            : {ok}/{args.devices} in {wall:.2f} s")
+                print(f"  server RSS          : idle {idle:.0f} MB, peak {rs.peak:.0f} MB (+{rs.peak - idle:.0f} MB), "
+                      f"after {after:.0f} MB (+{after - idle:.0f} MB)")
+                print(f"  /health meanwhile   : {hp.summary()}")
+                if os.environ.get("FEDFS_BENCH_DEBUG"):
+                    print("  slow probes (end time, ms):", [(round(a, 3), round(m)) for m, a in zip(hp.ms, hp.at) if m > 50])
 
-            with httpx.Client(base_url=url, timeout=60) as c:      # an open round for phases 2–3
-                rid2 = c.post("/v1/admin/rounds", headers=admin).json()["round_id"]
+                with httpx.Client(base_url=url, timeout=60) as c:      # an open round for phases 2–3
+                    rid2 = c.post("/v1/admin/rounds", headers=admin).json()["round_id"]
 
-            # ---- 2. unauthenticated 60 MiB bodies
-            before = rss_mb(proc.pid)
-            results: list[dict] = []
-            paths = ["/v1/admin/config", f"/v1/rounds/{rid2}/update"]
-            with RssSampler(proc.pid) as rs, HealthProbe(port) as hp:
-                threads = [threading.Thread(target=big_unauthenticated, args=(port, paths[i % 2], results))
-                           for i in range(args.big_senders)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                time.sleep(0.3)
-            print(f"\n[2] {args.big_senders} clients each start a 60 MiB body with no token")
-            for r in sorted(results, key=lambda r: r["path"]):
-                print(f"  {r['path']:<22}: {r['status']!r} after {r['refused_ms']:.1f} ms; connection closed by the "
-                      f"server: {r['closed']} (client got {r['body_MiB_sent']:.1f} MiB into the socket)")
-            print(f"  server RSS          : before {before:.0f} MB, peak {rs.peak:.0f} MB (+{rs.peak - before:.0f} MB)")
-            print(f"  /health meanwhile   : {hp.summary()}")
+                # ---- 2. unauthenticated 60 MiB bodies
+                before = rss_mb(proc.pid)
+                results: list[dict] = []
+                paths = ["/v1/admin/config", f"/v1/rounds/{rid2}/update"]
+                with RssSampler(proc.pid) as rs, HealthProbe(port) as hp:
+                    threads = [threading.Thread(target=big_unauthenticated, args=(port, paths[i % 2], results))
+                               for i in range(args.big_senders)]
+                    for t in threads:
+                        t.start()
+                    for t in threads:
+                        t.join()
+                    time.sleep(0.3)
+                print(f"\n[2] {args.big_senders} clients each start a 60 MiB body with no token")
+                for r in sorted(results, key=lambda r: r["path"]):
+                    print(f"  {r['path']:<22}: {r['status']!r} after {r['refused_ms']:.1f} ms; connection closed by the "
+                          f"server: {r['closed']} (client got {r['body_MiB_sent']:.1f} MiB into the socket)")
+                print(f"  server RSS          : before {before:.0f} MB, peak {rs.peak:.0f} MB (+{rs.peak - before:.0f} MB)")
+                print(f"  /health meanwhile   : {hp.summary()}")
 
-            # ---- 3. stalled connections
-            tok = tokens[0]
-            partial_body = (f"PUT /v1/rounds/{rid2}/update HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tok}\r\n"
-                            f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-            print(f"\n[3] stalled connections (server started with --header-timeout {args.header_timeout:g} "
-                  f"--body-timeout {args.body_timeout:g})")
-            with HealthProbe(port) as hp:
-                for what, payload in (("sends nothing", b""), ("partial request head", b"GET /health HTTP/1.1\r\nHo"),
-                                      ("partial upload body", partial_body + body[:1000])):
-                    print(f"  {what:<20}: closed by the server after {stalled(port, payload):.2f} s")
-            print(f"  /health meanwhile   : {hp.summary()}")
+                # ---- 3. stalled connections
+                tok = tokens[0]
+                partial_body = (f"PUT /v1/rounds/{rid2}/update HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tok}\r\n"
+                                f"Content-Type: application/octet-stream\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+                print(f"\n[3] stalled connections (server started with --header-timeout {args.header_timeout:g} "
+                      f"--body-timeout {args.body_timeout:g})")
+                with HealthProbe(port) as hp:
+                    for what, payload in (("sends nothing", b""), ("partial request head", b"GET /health HTTP/1.1\r\nHo"),
+                                          ("partial upload body", partial_body + body[:1000])):
+                        print(f"  {what:<20}: closed by the server after {stalled(port, payload):.2f} s")
+                print(f"  /health meanwhile   : {hp.summary()}")
         finally:
-            proc.terminate()
-            proc.wait(30)
-            log.close()
             text = Path(f"{tmp}/server.log").read_text()
             if args.keep_log:
                 args.keep_log.write_text(text)

@@ -32,87 +32,54 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ADMIN = "bench-admin"
 
 
 # ---- 1. upload throughput --------------------------------------------------------------
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def load_test(devices: int, concurrency: int, backbone: str) -> dict:
     import httpx
     import numpy as np
     import torch
 
-    from fedfs_sdk.wire import decode_weights, encode_update
+    from bench_server import serve_open_round
+    from fedfs_sdk.wire import encode_update
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        cmd = [sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--port", str(port), "--state", f"{tmp}/state",
-               "--admin-token", ADMIN, "--init-backbone", backbone, "--code-length", "127",
-               "--min-participants", str(devices), "--round-timeout", "3600", "--log-level", "warning"]
-        log = open(f"{tmp}/server.log", "wb")
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            for _ in range(600):
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.1)
-            else:
-                raise RuntimeError("server did not start")
-            admin = {"Authorization": f"Bearer {ADMIN}"}
-            with httpx.Client(base_url=url, timeout=60) as c:
-                tokens = [c.post("/v1/devices").json()["token"] for _ in range(devices)]
-                opened = c.post("/v1/admin/rounds", headers=admin).json()
-                rid, version = opened["round_id"], opened["model_version"]
-                global_w, _ = decode_weights(c.get(f"/v1/models/{version}", headers=admin).content)
-            nparams = sum(t.numel() for t in global_w.values())
-            rng = torch.Generator().manual_seed(0)
-            bodies = []
-            for i in range(devices):
-                w = {k: v + 1e-3 * torch.randn(v.shape, generator=rng) for k, v in global_w.items()}
-                bodies.append(encode_update(w, round_id=rid, model_version=version, num_samples=1 + i % 17))
-            latencies: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp, serve_open_round(tmp, backbone, devices) as srv:
+        url, rid, version, tokens, global_w = srv.url, srv.round_id, srv.model_version, srv.tokens, srv.global_weights
+        nparams = sum(t.numel() for t in global_w.values())
+        rng = torch.Generator().manual_seed(0)
+        bodies = []
+        for i in range(devices):
+            w = {k: v + 1e-3 * torch.randn(v.shape, generator=rng) for k, v in global_w.items()}
+            bodies.append(encode_update(w, round_id=rid, model_version=version, num_samples=1 + i % 17))
+        latencies: list[float] = []
 
-            async def upload_all() -> float:
-                sem = asyncio.Semaphore(concurrency)
-                limits = httpx.Limits(max_connections=concurrency)
-                async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as ac:
-                    async def one(tok: str, body: bytes) -> None:
-                        async with sem:
-                            t = time.perf_counter()
-                            r = await ac.put(f"/v1/rounds/{rid}/update", content=body,
-                                             headers={"Authorization": f"Bearer {tok}",
-                                                      "Content-Type": "application/octet-stream"})
-                            latencies.append(time.perf_counter() - t)
-                            if r.status_code != 200:
-                                raise RuntimeError(f"upload refused: {r.status_code} {r.text}")
-                    t0 = time.perf_counter()
-                    await asyncio.gather(*(one(t, b) for t, b in zip(tokens, bodies)))
-                    return time.perf_counter() - t0
+        async def upload_all() -> float:
+            sem = asyncio.Semaphore(concurrency)
+            limits = httpx.Limits(max_connections=concurrency)
+            async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as ac:
+                async def one(tok: str, body: bytes) -> None:
+                    async with sem:
+                        t = time.perf_counter()
+                        r = await ac.put(f"/v1/rounds/{rid}/update", content=body,
+                                         headers={"Authorization": f"Bearer {tok}",
+                                                  "Content-Type": "application/octet-stream"})
+                        latencies.append(time.perf_counter() - t)
+                        if r.status_code != 200:
+                            raise RuntimeError(f"upload refused: {r.status_code} {r.text}")
+                t0 = time.perf_counter()
+                await asyncio.gather(*(one(t, b) for t, b in zip(tokens, bodies)))
+                return time.perf_counter() - t0
 
-            wall = asyncio.run(upload_all())
-            with httpx.Client(base_url=url, timeout=60) as c:
-                st = c.get(f"/v1/rounds/{rid}", headers=admin).json()
-            assert st["state"] == "closed" and st["accepted"] == devices, st
-            lat = np.array(latencies) * 1000
-            return {"backbone": backbone, "params": nparams, "body_bytes": len(bodies[0]), "devices": devices,
-                    "concurrency": concurrency, "wall_s": wall, "uploads_per_s": devices / wall,
-                    "MB_per_s": devices * len(bodies[0]) / wall / 1e6,
-                    "latency_ms_p50": float(np.percentile(lat, 50)), "latency_ms_p95": float(np.percentile(lat, 95))}
-        finally:
-            proc.terminate()
-            proc.wait(20)
-            log.close()
+        wall = asyncio.run(upload_all())
+        with httpx.Client(base_url=url, timeout=60) as c:
+            st = c.get(f"/v1/rounds/{rid}", headers=srv.admin).json()
+        assert st["state"] == "closed" and st["accepted"] == devices, st
+        lat = np.array(latencies) * 1000
+        return {"backbone": backbone, "params": nparams, "body_bytes": len(bodies[0]), "devices": devices,
+                "concurrency": concurrency, "wall_s": wall, "uploads_per_s": devices / wall,
+                "MB_per_s": devices * len(bodies[0]) / wall / 1e6,
+                "latency_ms_p50": float(np.percentile(lat, 50)), "latency_ms_p95": float(np.percentile(lat, 95))}
 
 
 # ---- 2. streaming aggregation ----------------------------------------------------------
