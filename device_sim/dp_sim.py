@@ -71,10 +71,10 @@ class SimDp:
         return DpFedAvg(global_weights, self.params, rng=rng)
 
     def add_chunk(self, acc: DpFedAvg, stacked: Mapping[str, torch.Tensor], num_samples: torch.Tensor) -> None:
-        """Add a trained chunk's ``global`` parameters (``[K, ...]`` per key), client by client."""
-        for i, n in enumerate(num_samples.tolist()):
-            acc.add({k: v[i] for k, v in stacked.items()}, int(n))
-            self.norms.append(acc.norms[-1])
+        """Add a trained chunk's ``global`` parameters (``[K, ...]`` per key) in one step."""
+        before = len(acc.norms)
+        acc.add_stacked(stacked, num_samples.tolist())
+        self.norms.extend(acc.norms[before:])
 
     def epsilon(self, rounds: int) -> float:
         return epsilon([(self.q, self.noise_multiplier, rounds)], self.delta)

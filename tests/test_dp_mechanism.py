@@ -99,6 +99,26 @@ def test_server_aggregate_clips_weighs_and_divides_by_the_fixed_denominator():
     assert user_weight(5, 10) == 0.5 and user_weight(50, 10) == 1.0
 
 
+def test_a_stacked_chunk_adds_like_one_update_at_a_time():
+    """The simulator's chunk path (add_stacked) is add() per client, up to float64 rounding."""
+    rng = np.random.default_rng(1)
+    ref = {"w": torch.from_numpy(rng.normal(size=(4, 5))).float(), "steps": torch.tensor(3)}
+    stacked = {"w": ref["w"] + torch.from_numpy(rng.normal(size=(6, 4, 5)) * [[[0.1]], [[2.0]], [[0.3]],
+                                                                              [[5.0]], [[0.01]], [[1.0]]]).float(),
+               "steps": torch.full((6,), 9)}
+    ns = [3, 40, 7, 12, 1, 10]
+    one = DpFedAvg(ref, DpParams(clip=1.5, noise_multiplier=0.0, denominator=6.0, weight_cap=10))
+    for i, n in enumerate(ns):
+        one.add({k: v[i] for k, v in stacked.items()}, n)
+    many = DpFedAvg(ref, DpParams(clip=1.5, noise_multiplier=0.0, denominator=6.0, weight_cap=10))
+    many.add_stacked(stacked, ns)
+    np.testing.assert_allclose(many._sum, one._sum, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(many.norms, one.norms, rtol=1e-12)
+    assert (many.count, many.total_samples, many.clipped, many.weight_sum) == \
+        (one.count, one.total_samples, one.clipped, pytest.approx(one.weight_sum))
+    assert one.clipped >= 2                        # the chunk exercises both sides of the clip
+
+
 def test_every_added_update_is_bounded_by_c_in_the_sum():
     """One user's influence on the sum is ≤ C whatever it sends (the sensitivity)."""
     rng = np.random.default_rng(0)
