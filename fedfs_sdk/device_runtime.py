@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 import numpy as np
 
 from .errors import CheckpointError, InputError, ProtocolError
-from .methods import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, check_method, uses_fedfs, uses_feduv
+from .methods import (DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, check_method,
+                      check_verification, uses_fedfs, uses_feduv)
 from .wire_format import MODEL_FORMAT, split_train_json
 
 if TYPE_CHECKING:
@@ -109,15 +110,11 @@ class DeviceRuntime(Protocol):
 
 def verifier_model(method: str, verify: str | None) -> str:
     """Which model verifies: ``verify``, or by default ``θ_c`` for FedFS methods and the global
-    model otherwise; :class:`InputError` for a model the method does not train."""
+    model otherwise (:class:`DeviceAgent` passes the method's verification default explicitly);
+    the rules are :func:`fedfs_sdk.methods.check_verification`'s."""
     chosen = verify if verify is not None else ("personal" if uses_fedfs(method) else "global")
-    if chosen in ("personal", "both") and not uses_fedfs(method):
-        raise InputError(f"verify={chosen!r} needs the personalized model θ_c, which {method!r} does not train")
-    if chosen == "both" and not uses_feduv(method):
-        raise InputError(f"verify='both' verifies through the FedUV head, which {method!r} does not have")
-    if chosen == "global" and uses_fedfs(method) and not uses_feduv(method):
-        raise InputError("fedfs verifies with θ_c (q'); verify='global' is a fedfs+feduv option")
-    return chosen
+    score = None if uses_feduv(method) else "template"
+    return check_verification(method, "head-template" if chosen == "both" else score, chosen)[1]
 
 
 def negative_codewords(task: Mapping[str, Any], code_length: int) -> np.ndarray:
