@@ -155,6 +155,9 @@ def build_artifacts(step: nn.Module, example_inputs: tuple[torch.Tensor, ...], o
     frozen)`` parameter names. Fails with :class:`ExportError` when an op without an ORT
     gradient lies on the gradient path.
     """
+    from fedfs_sdk.extras import require_ort_training
+
+    require_ort_training("exporting ONNX Runtime training artifacts")
     from onnxruntime.training import artifacts  # imports torch: fine at export time only
 
     quiet_onnxruntime()

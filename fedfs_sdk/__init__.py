@@ -40,4 +40,11 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'fedfs_sdk' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ModuleNotFoundError as e:    # an optional dependency: name the extra that provides it
+        from .extras import missing_extra
+        err = missing_extra(e, f"fedfs_sdk.{name}")
+        if err is None:
+            raise
+        raise err from None

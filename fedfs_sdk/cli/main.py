@@ -11,6 +11,7 @@ import importlib
 import sys
 
 from ..errors import FedFSError
+from ..extras import MissingExtraError, missing_extra
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("device_sim.cli_demo", "generate data, pre-train ξ, run FedFS/FedUV/FedFS+FedUV side by side, enroll and verify (CPU)"),
@@ -28,6 +29,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                        "(exit 0 accept, 1 reject, 2 error)"),
 }
 
+
+COMMAND_EXTRA: dict[str, str] = {"demo": "sim", "simulate": "sim", "pretrain": "sim", "bench": "sim",
+                                 "serve": "server", "device": "train", "export": "export", "info": "train",
+                                 "import-model": "train"}
+"""The extra each command needs (``enroll``/``verify`` with an ONNX model need only the core)."""
 
 SHOW_DEFAULTS = frozenset({"demo", "simulate", "pretrain", "bench", "serve", "export"})
 """Commands whose ``--help`` appends each option's default (see :class:`DefaultsHelpFormatter`)."""
@@ -49,6 +55,18 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {shown})" if text else f"(default: {shown})"
 
 
+def _import_command(name: str):
+    """The module of command ``name``; a missing optional dependency becomes one line that names
+    the extra to install (:mod:`fedfs_sdk.extras`) instead of a traceback."""
+    try:
+        return importlib.import_module(COMMANDS[name][0])
+    except ModuleNotFoundError as e:
+        err = missing_extra(e, f"fedfs {name}", COMMAND_EXTRA.get(name))
+        if err is None:
+            raise
+        raise err from None
+
+
 def build_parser(command: str | None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedfs", description="Federated personalized face verification (FedFS + FedUV).",
                                      epilog="exit status: 0 success (verify: accepted), 1 rejected (verify), "
@@ -59,21 +77,31 @@ def build_parser(command: str | None) -> argparse.ArgumentParser:
         fmt = DefaultsHelpFormatter if name in SHOW_DEFAULTS else argparse.HelpFormatter
         p = sub.add_parser(name, help=help_, description=help_, formatter_class=fmt)
         if name == command:
-            importlib.import_module(module).add_arguments(p)
+            _import_command(name).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(command if command in COMMANDS else None)
+    try:
+        parser = build_parser(command if command in COMMANDS else None)
+    except MissingExtraError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
-    module = importlib.import_module(COMMANDS[args.command][0])
+    module = _import_command(args.command)
     try:
         return int(module.run(args) or 0)
+    except ModuleNotFoundError as e:      # a lazily imported optional dependency
+        err = missing_extra(e, f"fedfs {args.command}", COMMAND_EXTRA.get(args.command))
+        if err is None:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except FedFSError as e:
         print(f"fedfs {args.command}: error: {e}", file=sys.stderr)
         return 2
