@@ -36,6 +36,7 @@ from fedfs_sdk.wire_format import MAX_ID
 from .errors import ApiError, BadRequest, NotFound, Unauthorized, Unprocessable
 from .rounds import Coordinator
 from .schema import POLICY_CHANGES_SCHEMA
+from .secagg_routes import install_secagg_routes
 from .transport import ClientGone, receive_body, require_media_type
 
 log = logging.getLogger("fedfs.server.http")
@@ -101,6 +102,8 @@ class RoundStatus(BaseModel):
     closed_at: float | None
     result_version: int | None
     reason: str | None
+    secure_aggregation: dict[str, Any] | None = None
+    """A secure-aggregation round: its phase and per-phase counts (server_agg.secagg_rounds)."""
 
 
 class ServerStatus(BaseModel):
@@ -398,6 +401,7 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
         """Close an open round now: aggregate if it has ``min_updates``, else mark it failed."""
         return coord.close_round(round_id)
 
+    install_secagg_routes(app, coord, device, _errors, body_timeout_s, receive_slots)
     return app
 
 

@@ -37,6 +37,11 @@ _POLICY_FLAGS: dict[str, tuple[str, type]] = {
     "dp_noise_multiplier": ("dp_noise_multiplier", float), "dp_delta": ("dp_delta", float),
     "dp_epsilon_budget": ("dp_epsilon_budget", float), "dp_weight_cap": ("dp_weight_cap", int),
     "dp_accountant": ("dp_accountant", str),
+    # secure aggregation (server_agg.secagg_rounds; docs/privacy.md)
+    "secure_aggregation": ("secure_aggregation", bool), "secagg_threshold": ("secagg_threshold", int),
+    "secagg_neighbours": ("secagg_neighbours", int), "secagg_clip": ("secagg_clip", float),
+    "secagg_scale_bits": ("secagg_scale_bits", int), "secagg_min_devices": ("secagg_min_devices", int),
+    "secagg_phase_timeout": ("secagg_phase_timeout_s", float),
 }
 
 
@@ -87,6 +92,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse to open a round that would take ε above this; the federation stops")
     g.add_argument("--dp-weight-cap", type=int, metavar="N", help="a device weighs min(|D_c|/N, 1) in a DP round")
     g.add_argument("--dp-accountant", choices=("rdp", "pld"), help="privacy accountant (dp-accounting)")
+    g.add_argument("--secure-aggregation", action=argparse.BooleanOptionalAction, default=None,
+                   help="rounds run secure aggregation: the server learns only the sum of the surviving "
+                        "devices' n·w and n (docs/privacy.md); --no-secure-aggregation turns it off")
+    g.add_argument("--secagg-threshold", type=int, metavar="T",
+                   help="shares needed to unmask (stored default: ⌊2m/3⌋+1 of m share holders; ≥ majority)")
+    g.add_argument("--secagg-neighbours", type=int, metavar="K", help="SecAgg+: each device masks with K "
+                   "neighbours (even) instead of all devices")
+    g.add_argument("--secagg-clip", type=float, help="fixed-point range: weights are clipped to [-clip, clip]")
+    g.add_argument("--secagg-scale-bits", type=int, help="fixed-point resolution 2^-bits")
+    g.add_argument("--secagg-min-devices", type=int, help="a secure round with fewer devices fails (≥ 3)")
+    g.add_argument("--secagg-phase-timeout", type=float, metavar="SECONDS",
+                   help="deadline of each key-exchange / unmasking phase of a secure round")
     from .config import RoundPolicy
 
     initial = RoundPolicy()

@@ -58,6 +58,18 @@ class RoundPolicy:
             automatic federation stops (``None``: no budget, ε is still reported).
         dp_weight_cap: ``ŵ``: a device's weight ``min(|D_c|/ŵ, 1)`` (1: all weigh the same).
         dp_accountant: ``rdp`` or ``pld`` (Google ``dp-accounting``).
+        secure_aggregation: rounds run the secure-aggregation protocol (Bonawitz et al. 2017;
+            ``server_agg.secagg_rounds``): the server learns only ``Σ n·w`` and ``Σ n`` of the
+            surviving devices. Not combinable with DP-FedAvg or ``max_update_norm`` (the
+            server cannot clip or weigh an update it never sees).
+        secagg_threshold: Shamir threshold ``t`` (``None``: ``⌊2m/3⌋ + 1`` of the ``m`` share
+            holders; at least a strict majority).
+        secagg_neighbours: ``None`` for full SecAgg, else an even ``k`` (SecAgg+, Bell et al. 2020).
+        secagg_clip: fixed-point range: each weight is clipped to ``[-clip, clip]``.
+        secagg_scale_bits: fixed-point resolution ``2^-scale_bits``.
+        secagg_min_devices: a round with fewer devices advertising keys fails (≥ 3).
+        secagg_phase_timeout_s: deadline of each key / unmasking phase (the masked-input phase,
+            which includes training, ends at ``round_timeout_s``).
     """
 
     method: str = "feduv"
@@ -78,6 +90,13 @@ class RoundPolicy:
     dp_epsilon_budget: float | None = None
     dp_weight_cap: int = 1
     dp_accountant: str = "rdp"
+    secure_aggregation: bool = False
+    secagg_threshold: int | None = None
+    secagg_neighbours: int | None = None
+    secagg_clip: float = 256.0
+    secagg_scale_bits: int = 24
+    secagg_min_devices: int = 3
+    secagg_phase_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -98,6 +117,7 @@ class RoundPolicy:
             if self.device_ttl_s < 0:
                 raise InputError(f"device_ttl_s must be ≥ 0 (0 disables the liveness rule), got {self.device_ttl_s!r}")
         self._check_dp()
+        self._check_secagg()
         if not isinstance(self.train, Mapping):
             raise InputError("train must be an object")
         from fedfs_sdk.wire import train_config_from_json
@@ -105,6 +125,34 @@ class RoundPolicy:
         if cfg.objective.lambda_neg > 0 and uses_feduv(self.method) and self.neg_codewords < 1:
             raise InputError("train.objective.lambda_neg > 0 needs neg_codewords ≥ 1 (FedUV ℓ_neg)")
         object.__setattr__(self, "train", json.loads(json.dumps(dict(self.train))))
+
+    def _check_secagg(self) -> None:
+        """Secure-aggregation settings: valid, and not combined with what needs plain updates."""
+        if not isinstance(self.secure_aggregation, bool):
+            raise InputError(f"secure_aggregation must be true or false, got {str(self.secure_aggregation)[:40]}")
+        if self.secagg_threshold is not None:
+            _check_int("secagg_threshold", self.secagg_threshold, 2, 1 << 31)
+        if self.secagg_neighbours is not None:
+            _check_int("secagg_neighbours", self.secagg_neighbours, 2, 1 << 31)
+            if self.secagg_neighbours % 2:
+                raise InputError(f"secagg_neighbours (SecAgg+ k) must be even, got {self.secagg_neighbours}")
+        _check_number("secagg_clip", self.secagg_clip, positive=True, maximum=1e6)
+        _check_int("secagg_scale_bits", self.secagg_scale_bits, 0, 52)
+        _check_int("secagg_min_devices", self.secagg_min_devices, 3, 1 << 31)
+        _check_number("secagg_phase_timeout_s", self.secagg_phase_timeout_s, positive=True, maximum=MAX_SECONDS)
+        if not self.secure_aggregation:
+            return
+        if self.dp_noise_multiplier is not None:
+            raise InputError("secure aggregation with DP-FedAvg is not supported yet: DP-FedAvg clips and weighs "
+                             "each update on the server, which never sees one; drop dp_noise_multiplier or "
+                             "secure_aggregation")
+        if self.max_update_norm is not None:
+            raise InputError("secure aggregation cannot clip updates to max_update_norm: the server never sees "
+                             "one; unset max_update_norm (the fixed-point range secagg_clip bounds each weight)")
+        from fedfs_sdk.secagg import FixedPoint   # checks range × samples × resolution fits 63 bits
+
+        FixedPoint(clip=float(self.secagg_clip), scale_bits=self.secagg_scale_bits, max_devices=1,
+                   max_samples=self.max_num_samples)
 
     def _check_dp(self) -> None:
         """DP-FedAvg settings: consistent, or a clear error naming the missing one."""

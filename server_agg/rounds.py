@@ -41,6 +41,8 @@ from .auth import device_id_of, hash_token, new_device_id, new_device_token, tok
 from .config import RoundPolicy, mismatch_reason, missing_model_field, proj_dim_mismatch
 from .dp import DpFedAvg, DpParams, Ledger, dp_epsilon_cached, publish_record
 from .errors import BadRequest, Conflict, Forbidden, Gone, NotFound, Unauthorized, Unprocessable
+from .secagg_coord import SecAggCoordinator
+from .secagg_rounds import SecAggRound
 from .store import Database, Layout, atomic_write, commit_file, write_temp
 
 log = logging.getLogger("fedfs.server")
@@ -75,13 +77,14 @@ class OpenRound:
     deadline: float
     acc: StreamingFedAvg | DpFedAvg
     accepted: dict[str, dict[str, Any]] = field(default_factory=dict)
+    secagg: SecAggRound | None = None          # a secure-aggregation round (server_agg.secagg_rounds)
 
 
 def _event(msg: str, **fields: Any) -> None:
     log.info(msg, extra={"fields": fields})
 
 
-class Coordinator:
+class Coordinator(SecAggCoordinator):
     """Devices, rounds and model versions, persisted under ``layout``.
 
     Args:
@@ -407,6 +410,10 @@ class Coordinator:
             if dp_params is not None:    # devices clip to C before uploading (the server clips again)
                 task["dp"] = dp_params.to_json()
             quorum = policy.quorum_count(k)
+            secagg = self._secagg_open(policy, round_id, selected, model, opened)
+            if secagg is not None:   # phases: keys, masked input by the round timeout, unmasking
+                task["secagg"] = {k: v for k, v in secagg.fields.items()}
+                deadline = task["deadline"] = opened + policy.round_timeout_s + policy.secagg_phase_timeout_s
             with self.db.transaction() as c:
                 c.execute("INSERT INTO rounds(id, state, model_version, task, policy, quorum, opened_at, deadline)"
                           " VALUES (?, 'open', ?, ?, ?, ?, ?, ?)",
@@ -419,7 +426,7 @@ class Coordinator:
                           "value = excluded.value", (ledger.to_json(),))
             acc = StreamingFedAvg(model.weights) if dp_params is None else DpFedAvg(model.weights, dp_params)
             self.round = OpenRound(round_id, model.version, task, policy, frozenset(selected), quorum,
-                                   opened, deadline, acc)
+                                   opened, deadline, acc, secagg=secagg)
             _event("round opened", round_id=round_id, model_version=model.version, sampled=k,
                    eligible=len(devices), registered=self.device_count(), quorum=quorum, deadline=deadline)
             return self._round_status(round_id)
@@ -435,6 +442,9 @@ class Coordinator:
     def _close_locked(self, reason: str) -> None:
         r = self.round
         assert r is not None and self.model is not None
+        if r.secagg is not None:
+            self._secagg_fail(r, f"{reason} before the secure-aggregation protocol finished")
+            return
         if r.acc.count >= r.policy.min_updates:
             t0 = time.perf_counter()
             new = r.acc.result()
@@ -459,7 +469,9 @@ class Coordinator:
         persist the devices' pending ``last_seen`` times."""
         with self._lock:
             self._flush_seen()
-            if self.round is not None and self.clock() >= self.round.deadline:
+            if self.round is not None and self.round.secagg is not None:
+                self._secagg_tick(self.round)       # phase deadlines
+            elif self.round is not None and self.clock() >= self.round.deadline:
                 self._close_locked("deadline")
             p = self.policy
             if self.round is None and p.rounds > 0 and self.model is not None and self._completed() < p.rounds:
@@ -476,10 +488,15 @@ class Coordinator:
         ``done`` once an automatic run has finished, else ``wait``."""
         with self._lock:
             r = self.round
-            if r is not None and self.clock() >= r.deadline:
+            if r is not None and r.secagg is not None:
+                self._secagg_tick(r)
+                r = self.round
+                if r is not None and r.secagg is not None and r.secagg.can_join(device_id):
+                    return {"action": "train", **r.task, "secagg": r.secagg.task_for(device_id)}
+            elif r is not None and self.clock() >= r.deadline:
                 self._close_locked("deadline")
                 r = None
-            if r is not None and device_id in r.participants and device_id not in r.accepted:
+            if r is not None and r.secagg is None and device_id in r.participants and device_id not in r.accepted:
                 return {"action": "train", **r.task}
             if r is None and self.policy.rounds > 0 and self._completed() >= self.policy.rounds:
                 return {"action": "done", "model_version": self.model.version if self.model else None}
@@ -555,6 +572,9 @@ class Coordinator:
         if r is None or r.id != round_id:
             raise Gone(f"round {round_id} is {self._past_state(round_id)}; it accepts no more uploads",
                        code="round_closed")
+        if r.secagg is not None:
+            raise Conflict(f"round {round_id} runs secure aggregation: a plain update is refused; send a masked "
+                           f"input (PUT /v1/rounds/{round_id}/secagg/masked-input)", code="secure_round")
         if self.clock() >= r.deadline:
             self._close_locked("deadline")
             raise Gone(f"round {round_id} passed its deadline", code="deadline_passed")
@@ -702,7 +722,10 @@ class Coordinator:
         agg = self.db.one("SELECT COUNT(*) AS n, COALESCE(SUM(num_samples), 0) AS s FROM updates WHERE round_id = ?",
                           round_id)
         sampled = self.db.scalar("SELECT COUNT(*) FROM participants WHERE round_id = ?", round_id)
-        return {"round_id": round_id, "state": row["state"], "model_version": row["model_version"],
+        sa = self._secagg_status(round_id)
+        if sa is not None:       # no update rows: the masked inputs that counted and their Σn
+            agg = {"n": sa["survivors"], "s": sa["total_samples"]}
+        return {"secure_aggregation": sa, "round_id": round_id, "state": row["state"], "model_version": row["model_version"],
                 "sampled": sampled, "accepted": agg["n"], "total_samples": agg["s"], "quorum": row["quorum"],
                 "opened_at": row["opened_at"], "deadline": row["deadline"], "closed_at": row["closed_at"],
                 "result_version": row["result_version"], "reason": row["reason"]}
@@ -737,6 +760,7 @@ class Coordinator:
                         t.unlink(missing_ok=True)
                 else:
                     shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+            self._secagg_cleanup()
             if self.round is not None and len(self.round.accepted) >= self.round.quorum:
                 self._close_locked("quorum")             # crashed between the last accept and the close
 
@@ -752,6 +776,11 @@ class Coordinator:
             DpFedAvg(self.model.weights, DpParams.from_json(task["dp"]))
         r = OpenRound(rid, row["model_version"], task, policy, participants, row["quorum"],
                       row["opened_at"], row["deadline"], acc)
+        if "secagg" in task:           # restore the protocol state, or fail the round cleanly
+            if self._secagg_recover(r):
+                self.round = r
+                _event("round recovered", round_id=rid, secure_aggregation=r.secagg.counts())  # type: ignore[union-attr]
+            return
         keep: set[str] = set()
         for u in self.db.all("SELECT * FROM updates WHERE round_id = ? ORDER BY received_at", rid):
             path = self.layout.round_dir(rid) / u["file"]

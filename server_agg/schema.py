@@ -84,6 +84,14 @@ POLICY_CHANGES_SCHEMA: dict[str, Any] = {
         "dp_epsilon_budget": _nullable(_num(0.0, exclusive_lo=True)),
         "dp_weight_cap": _int(1, MAX_NUM_SAMPLES),
         "dp_accountant": {"enum": ["rdp", "pld"]},
+        # secure aggregation (server_agg.secagg_rounds)
+        "secure_aggregation": {"type": "boolean"},
+        "secagg_threshold": _nullable(_int(2, 1 << 31)),
+        "secagg_neighbours": _nullable(_int(2, 1 << 31)),
+        "secagg_clip": _num(0.0, 1e6, exclusive_lo=True),
+        "secagg_scale_bits": _int(0, 52),
+        "secagg_min_devices": _int(3, 1 << 31),
+        "secagg_phase_timeout_s": _num(0.0, MAX_SECONDS, exclusive_lo=True),
     },
 }
 

@@ -1,0 +1,198 @@
+"""The coordinator's secure-aggregation part (a mixin of :class:`server_agg.rounds.Coordinator`).
+
+Kept apart from ``rounds.py``: opening a secure round, serving each device its view,
+accepting protocol messages, closing phases at their deadlines, publishing the unmasked
+FedAvg, failing the round cleanly, and recovering it after a restart. Every method that
+touches the round runs under the coordinator's lock.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from typing import TYPE_CHECKING, Any, Sequence
+
+from fedfs_sdk.errors import InputError
+from fedfs_sdk.secagg import RoundFailedError, SecAggResult
+from fedfs_sdk.secagg.http_device import params_from_task
+
+from .errors import Conflict, Forbidden, Gone, NotFound
+from .secagg_rounds import SecAggRound, task_fields, unflatten
+
+if TYPE_CHECKING:
+    from .rounds import OpenRound
+
+log = logging.getLogger("fedfs.server")
+
+JSON_BODY_BASE = 16 << 10
+JSON_BODY_PER_DEVICE = 1 << 10
+"""A share-keys / unmask body holds at most a few hundred bytes per device of the round."""
+
+
+class SecAggCoordinator:
+    """Mixin: needs the coordinator's ``_lock``, ``round``, ``model``, ``layout``, ``db``,
+    ``clock``, ``poll_interval_s``, ``keep_updates``, ``_publish`` and ``_past_state``."""
+
+    round: "OpenRound | None"
+
+    def _secagg_path(self, round_id: int) -> Any:
+        return self.layout.root / "secagg" / f"r{round_id:06d}.json"  # type: ignore[attr-defined]
+
+    def _secagg_open(self, policy: Any, round_id: int, selected: Sequence[str], model: Any,
+                     opened: float) -> SecAggRound | None:
+        """The protocol state of a new round (None: not a secure round); 409 if the round
+        cannot run securely (too few devices, a fixed-point range that does not fit)."""
+        if not policy.secure_aggregation:
+            return None
+        if len(selected) < policy.secagg_min_devices:
+            raise Conflict(f"a secure-aggregation round needs at least secagg_min_devices = "
+                           f"{policy.secagg_min_devices} devices; {len(selected)} sampled", code="too_few_devices")
+        fields = task_fields(policy, {k: tuple(t.shape) for k, t in model.weights.items()}, len(selected))
+        try:
+            params = params_from_task(round_id, fields)
+            params.threshold_for(len(selected))
+        except InputError as e:
+            raise Conflict(f"secure aggregation cannot run this round: {e}", code="secagg_params") from None
+        sr = SecAggRound(round_id, selected, fields, self._secagg_path(round_id), opened,
+                         opened + policy.round_timeout_s)
+        sr.path.parent.mkdir(parents=True, exist_ok=True)
+        sr.save()                  # the file first, then the round's row (a row without a file fails cleanly)
+        return sr
+
+    # ---- devices -----------------------------------------------------------------------
+    def _secagg_target(self, device_id: str, round_id: int) -> "OpenRound":
+        r = self.round
+        if r is None or r.id != round_id:
+            raise Gone(f"round {round_id} is {self._past_state(round_id)}; it takes no more messages",  # type: ignore[attr-defined]
+                       code="round_closed")
+        if r.secagg is None:
+            raise Conflict(f"round {round_id} is not a secure-aggregation round; upload with "
+                           f"PUT /v1/rounds/{round_id}/update", code="not_secure_round")
+        self._secagg_tick(r)                    # a phase whose deadline passed closes first
+        if self.round is not r:
+            raise Gone(f"round {round_id} ended", code="round_closed")
+        r.secagg.index_of(device_id)
+        return r
+
+    def secagg_check(self, device_id: str, round_id: int, step: str) -> int:
+        """Refuse before the body is read what no body could make acceptable; returns the
+        body limit in bytes (exactly the masked vector's size for ``masked-input``)."""
+        with self._lock:  # type: ignore[attr-defined]
+            r = self._secagg_target(device_id, round_id)
+            assert r.secagg is not None
+            if step == "masked-input":
+                return 8 * r.secagg.params.words
+            return JSON_BODY_BASE + JSON_BODY_PER_DEVICE * len(r.secagg.participants)
+
+    def secagg_receive(self, device_id: str, round_id: int, step: str, payload: bytes) -> dict[str, Any]:
+        with self._lock:  # type: ignore[attr-defined]
+            r = self._secagg_target(device_id, round_id)
+            assert r.secagg is not None
+            ack = r.secagg.receive(device_id, step, payload)
+            if step == "masked-input":
+                import hashlib
+
+                ack["sha256"] = hashlib.sha256(payload).hexdigest()
+            self._secagg_tick(r)                # everyone answered: close the phase now
+            return ack
+
+    def secagg_view(self, device_id: str, round_id: int) -> dict[str, Any]:
+        with self._lock:  # type: ignore[attr-defined]
+            r = self.round
+            if r is not None and r.id == round_id and r.secagg is not None:
+                self._secagg_tick(r)
+                if self.round is r:
+                    return r.secagg.view(device_id, self.poll_interval_s)  # type: ignore[attr-defined]
+            row = self.db.one("SELECT state, result_version, reason, task FROM rounds WHERE id = ?",  # type: ignore[attr-defined]
+                              round_id)
+            if row is None:
+                raise NotFound(f"round {round_id} does not exist", code="unknown_round")
+            if "secagg" not in json.loads(row["task"]):
+                raise Conflict(f"round {round_id} is not a secure-aggregation round", code="not_secure_round")
+            if self.db.scalar("SELECT 1 FROM participants WHERE round_id = ? AND device_id = ?",  # type: ignore[attr-defined]
+                              round_id, device_id) is None:
+                raise Forbidden(f"device {device_id} was not sampled for round {round_id}", code="not_selected")
+            phase = {"closed": "done", "failed": "failed"}.get(row["state"], "closed")
+            return {"round_id": round_id, "phase": phase, "result_version": row["result_version"],
+                    "reason": row["reason"], "retry_after": self.poll_interval_s}  # type: ignore[attr-defined]
+
+    # ---- phases, end of round ----------------------------------------------------------
+    def _secagg_tick(self, r: "OpenRound") -> None:
+        assert r.secagg is not None
+        try:
+            result = r.secagg.advance(self.clock())  # type: ignore[attr-defined]
+        except RoundFailedError as e:
+            self._secagg_fail(r, str(e))
+            return
+        if result is not None:
+            self._secagg_finish(r, result)
+
+    def _secagg_summary(self, r: "OpenRound", result: SecAggResult | None) -> None:
+        assert r.secagg is not None
+        s = {**r.secagg.counts(), "survivors": len(result.survivors) if result else len(r.secagg.srv.u3),
+             "total_samples": result.total_samples if result else 0,
+             "dropped": {k: len(v) for k, v in (result.dropped if result else r.secagg.srv.dropped).items()}}
+        self.db.set_meta(f"secagg_r{r.id}", json.dumps(s))  # type: ignore[attr-defined]
+
+    def _secagg_finish(self, r: "OpenRound", result: SecAggResult) -> None:
+        model = self.model  # type: ignore[attr-defined]
+        weights = unflatten(result.mean, model.weights)
+        self._secagg_summary(r, result)
+        version = model.version + 1
+        self._publish(version, weights, model.model_config, r.id, len(result.survivors),  # type: ignore[attr-defined]
+                      result.total_samples, "secure aggregation")
+        log.info("round closed", extra={"fields": {"round_id": r.id, "secure_aggregation": True,
+                                                   "survivors": len(result.survivors), "dropped": result.dropped,
+                                                   "total_samples": result.total_samples, "new_version": version}})
+        self._secagg_end(r)
+
+    def _secagg_fail(self, r: "OpenRound", why: str) -> None:
+        self._secagg_summary(r, None)
+        with self.db.transaction() as c:  # type: ignore[attr-defined]
+            c.execute("UPDATE rounds SET state = 'failed', closed_at = ?, reason = ? WHERE id = ?",
+                      (self.clock(), why[:500], r.id))  # type: ignore[attr-defined]
+        log.info("round failed", extra={"fields": {"round_id": r.id, "secure_aggregation": True, "reason": why}})
+        self._secagg_end(r)
+
+    def _secagg_end(self, r: "OpenRound") -> None:
+        assert r.secagg is not None
+        r.secagg.remove()
+        self.round = None
+        if not self.keep_updates:  # type: ignore[attr-defined]
+            shutil.rmtree(self.layout.round_dir(r.id), ignore_errors=True)  # type: ignore[attr-defined]
+
+    # ---- status, recovery --------------------------------------------------------------
+    def _secagg_status(self, round_id: int) -> dict[str, Any] | None:
+        r = self.round
+        if r is not None and r.id == round_id and r.secagg is not None:
+            return {**r.secagg.counts(), "survivors": len(r.secagg.srv.u3), "total_samples": 0}
+        raw = self.db.get_meta(f"secagg_r{round_id}")  # type: ignore[attr-defined]
+        return json.loads(raw) if raw else None
+
+    def _secagg_recover(self, r: "OpenRound") -> bool:
+        """Load the open secure round's state; False (round failed cleanly) if it is unreadable."""
+        try:
+            r.secagg = SecAggRound.load(self._secagg_path(r.id), r.id)
+            return True
+        except InputError as e:
+            self.round = r
+            r.secagg = None
+            with self.db.transaction() as c:  # type: ignore[attr-defined]
+                c.execute("UPDATE rounds SET state = 'failed', closed_at = ?, reason = ? WHERE id = ?",
+                          (self.clock(), f"secure-aggregation state lost at restart: {e}"[:500], r.id))  # type: ignore[attr-defined]
+            self.round = None
+            log.info("round failed", extra={"fields": {"round_id": r.id, "reason": str(e)}})
+            return False
+
+    def _secagg_cleanup(self) -> None:
+        """Remove protocol files of rounds that are not open (a crash between file and row)."""
+        d = self.layout.root / "secagg"  # type: ignore[attr-defined]
+        if not d.is_dir():
+            return
+        keep = self._secagg_path(self.round.id).name if self.round is not None and self.round.secagg else None
+        for p in d.iterdir():
+            if p.name != keep:
+                p.unlink(missing_ok=True)
+
+
+__all__ = ["SecAggCoordinator"]

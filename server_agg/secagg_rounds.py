@@ -1,0 +1,224 @@
+"""Secure-aggregation rounds: the server side of :mod:`fedfs_sdk.secagg` behind the HTTP round.
+
+A round opened with ``policy.secure_aggregation`` carries a :class:`SecAggRound`: the
+participants get indices 1…k (sorted by device id; the Shamir x-coordinates), the task says
+``secagg`` with the agreed parameters, and the round walks the four phases of Bonawitz et al.
+2017 (§4): advertise keys → share keys → masked input → unmasking. A phase closes as soon as
+every device expected in it answered, or at its deadline (whoever has not answered then has
+dropped); ``finalize`` yields only ``Σ n·w / Σ n`` of the survivors, which the coordinator
+publishes as the next version.
+
+Crash safety: after every accepted message and every phase close the whole state —
+:func:`fedfs_sdk.secagg.snapshot` of the core (public keys, routed ciphertexts until
+delivered, the running sum of masked vectors, unmask shares), the roster / unmask request
+and the phase deadline — is written atomically to ``STATE/secagg/rNNNNNN.json``. A restarted
+server restores it and goes on from there (a phase whose deadline passed while it was down
+closes at the first tick); an unreadable file fails the round cleanly. The file never holds
+an individual update in the clear: only masked vectors, and only summed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from fedfs_sdk.errors import InputError
+from fedfs_sdk.secagg import (RoundFailedError, SecAggError, SecAggParams, SecAggResult, SecAggServer, from_json,
+                              restore, snapshot, to_json)
+from fedfs_sdk.secagg import messages as M
+from fedfs_sdk.secagg.http_device import layout_digest, params_from_task
+
+from .errors import ApiError, Forbidden
+from .store import atomic_write
+
+log = logging.getLogger("fedfs.server")
+
+FORMAT = "fedfs-secagg-round/1"
+STEP_OF = {"advertise": M.ADVERTISE, "share-keys": M.SHARE_KEYS, "unmask": M.UNMASK_SHARES}
+"""URL step → the core message type it carries (``masked-input`` is a raw body)."""
+
+
+def secagg_error(e: SecAggError) -> ApiError:
+    """The core's error as the HTTP refusal it maps to (status and reason tag kept)."""
+    err = ApiError(str(e)[:500], code=e.reason)
+    err.status = e.status
+    return err
+
+
+def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int) -> dict[str, Any]:
+    """``task["secagg"]`` of a new round (without the per-device ``device`` index)."""
+    dim = int(sum(int(np.prod(s)) for s in shapes.values()))
+    return {"dim": dim, "threshold": policy.secagg_threshold, "neighbours": policy.secagg_neighbours,
+            "clip": float(policy.secagg_clip), "scale_bits": int(policy.secagg_scale_bits),
+            "max_devices": max(1, int(n_devices)), "max_samples": int(policy.max_num_samples),
+            "min_devices": int(policy.secagg_min_devices), "layout_sha256": layout_digest(
+                {k: tuple(int(x) for x in s) for k, s in shapes.items()}),
+            "phase_timeout_s": float(policy.secagg_phase_timeout_s)}
+
+
+def unflatten(mean: np.ndarray, reference: Mapping[str, Any]) -> dict[str, Any]:
+    """The averaged vector back into tensors of ``reference``'s layout and dtypes (sorted
+    names, C order — :func:`fedfs_sdk.secagg.http_device.flatten_update`'s order)."""
+    import torch
+
+    from .aggregate import _cast_back
+
+    out, at = {}, 0
+    for k in sorted(reference):
+        ref = reference[k]
+        n = ref.numel()
+        chunk = torch.from_numpy(np.ascontiguousarray(mean[at:at + n], dtype=np.float64)).reshape(ref.shape)
+        out[k] = _cast_back(chunk, ref.dtype)
+        at += n
+    if at != mean.size:
+        raise InputError(f"the unmasked vector has {mean.size} values, the model {at}")
+    return out
+
+
+class SecAggRound:
+    """The protocol state of one open secure round, persisted at ``path``."""
+
+    def __init__(self, round_id: int, participants: Sequence[str], fields: Mapping[str, Any], path: Path,
+                 opened: float, masked_deadline: float) -> None:
+        self.round_id = round_id
+        self.participants = sorted(participants)
+        self.index = {d: i + 1 for i, d in enumerate(self.participants)}
+        self.fields = dict(fields)
+        self.params: SecAggParams = params_from_task(round_id, fields)
+        self.phase_timeout = float(fields["phase_timeout_s"])
+        self.masked_deadline = masked_deadline
+        self.deadline = opened + self.phase_timeout     # of the current phase
+        self.path = path
+        self.srv = SecAggServer(self.params)
+        self.roster: dict[str, Any] | None = None
+        self.request: dict[str, Any] | None = None
+
+    # ---- persistence -------------------------------------------------------------------
+    def save(self) -> None:
+        doc = {"format": FORMAT, "round_id": self.round_id, "participants": self.participants,
+               "fields": self.fields, "deadline": self.deadline, "masked_deadline": self.masked_deadline,
+               "roster": self.roster, "request": self.request, "core": snapshot(self.srv)}
+        atomic_write(self.path, to_json(doc).encode())
+
+    @classmethod
+    def load(cls, path: Path, round_id: int) -> "SecAggRound":
+        """Restore a saved round; :class:`InputError` if the file is missing or not this round's."""
+        try:
+            doc = from_json(path.read_bytes())
+        except (OSError, SecAggError) as e:
+            raise InputError(f"secure round {round_id}: cannot read {path}: {e}") from None
+        if doc.get("format") != FORMAT or doc.get("round_id") != round_id:
+            raise InputError(f"{path} is not the state of secure round {round_id}")
+        try:
+            r = cls(round_id, doc["participants"], doc["fields"], path, 0.0, float(doc["masked_deadline"]))
+            r.deadline = float(doc["deadline"])
+            r.roster, r.request = doc["roster"], doc["request"]
+            r.srv = restore(r.params, doc["core"])
+        except (KeyError, TypeError, ValueError, SecAggError) as e:
+            raise InputError(f"secure round {round_id}: {path} is corrupt: {e}") from None
+        return r
+
+    # ---- devices -----------------------------------------------------------------------
+    def index_of(self, device_id: str) -> int:
+        i = self.index.get(device_id)
+        if i is None:
+            raise Forbidden(f"device {device_id} was not sampled for round {self.round_id}", code="not_selected")
+        return i
+
+    def can_join(self, device_id: str) -> bool:
+        """Whether ``device_id`` may still start the round (advertise its keys)."""
+        i = self.index.get(device_id)
+        return i is not None and self.srv.step == "advertise" and i not in self.srv.pks
+
+    def task_for(self, device_id: str) -> dict[str, Any]:
+        return {**self.fields, "device": self.index_of(device_id)}
+
+    def receive(self, device_id: str, step: str, payload: bytes) -> dict[str, Any]:
+        """One device message for URL step ``step`` (``advertise``, ``share-keys``,
+        ``masked-input``, ``unmask``); a 4xx :class:`ApiError` leaves the round unchanged."""
+        idx = self.index_of(device_id)
+        if step == "masked-input":
+            msg: Any = {"type": M.MASKED_INPUT, "round": self.round_id, "device": idx, "y": payload}
+        else:
+            try:
+                msg = from_json(payload)
+            except SecAggError as e:
+                raise secagg_error(e) from None
+            if msg.get("type") != STEP_OF[step] and msg.get("type") in STEP_OF.values():
+                raise ApiError(f"a {msg.get('type')!r} message was sent to the {step!r} endpoint",
+                               code="wrong_endpoint")
+            if msg.get("device") != idx:
+                raise Forbidden(f"the message names device {msg.get('device')!r}; this token is device {idx} "
+                                f"of round {self.round_id}", code="device_mismatch")
+        try:
+            self.srv.receive(msg)
+        except SecAggError as e:
+            raise secagg_error(e) from None
+        self.save()
+        return {"round_id": self.round_id, "device": idx, "step": step, "phase": self.srv.step}
+
+    def view(self, device_id: str, poll_s: float) -> dict[str, Any]:
+        """What ``device_id`` needs now: the phase, its deadline, and the roster (share-keys
+        phase), its share inbox (masked phase, if it is in U2) or the unmask request (unmask
+        phase, if it is a survivor)."""
+        idx = self.index_of(device_id)
+        s = self.srv
+        out: dict[str, Any] = {"round_id": self.round_id, "phase": s.step, "device": idx,
+                               "deadline": self.deadline, "retry_after": poll_s}
+        if s.step == "share_keys" and idx in s.pks:
+            out["roster"] = self.roster
+        elif s.step == "masked" and idx in s.u2:
+            out["inbox"] = s.inbox(idx)
+        elif s.step == "unmask" and idx in s.u3:
+            out["unmask_request"] = self.request
+        return json.loads(to_json(out))
+
+    def counts(self) -> dict[str, Any]:
+        s = self.srv
+        return {"phase": s.step, "advertised": len(s.pks), "shared": len(s.u2) if s.u2 else len(s.cts),
+                "masked": len(s._masked_from), "unmasked": len(s._unmasked_from),
+                "dropped": {k: len(v) for k, v in s.dropped.items()}, "threshold": s.threshold or None}
+
+    # ---- phases ------------------------------------------------------------------------
+    def _complete(self) -> bool:
+        s = self.srv
+        if s.step == "advertise":
+            return len(s.pks) == len(self.participants)
+        if s.step == "share_keys":
+            return len(s.cts) == len(s.pks)
+        if s.step == "masked":
+            return len(s._masked_from) == len(s.u2)
+        return s.step == "unmask" and len(s._unmasked_from) == len(s.u3)
+
+    def advance(self, now: float) -> SecAggResult | None:
+        """Close every phase that is complete or past its deadline; the result once the sum is
+        unmasked. :class:`RoundFailedError` when too few devices are left (state saved)."""
+        s = self.srv
+        try:
+            while s.step in ("advertise", "share_keys", "masked", "unmask") and (self._complete() or now >= self.deadline):
+                if s.step == "advertise":
+                    self.roster = s.close_advertise()
+                    self.deadline = now + self.phase_timeout
+                elif s.step == "share_keys":
+                    s.close_share_keys()
+                    self.deadline = max(self.masked_deadline, now + self.phase_timeout)   # training happens now
+                elif s.step == "masked":
+                    self.request = s.close_masked()
+                    self.deadline = now + self.phase_timeout
+                else:
+                    return s.finalize()
+                self.save()
+                log.info("secure phase closed", extra={"fields": {"round_id": self.round_id, **self.counts()}})
+        except RoundFailedError:
+            self.save()
+            raise
+        return None
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+__all__ = ["SecAggRound", "task_fields", "unflatten", "secagg_error", "STEP_OF"]
