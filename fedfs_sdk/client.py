@@ -54,6 +54,7 @@ import numpy as np
 
 from .device_runtime import DeviceRuntime, OrtRuntime, TorchRuntime
 from .device_state import DeviceState, DeviceStateError
+from .secagg.http_device import SecAggRoundLost
 from .errors import CheckpointError, InputError, ProtocolError
 from .methods import SCORES, VERIFY_MODELS, check_method, check_verification
 from .wire_format import MEDIA_TYPE, MODEL_FORMAT, read_header, sha256_hex
@@ -347,7 +348,10 @@ def _retry_after(r: httpx.Response) -> float | None:
 # ---- the device loop -------------------------------------------------------------------
 
 LOST_ROUND_CODES = {"round_closed", "round_failed", "deadline_passed", "stale_model_version", "already_uploaded",
-                    "not_selected"}
+                    "not_selected",
+                    # secure aggregation: the round moved on without this device, or it refused a step
+                    "secagg_dropped", "replay_or_wrong_step", "unknown_device", "refused", "bad_message",
+                    "integrity", "secure_round", "not_secure_round"}
 
 CHECK_INPUT_SIZE = 112
 """Size the images are preprocessed at when checked before registration, when the model's
@@ -575,7 +579,7 @@ class DeviceAgent:
                 self._patience(self.config.wait_timeout_s)
                 try:
                     report.rounds.append(self.run_round(task))
-                except ServerError as e:
+                except (ServerError, SecAggRoundLost) as e:
                     if e.code not in LOST_ROUND_CODES:
                         raise
                     self._lost(report, int(task["round_id"]), e)
@@ -585,7 +589,7 @@ class DeviceAgent:
                     raise
                 self._server_down(e)
 
-    def _lost(self, report: DeviceReport, round_id: int, e: ServerError) -> None:
+    def _lost(self, report: DeviceReport, round_id: int, e: "ServerError | SecAggRoundLost") -> None:
         report.lost_rounds.append({"round_id": round_id, "code": e.code, "reason": e.reason})
         self._emit("round_lost", {"round_id": round_id, "code": e.code, "reason": e.reason})
         self._progress_at = self._clock()
@@ -639,6 +643,8 @@ class DeviceAgent:
         round_id, version, method = int(task["round_id"]), int(task["model_version"]), str(task["method"])
         if self.config.enroll:      # before training: a verification the method cannot do fails now, not after
             check_verification(check_method(method), self.config.score, self.config.verify)
+        if task.get("secagg") is not None:
+            return self._run_secure_round(task)
         self._emit("round_started", {"round_id": round_id, "model_version": version, "method": method,
                                      "runtime": self.runtime.name})
         update = self.runtime.train(task, self.model_bytes(version, str(task["model_sha256"])), self)
@@ -651,6 +657,42 @@ class DeviceAgent:
         self._emit("uploaded", {"round_id": round_id, "bytes": len(update.body), "duplicate": receipt.get("duplicate"),
                                 "clipped": receipt.get("clipped")})
         return receipt
+
+    def _run_secure_round(self, task: Mapping[str, Any]) -> dict[str, Any]:
+        """A secure-aggregation round (Bonawitz et al. 2017; docs/privacy.md): advertise keys and
+        share them before training, then upload only the masked ``n·w`` (and ``n``) and answer
+        the unmask request. The plain update body never leaves the device: it is kept as the
+        pending round only so that ``θ_c`` advances once the masked input is accepted, and a
+        secure pending round is never uploaded again (:meth:`resume_pending` discards it)."""
+        from .secagg.http_device import SecAggSession
+
+        round_id, version, method = int(task["round_id"]), int(task["model_version"]), str(task["method"])
+        session = SecAggSession(self.client, task, sleep=self._sleep, clock=self._clock,
+                                wait_timeout_s=self.config.wait_timeout_s)
+        self._emit("round_started", {"round_id": round_id, "model_version": version, "method": method,
+                                     "runtime": self.runtime.name, "secure_aggregation": True})
+        session.advertise()
+        session.share_keys()
+        update = self.runtime.train(task, self.model_bytes(version, str(task["model_sha256"])), self)
+        self._emit("trained", {"round_id": round_id, "num_samples": update.num_samples,
+                               **{k: v for k, v in update.metrics.items() if k.endswith("_last")}})
+        self.state.save_pending(round_id, version, update.body, update.personal, {
+            "round_id": round_id, "model_version": version, "method": method, "num_samples": update.num_samples,
+            "runtime": self.runtime.name, "secure_aggregation": True, "at": time.time()})
+        try:
+            receipt = session.masked_input(update.body)
+        except BaseException:
+            self.state.discard_pending()           # not in the sum: θ_c does not advance
+            raise
+        self.state.commit_pending(receipt)          # counted (unless the whole round fails)
+        self._emit("uploaded", {"round_id": round_id, "bytes": session.bytes_sent, "secure_aggregation": True,
+                                "clipped_weights": receipt.get("n_clipped")})
+        session.unmask()
+        done = session.result()
+        self._emit("secure_round_done", {"round_id": round_id, "result_version": done.get("result_version"),
+                                         "bytes_sent": session.bytes_sent, "bytes_received": session.bytes_received})
+        return {**receipt, "round_id": round_id, "result_version": done.get("result_version"),
+                "secure_aggregation": True}
 
     def _upload_pending(self, round_id: int, body: bytes) -> dict[str, Any]:
         try:
@@ -671,6 +713,12 @@ class DeviceAgent:
         if pend is None:
             return None
         round_id = int(pend["round_id"])
+        if (pend.get("record") or {}).get("secure_aggregation"):
+            # a secure round interrupted before its masked input was accepted: its keys are gone
+            # with the process, and the plain body must never be sent — drop it (θ_c stays)
+            self.state.discard_pending()
+            self._emit("secure_round_abandoned", {"round_id": round_id})
+            return None
         self._emit("resuming_upload", {"round_id": round_id, "model_version": pend.get("model_version")})
         try:
             receipt = self._upload_pending(round_id, pend["body"])

@@ -1,0 +1,144 @@
+"""The device agents in secure-aggregation rounds over real HTTP: ``fedfs serve
+--secure-aggregation`` in a subprocess and three device processes running
+:class:`~fedfs_sdk.client.DeviceAgent` — with the torch runtime, and with the ORT training
+artifacts in processes that cannot import torch.
+
+Each device process also writes the plain update its runtime produced to a test folder (a
+subclass of the real runtime; the agent's code is unchanged), so the test can check that the
+published model is the FedAvg of those updates to the fixed-point bound of docs/privacy.md,
+and that none of them left the device: the audit copy of every request body holds no plain
+update, and no request went to the plain upload endpoint.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest_server import ROOT, read_safetensors, start_server, subprocess_env, write_images
+from fedfs_sdk.secagg.http_device import flatten_update
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+SCALE = 2.0 ** -24
+ATOL, RTOL = 0.5 * SCALE * 1.01, SCALE * 1.01
+TRAIN = {"lr": 0.1, "local_epochs": 1, "batch_size": 4}
+COUNTS = (5, 7, 9)
+
+NO_TORCH = """
+import sys
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            raise ImportError("torch must not be imported on the device path")
+        return None
+sys.meta_path.insert(0, _NoTorch())
+"""
+
+DEVICE = """
+import sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from fedfs_sdk.client import DeviceAgent, DeviceConfig, OrtRuntime, ServerClient, TorchRuntime
+from fedfs_sdk.device_state import DeviceState
+from fedfs_sdk.preprocess import list_images
+
+art = {artifacts!r}
+Base = OrtRuntime if art else TorchRuntime
+
+class Recording(Base):
+    # the real runtime; the test keeps a copy of each plain update to check the sum against
+    def train(self, task, model, agent):
+        u = super().train(task, model, agent)
+        Path({record!r}, f"r{{task['round_id']}}.safetensors").write_bytes(u.body)
+        return u
+
+cfg = DeviceConfig(rounds={rounds}, wait_timeout_s=120, artifacts=Path(art) if art else None)
+events = []
+agent = DeviceAgent(ServerClient({url!r}, audit_dir={audit!r}), DeviceState({state!r}),
+                    list_images(Path({images!r})), cfg, runtime=Recording(art) if art else Recording("cpu"),
+                    on_event=lambda n, f: events.append(n))
+report = agent.run()
+print("ROUNDS", len(report.rounds), "LOST", report.lost_rounds, "EVENTS", events)
+if art:
+    assert "torch" not in sys.modules, "torch was imported on the ORT device path"
+"""
+
+
+def run_devices(tmp_path: Path, url: str, rounds: int, artifacts: str | None = None) -> list[str]:
+    procs = []
+    for d, n in enumerate(COUNTS):
+        write_images(tmp_path / f"img{d}", n, seed=70 + d)
+        (tmp_path / f"rec{d}").mkdir()
+        code = (NO_TORCH if artifacts else "") + DEVICE.format(
+            root=str(ROOT), artifacts=artifacts, record=str(tmp_path / f"rec{d}"), rounds=rounds, url=url,
+            audit=str(tmp_path / f"audit{d}"), state=str(tmp_path / f"dev{d}"), images=str(tmp_path / f"img{d}"))
+        procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=280)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out
+        assert f"ROUNDS {rounds} LOST []" in out, out
+        assert "secure_round_done" in out
+    return outs
+
+
+def check_rounds(tmp_path: Path, srv, rounds: int) -> None:
+    with srv.admin() as c:
+        for rnd in range(1, rounds + 1):
+            info = c.get(f"/v1/rounds/{rnd}").json()
+            assert info["state"] == "closed" and info["secure_aggregation"]["survivors"] == 3, info
+            ups = [flatten_update((tmp_path / f"rec{d}" / f"r{rnd}.safetensors").read_bytes()) for d in range(3)]
+            assert [n for _, n in ups] == list(COUNTS) and info["total_samples"] == sum(COUNTS)
+            exact = sum(w * n for w, n in ups) / sum(COUNTS)
+            pub = read_safetensors(c.get(f"/v1/models/{info['result_version']}").content)[0]
+            got = np.concatenate([pub[k].astype(np.float64).ravel() for k in sorted(pub)])
+            np.testing.assert_allclose(got, exact, rtol=RTOL, atol=ATOL)
+            assert np.abs(got - np.mean([w for w, _ in ups], axis=0)).max() > 1e-6   # weighted, not plain mean
+    # nothing a device sent holds its plain update; nothing went to the plain upload endpoint
+    for d in range(3):
+        index = [json.loads(x) for x in (tmp_path / f"audit{d}" / "index.jsonl").read_text().splitlines()]
+        assert not any(e["path"].endswith("/update") for e in index)
+        masked = [e for e in index if e["path"].endswith("/secagg/masked-input")]
+        assert len(masked) == rounds
+        sent = [(tmp_path / f"audit{d}" / e["file"]).read_bytes() for e in index if e["file"]]
+        for rnd in range(1, rounds + 1):
+            body = (tmp_path / f"rec{d}" / f"r{rnd}.safetensors").read_bytes()
+            w32 = flatten_update(body)[0].astype(np.float32).tobytes()
+            for needle in (body[-64:], w32[1000:1064]):
+                assert not any(needle in s for s in sent)
+        state_files = [p for p in (tmp_path / f"dev{d}").rglob("*") if p.is_file()]
+        assert not any(p.name.startswith("pending") for p in state_files)   # settled, not left to resend
+
+
+def test_torch_devices_run_secure_rounds(tmp_path):
+    srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--code-length", "127", "--method", "feduv",
+                       "--rounds", "2", "--min-participants", "3", "--secure-aggregation",
+                       "--secagg-phase-timeout", "60", "--train", json.dumps(TRAIN))
+    try:
+        run_devices(tmp_path, srv.url, rounds=2)
+        check_rounds(tmp_path, srv, 2)
+    finally:
+        srv.stop()
+
+
+def test_ort_devices_without_torch_run_secure_rounds(tmp_path):
+    from conftest_export import checkpoints
+    from export.pipeline import ExportOptions, run_export
+
+    ck = checkpoints()
+    out = tmp_path / "export"
+    run_export(ck["global"], out, ExportOptions(formats=("onnx", "ort-training"), methods=("feduv",), train=TRAIN))
+    srv = start_server(tmp_path / "server", "--init-model", str(ck["global"]), "--method", "feduv", "--rounds", "1",
+                       "--min-participants", "3", "--secure-aggregation", "--secagg-phase-timeout", "60",
+                       "--train", json.dumps(TRAIN))
+    try:
+        outs = run_devices(tmp_path, srv.url, rounds=1, artifacts=str(out))
+        assert all("'trained'" in o for o in outs)
+        check_rounds(tmp_path, srv, 1)
+    finally:
+        srv.stop()
