@@ -3,28 +3,36 @@
 Two sources, one result — a fedfs checkpoint (:func:`fedfs_sdk.checkpoint.save_checkpoint`)
 that ``--xi`` / ``--pretrained`` and ``fedfs enroll --model`` accept:
 
-* :func:`import_state_dict`: a PyTorch state dict (a ``.pt``/``.pth`` file read with
-  ``weights_only=True``, or a ``.safetensors`` file) mapped onto the project's backbone by
-  name, then by shape in order. The :class:`MappingReport` lists every key that found no place.
-* :func:`import_onnx`: an insightface-style ONNX recognizer — input ``[N, 3, 112, 112]``
-  RGB, ``(x − 127.5) / 127.5``, output the embedding (``rgb=False`` when the graph wants
-  BGR: the first convolution's input channels are then swapped). Its parameters are read
-  in the order the graph uses them (torch.onnx folds ``weight.reshape(1, C, 1, 1)`` of the
-  norm/PReLU layers into anonymous ``onnx::Mul_…`` constants, so names cannot be relied on)
-  and mapped by shape onto the project's MobileFaceNet. The import is then **checked**: the
-  ONNX graph (ONNX Runtime) and the imported model embed the same random images; a maximum
-  difference above ``atol`` means the graph is not this architecture (e.g. a ResNet) and the
-  import is refused with the figure — never a silently different model.
+* :func:`import_onnx`: an insightface-style ONNX recognizer. Its parameters are read in the
+  order the graph uses them (:mod:`fedfs_sdk.onnx_weights`; torch.onnx folds
+  ``weight.reshape(1, C, 1, 1)`` into anonymous ``onnx::Mul_…`` constants, so names cannot be
+  relied on) and mapped by shape onto the first topology they fill (:data:`TOPOLOGIES`). The
+  import is then **checked**: the ONNX graph (ONNX Runtime) and the imported model embed the
+  same random images; a difference above ``atol`` (relative to the embeddings' magnitude)
+  means the graph is not that architecture and the import is refused with the figure —
+  never a silently different model.
+* :func:`import_state_dict`: a PyTorch state dict (``.pt``/``.pth`` read with
+  ``weights_only=True``, or ``.safetensors``) mapped by name, then by shape in order. The
+  :class:`MappingReport` lists every key that found no place.
 
-**BatchNorm** (insightface's MobileFaceNet, OpenCV's SFace): at inference a BatchNorm is the
-per-channel affine ``a·x + b`` with ``a = γ/sqrt(σ² + ε)``, ``b = β − a·μ``. Both paths fold
-it so (``BatchNormalization`` nodes; ``running_mean``/``running_var`` keys) and import onto
-``mobilefacenet-affine`` (:class:`~fedfs_sdk.backbones.mobilefacenet.MobileFaceNetAffine`),
-the same topology with :class:`~fedfs_sdk.backbones.layers.ChannelAffine` norms. A graph whose
-exporter already folded BatchNorm into the convolutions has biased convs instead; the
-project's convs have no bias, so that bias goes into the following affine's ``b`` (``a = 1``,
-or ``b += a·bias`` when a BatchNorm still follows). A source with neither imports onto the
-GroupNorm ``mobilefacenet`` as before.
+Topologies: the project's MobileFaceNet (``mobilefacenet``: GroupNorm; ``mobilefacenet-affine``:
+the same with BatchNorm folded) and insightface's arcface_torch "mbf" (``insightface-mbf``,
+:mod:`fedfs_sdk.backbones.insightface_mbf`: buffalo_s/buffalo_sc's ``w600k_mbf.onnx``). A graph
+that fills none is refused naming, for each, the first layer that does not map, and — for
+OpenCV's SFace and insightface's ResNets (ArcFace R50/R100) — what the network is instead.
+
+**BatchNorm**: at inference a BatchNorm is the per-channel affine ``a·x + b`` with
+``a = γ/sqrt(σ² + ε)``, ``b = β − a·μ`` (:mod:`fedfs_sdk.batchnorm_fold`); kept
+``BatchNormalization`` nodes, running statistics and exporter-folded conv biases all become
+:class:`~fedfs_sdk.backbones.layers.ChannelAffine` parameters.
+
+**Input convention**: every fedfs model takes RGB, ``(x − 127.5)/127.5``
+(:mod:`fedfs_sdk.preprocess`). A source that wants something else — BGR, another mean/std
+outside the graph, or a ``Sub``/``Mul`` normalization inside it (MXNet-converted models, SFace)
+— has the difference moved into its first convolution (channels reordered, input scaled; exact
+because 127.5 maps to 0 either way, so zero padding keeps its meaning). The source's convention
+and what was absorbed are recorded in :attr:`MappingReport.input_convention` and the
+checkpoint's meta; the imported model is then used with the project's own preprocessing.
 """
 from __future__ import annotations
 
@@ -36,9 +44,10 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from .batchnorm_fold import AFFINE, GROUP, affine_of_bn, fold_batchnorm, state_dict_backbone
+from .batchnorm_fold import AFFINE, GROUP, fold_batchnorm, state_dict_backbone
 from .errors import CheckpointError, InputError
 from .model import FaceNet, ModelConfig
+from .onnx_weights import InGraphNormalization, onnx_initializers_in_use_order
 
 # Buffers of BatchNorm layers: meaningless for GroupNormP (normalizes each sample by itself).
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
@@ -49,8 +58,10 @@ class MappingReport:
     """Which source tensor went where. ``mapped``: ``(source, target)`` pairs; ``by_shape``:
     the targets filled by shape order rather than by name; ``unmapped_source`` /
     ``missing_target``: keys left over on either side (``missing_target`` keep their
-    initial values); ``max_abs_diff``: the parity check of an ONNX import (None otherwise);
-    ``folded``: the BatchNorm layers / conv biases folded into per-channel affines."""
+    initial values); ``max_abs_diff`` / ``max_rel_diff``: the parity check of an ONNX import
+    (None otherwise; relative to the graph's largest embedding component); ``folded``: the
+    BatchNorm layers / conv biases folded into per-channel affines; ``input_convention``: what
+    the source wants as input and what was absorbed into the first convolution."""
 
     mapped: list[tuple[str, str]] = field(default_factory=list)
     by_shape: list[str] = field(default_factory=list)
@@ -58,6 +69,8 @@ class MappingReport:
     missing_target: list[str] = field(default_factory=list)
     max_abs_diff: float | None = None
     folded: list[str] = field(default_factory=list)
+    max_rel_diff: float | None = None
+    input_convention: dict[str, Any] = field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -70,7 +83,11 @@ class MappingReport:
         if self.folded:
             lines.append(f"folded {len(self.folded)} BatchNorm layers / conv biases into per-channel affines (a·x + b)")
         if self.max_abs_diff is not None:
-            lines.append(f"parity with the source graph: max |Δembedding| = {self.max_abs_diff:.2e}")
+            rel = f" ({self.max_rel_diff:.2e} of the largest component)" if self.max_rel_diff is not None else ""
+            lines.append(f"parity with the source graph: max |Δembedding| = {self.max_abs_diff:.2e}{rel}")
+        if self.input_convention.get("absorbed"):
+            lines.append(f"source input: {self.input_convention['source']}; absorbed into the first convolution: "
+                         f"{self.input_convention['absorbed']}")
         if self.unmapped_source:
             lines.append("unmapped source keys: " + _listing(self.unmapped_source))
         if self.missing_target:
@@ -158,152 +175,195 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     return dict(obj)
 
 
+MBF = "insightface-mbf"
+
+TOPOLOGIES: dict[str, str] = {
+    GROUP: "the project's MobileFaceNet (GroupNorm)",
+    AFFINE: "the project's MobileFaceNet (BatchNorm, folded)",
+    MBF: "insightface's mbf MobileFaceNet (arcface_torch get_mbf; buffalo_s/buffalo_sc w600k_mbf)",
+}
+"""Backbones a source can import onto, tried in this order; a BatchNorm source (kept or folded)
+goes to the ``ChannelAffine`` ones, a source without BatchNorm to the GroupNorm one."""
+
+FEDFS_INPUT = "RGB, (x − 127.5) / 127.5 (fedfs_sdk.preprocess)"
+
+
+def _candidates(batchnorm: bool) -> tuple[str, ...]:
+    return (AFFINE, MBF) if batchnorm else (GROUP,)
+
+
+def _fit(source: Mapping[str, torch.Tensor] | list[tuple[str, torch.Tensor]], backbones: tuple[str, ...],
+         emb: int | None, size: int) -> tuple[FaceNet, MappingReport, list[tuple[str, FaceNet, MappingReport]]]:
+    """Map ``source`` onto each backbone in turn; the first one it fills completely wins, else
+    the one it fills most. Returns the winner and every attempt (for an error message)."""
+    tried: list[tuple[str, FaceNet, MappingReport]] = []
+    for name in backbones:
+        model = FaceNet(ModelConfig(name, embedding_dim=emb, input_size=size))
+        rep = map_onto(model.backbone, source)
+        tried.append((name, model, rep))
+        if rep.complete:
+            return model, rep, tried
+    _, model, rep = max(tried, key=lambda t: len(t[2].mapped))
+    return model, rep, tried
+
+
+def _refusal(what: str, tried: list[tuple[str, FaceNet, MappingReport]],
+             tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """Why no topology fits: for each, the first layer that does not map; a hint when the
+    source is a known foreign network."""
+    names = " nor ".join(TOPOLOGIES[n] for n, _, _ in tried)
+    lines = [f"{what} is neither {names}: its weights do not fill it"]
+    lines += [f"  {n}: {_first_mismatch(rep, tensors, model.backbone)}" for n, model, rep in tried]
+    hint = _foreign_hint(tensors)
+    if hint:
+        lines.append(hint)
+    lines.append("Supported: see docs/real-faces.md, 'Bring your own face model'.")
+    return "\n".join(lines)
+
+
+def _foreign_hint(tensors: list[tuple[str, torch.Tensor]]) -> str:
+    """Name the network when its first convolution and its fully connected layer give it away."""
+    first = next((t for _, t in tensors if t.dim() == 4), None)
+    fcs = [t for _, t in tensors if t.dim() == 2]
+    fc_in = int(fcs[-1].shape[1]) if fcs else None
+    if first is not None and tuple(first.shape) == (32, 3, 3, 3) and fc_in == 1024 * 7 * 7:
+        return ("This looks like OpenCV's SFace (face_recognition_sface_2021dec.onnx): a MobileNet-v1-style "
+                "network (a stride-1 32-filter stem, then 3×3 depthwise + 1×1 pointwise pairs without inverted "
+                "residuals up to 1024 channels) whose embedding is a fully connected layer on the flattened "
+                "1024×7×7 map instead of MobileFaceNet's GDC head. No fedfs backbone has that topology, so it "
+                "cannot be imported; use insightface's w600k_mbf.onnx.")
+    if fc_in == 512 * 7 * 7:
+        return ("This looks like insightface's IResNet (ArcFace R18/R34/R50/R100, e.g. buffalo_l's w600k_r50.onnx "
+                "or glintr100.onnx): a ResNet whose embedding is a fully connected layer on the flattened 512×7×7 "
+                "map. It is not supported (25–65 M parameters: not a model a phone trains); use buffalo_s's or "
+                "buffalo_sc's w600k_mbf.onnx.")
+    return ""
+
+
 def import_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig | None = None,
-                      require_complete: bool = True, bn_eps: float = 1e-5) -> tuple[FaceNet, MappingReport]:
-    """Map a state dict onto the backbone of a :class:`FaceNet` of ``config`` (default:
-    MobileFaceNet, 112 px, embedding size taken from the source's last layer; the
-    ``mobilefacenet-affine`` variant when :func:`state_dict_backbone` finds BatchNorm, which
-    is then folded with :func:`fold_batchnorm` and ``bn_eps``). With an explicit GroupNorm
-    ``mobilefacenet`` config, BatchNorm statistics are not folded but reported as unmapped (a
-    starting point for ϕ, not the same function). With ``require_complete`` a model key left
-    at its initial value is an :class:`InputError` listing them (pass False to keep a partial
-    import as ϕ's starting point)."""
+                      require_complete: bool = True, bn_eps: float = 1e-5,
+                      rgb: bool = True) -> tuple[FaceNet, MappingReport]:
+    """Map a state dict onto the backbone of a :class:`FaceNet` of ``config`` (default: the
+    first of :data:`TOPOLOGIES` it fills — the project's MobileFaceNet, or with BatchNorm
+    (found by :func:`state_dict_backbone`, folded with :func:`fold_batchnorm` and ``bn_eps``)
+    ``mobilefacenet-affine`` then ``insightface-mbf``, e.g. an arcface_torch ``backbone.pth``
+    of ``get_mbf``; 112 px, embedding size taken from the last layer). With an explicit
+    GroupNorm ``mobilefacenet`` config, BatchNorm statistics are not folded but reported as
+    unmapped (a starting point for ϕ, not the same function). ``rgb=False``: the weights were
+    trained on BGR input (the first convolution's input channels are swapped). With
+    ``require_complete`` a model key left at its initial value is an :class:`InputError`
+    listing them (pass False to keep a partial import as ϕ's starting point)."""
     state = _strip_prefix(state)
     w = state.get("embed.weight")
-    emb = int(w.shape[0]) if w is not None else None
-    cfg = (config or ModelConfig(state_dict_backbone(state), embedding_dim=emb, input_size=112)).resolved()
+    emb = int(w.shape[0]) if w is not None else _last_dim(list(state.items()), default=None)
+    backbones = (config.backbone,) if config is not None else _candidates(state_dict_backbone(state) == AFFINE)
     folded: list[str] = []
-    if cfg.backbone == AFFINE:
+    if any(b != GROUP for b in backbones):
         state, folded = fold_batchnorm(state, bn_eps)
-    model = FaceNet(replace(cfg, proj_dim=None, code_length=None))
-    rep = map_onto(model.backbone, state)
+    if not rgb:
+        state = _bgr_to_rgb_state(state)
+    if config is not None:
+        cfg = replace(config, proj_dim=None, code_length=None).resolved()
+        model = FaceNet(cfg)
+        rep = map_onto(model.backbone, state)
+        tried = [(cfg.backbone, model, rep)]
+    else:
+        model, rep, tried = _fit(state, backbones, emb, 112)
     rep.folded = folded
+    rep.input_convention = {"source": f"{'RGB' if rgb else 'BGR'}, (x − 127.5) / 127.5 (arcface_torch's)",
+                            "fedfs": FEDFS_INPUT, "absorbed": "" if rgb else "BGR → RGB (input channels swapped)"}
     if require_complete and not rep.complete:
+        if config is None and len(tried) > 1:
+            raise InputError(_refusal("the state dict", tried, list(state.items())))
         raise InputError("the state dict does not fill the model (not the same architecture?)\n" + rep.summary()
                          + "\n(pass require_complete=False, or --partial to fedfs import-model, to keep what maps as a starting point for ϕ)")
     return model.eval(), rep
 
 
-def onnx_initializers_in_use_order(path: str | os.PathLike[str]) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-    """``([(name, tensor)], info)``: the float initializers with more than one element, once
-    per use, in the order the graph's nodes use them, and ``info`` (input name/shape, and
-    ``folded``: the BatchNorm nodes / conv biases turned into affines). Once per use, not once
-    per name: torch.onnx stores equal constants once (two layers whose norm weights are all
-    ones share one initializer).
+def _bgr_to_rgb_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = dict(state)
+    for k, v in out.items():
+        if torch.is_floating_point(v) and v.dim() == 4 and v.shape[1] == 3:
+            out[k] = v.flip(1)
+            break
+    return out
 
-    BatchNorm is read as its eval-mode affine: a ``BatchNormalization`` node's (scale, B,
-    mean, var, ε) give one ``(a, b)`` pair; a ``Conv``/``Gemm`` bias (an exporter's BatchNorm
-    folded into the conv) is carried to the next affine (``b += a·bias``) or emitted as an
-    identity affine ``(1, bias)`` before the next layer; ``Gemm``/``MatMul`` weights are
-    given as ``[out, in]`` like a conv's."""
-    import onnx
-    from onnx import helper, numpy_helper
 
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"ONNX model not found: {p}")
-    try:
-        model = onnx.load(str(p))
-    except Exception as e:  # noqa: BLE001
-        raise InputError(f"{p} is not a readable ONNX model ({e})") from None
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    consts = {n.output[0]: n.attribute[0].t for n in g.node
-              if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value"}
-    # torch.onnx stores equal constants once and gives the other uses an Identity alias
-    alias: dict[str, str] = {}
-    for n in g.node:
-        if n.op_type == "Identity" and n.input and (n.input[0] in inits or n.input[0] in consts or n.input[0] in alias):
-            alias[n.output[0]] = alias.get(n.input[0], n.input[0])
-
-    def tensor(name: str) -> torch.Tensor | None:
-        proto = inits.get(alias.get(name, name)) or consts.get(alias.get(name, name))
-        if proto is None:
-            return None
-        a = numpy_helper.to_array(proto)
-        return torch.from_numpy(np.array(a, dtype=np.float32)) if a.dtype.kind == "f" else None
-
-    out: list[tuple[str, torch.Tensor]] = []
-    folded: list[str] = []
-    pending: tuple[str, torch.Tensor] | None = None      # a conv bias waiting for its affine
-
-    def flush() -> None:
-        nonlocal pending
-        if pending is not None:
-            out.extend([(f"{pending[0]}:affine.weight", torch.ones_like(pending[1])), (f"{pending[0]}:affine.bias", pending[1])])
-            folded.append(pending[0])
-            pending = None
-
-    for n in g.node:
-        if n.op_type == "Identity" and n.output[0] in alias:
-            continue
-        attrs = {at.name: helper.get_attribute_value(at) for at in n.attribute}
-        if n.op_type == "BatchNormalization":
-            scale, beta, mean, var = (tensor(i) for i in n.input[1:5])
-            if mean is None or var is None:
-                raise InputError(f"{p}: BatchNormalization node {n.name!r} has non-constant statistics")
-            a, b = affine_of_bn(scale, beta, mean, var, float(attrs.get("epsilon", 1e-5)))
-            if pending is not None:
-                b = b + a * pending[1].reshape(-1)
-                folded.append(pending[0])
-                pending = None
-            out.extend([(f"{n.name}:a", a), (f"{n.name}:b", b)])
-            folded.append(n.name or n.output[0])
-            continue
-        w = tensor(n.input[1]) if n.op_type in ("Conv", "Gemm", "MatMul") and len(n.input) > 1 else None
-        if w is not None and w.dim() >= 2:
-            flush()
-            if (n.op_type == "Gemm" and not attrs.get("transB", 0)) or n.op_type == "MatMul":
-                w = w.t()                                          # [in, out] → [out, in]
-            out.append((n.input[1], w.contiguous()))
-            bias = tensor(n.input[2]) if len(n.input) > 2 and n.input[2] else None
-            if bias is not None:
-                pending = (n.input[2], bias.reshape(-1))
-            continue
-        for name in n.input:
-            t = tensor(name)
-            if t is not None and t.numel() > 1:
-                flush()
-                out.append((alias.get(name, name), t))
-    flush()
-    real_inputs = [i for i in g.input if i.name not in inits]
-    if len(real_inputs) != 1:
-        raise InputError(f"{p}: expected one image input, found {[i.name for i in real_inputs]}")
-    dims = [d.dim_value or None for d in real_inputs[0].type.tensor_type.shape.dim]
-    return out, {"input": real_inputs[0].name, "shape": dims, "folded": folded}
+def _input_transform(tensors: list[tuple[str, torch.Tensor]], norm: InGraphNormalization | None, rgb: bool,
+                     mean: float, std: float, path: str) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """Move the source's input convention into its first convolution so that the imported model
+    takes fedfs' RGB ``u = (p − 127.5)/127.5``. The graph sees, per channel ``j`` of its own
+    order, ``y_j = k_j (p_j − mean)/std + d_j`` (``k, d`` of an in-graph normalization, else 1, 0)
+    ``= s_j u_j + o_j`` with ``s_j = 127.5 k_j / std`` and ``o_j = k_j (127.5 − mean)/std + d_j``.
+    ``o = 0`` (mid-grey is 0 for both) makes the move exact — the first convolution's weights
+    times ``s``, channels reordered for BGR — including its zero padding; ``o ≠ 0`` is refused."""
+    k = np.array(norm.k if norm else (1.0, 1.0, 1.0))
+    d = np.array(norm.d if norm else (0.0, 0.0, 0.0))
+    s = 127.5 * k / std
+    o = k * (127.5 - mean) / std + d
+    source = f"{'RGB' if rgb else 'BGR'}, " + (f"(x − {mean:g}) / {std:g} before the graph" if (mean, std) != (0.0, 1.0)
+                                                else "0–255 pixels")
+    if norm is not None:
+        source += ", then " + norm.describe()
+    if np.abs(o).max() > 1e-6 * max(1.0, float(np.abs(s).max())):
+        raise InputError(f"{path}: the graph's input convention ({source}) maps mid-grey 127.5 to {o.round(6).tolist()}, "
+                         "not 0: fedfs feeds (x − 127.5)/127.5 and can absorb only a rescaling and a channel order into "
+                         "the first convolution (a shift would change its zero padding). Check --input-mean/--input-std.")
+    absorbed = []
+    if not np.allclose(s, 1.0, rtol=0, atol=1e-7):
+        absorbed.append(f"input scaled by {[float(f'{v:.6g}') for v in s]}")
+    if not rgb:
+        absorbed.append("BGR → RGB (input channels swapped)")
+    convention = {"source": source, "fedfs": FEDFS_INPUT, "absorbed": "; ".join(absorbed)}
+    if not absorbed:
+        return tensors, convention
+    i = next((i for i, (_, t) in enumerate(tensors) if t.dim() == 4), None)
+    if i is None or tensors[i][1].shape[1] != 3:
+        raise InputError(f"{path}: the first weight is not a convolution over 3 input channels; cannot absorb "
+                         f"the input convention ({source})")
+    name, w = tensors[i]
+    w = w * torch.tensor(s, dtype=w.dtype).reshape(1, 3, 1, 1)
+    out = list(tensors)
+    out[i] = (name, w.flip(1) if not rgb else w)
+    return out, convention
 
 
 def import_onnx(path: str | os.PathLike[str], rgb: bool = True, embedding_dim: int | None = None,
-                atol: float = 1e-4, seed: int = 0) -> tuple[FaceNet, MappingReport]:
-    """Import an insightface-style ONNX face recognizer onto the project's MobileFaceNet
-    (see the module docstring) and check it against ONNX Runtime on 4 random images.
+                atol: float = 1e-4, seed: int = 0, input_mean: float | None = None,
+                input_std: float | None = None) -> tuple[FaceNet, MappingReport]:
+    """Import an ONNX face recognizer onto the first of :data:`TOPOLOGIES` its weights fill (see
+    the module docstring) and check it against ONNX Runtime on 4 random images.
 
-    ``rgb``: the graph's input channel order (insightface: RGB, after its ``swapRB``);
-    ``(x − 127.5)/127.5`` normalization is assumed (fedfs' own). :class:`InputError` if the
-    weights do not fill the model or the embeddings differ by more than ``atol``."""
+    The source's input convention: ``rgb`` (False: the graph wants BGR), and the normalization
+    applied *before* the graph, ``(x − input_mean)/input_std`` — by default insightface's rule:
+    127.5/127.5 (insightface, arcface_torch exports), or 0/1 (raw pixels) when the graph starts
+    with its own ``Sub``/``Mul`` normalization. It is absorbed into the first convolution
+    (:func:`_input_transform`), so the imported model takes fedfs' input. :class:`InputError` if
+    no topology is filled (naming the first layer that does not map for each) or the embeddings
+    differ by more than ``atol · max(1, largest embedding component)``."""
     tensors, info = onnx_initializers_in_use_order(path)
     shape = info["shape"]
     size = shape[-1] if len(shape) == 4 and shape[-1] else 112
     if len(shape) != 4 or (shape[1] not in (None, 3)) or shape[-1] != shape[-2]:
         raise InputError(f"{path}: input {info['input']} has shape {shape}; expected [N, 3, S, S] (NCHW, square)")
+    norm = info["normalization"]
+    mean = float(input_mean if input_mean is not None else (0.0 if norm else 127.5))
+    std = float(input_std if input_std is not None else (1.0 if norm else 127.5))
     emb = embedding_dim or _last_dim(tensors)
-    backbone = AFFINE if info["folded"] else GROUP           # BatchNorm (kept or folded) → per-channel affines
-    model = FaceNet(ModelConfig(backbone, embedding_dim=emb, input_size=int(size)).resolved())
-    if not rgb and tensors:
-        name, w = tensors[0]
-        tensors[0] = (name, w.flip(1) if w.dim() == 4 and w.shape[1] == 3 else w)   # BGR → RGB filters
-    rep = map_onto(model.backbone, tensors, by_shape=True)
+    tensors, convention = _input_transform(tensors, norm, rgb, mean, std, str(path))
+    model, rep, tried = _fit(tensors, _candidates(bool(info["folded"])), emb, int(size))
     rep.folded = list(info["folded"])
+    rep.input_convention = convention
     if not rep.complete:
-        raise InputError(f"{path} is not the project's MobileFaceNet ({backbone}, {emb}-d, {size} px): its weights "
-                         f"do not fill it; {_first_mismatch(rep, tensors, model.backbone)}\n{rep.summary()}")
+        raise InputError(_refusal(str(path), tried, tensors))
     model.eval()
-    rep.max_abs_diff = _parity(path, info["input"], model, int(size), rgb, seed)
-    if not rep.max_abs_diff <= atol:
+    rep.max_abs_diff, scale = _parity(path, info["input"], model, int(size), rgb, mean, std, seed)
+    rep.max_rel_diff = rep.max_abs_diff / scale if scale > 0 else float("inf")
+    if not rep.max_abs_diff <= atol * max(1.0, scale):
         raise InputError(f"{path}: the imported model's embeddings differ from the ONNX graph's by up to "
-                         f"{rep.max_abs_diff:.3g} (> {atol:g}): the graph is not the project's MobileFaceNet "
-                         f"({backbone}; another topology with the same shapes in the same order?) — see "
-                         "docs/real-faces-alignment.md")
+                         f"{rep.max_abs_diff:.3g} (> {atol:g} × max(1, {scale:.3g})): the graph is not "
+                         f"{TOPOLOGIES[model.config.backbone]} (another topology with the same shapes in the same "
+                         "order?), or its input convention is not the one given — see docs/real-faces.md")
     return model, rep
 
 
@@ -312,45 +372,55 @@ def _first_mismatch(rep: MappingReport, tensors: list[tuple[str, torch.Tensor]],
     shapes = dict(tensors)
     tstate = target.state_dict()
     src = rep.unmapped_source[0] if rep.unmapped_source else None
+    if not rep.missing_target:
+        return "fills the model"
     tgt = rep.missing_target[0]
     where = f"source {src} {list(shapes[src].shape)}" if src in shapes else "the source has no tensor left"
     return f"first layer that does not map: {where} → model {tgt} {list(tstate[tgt].shape)}"
 
 
-def _last_dim(tensors: list[tuple[str, torch.Tensor]]) -> int:
+def _last_dim(tensors: list[tuple[str, torch.Tensor]], default: int | None = 128) -> int | None:
     # the embedding layer: a 1×1 conv [E, 512, 1, 1] (fedfs) or a linear layer [E, 512·k] (insightface)
     for _, t in reversed(tensors):
         if (t.dim() == 4 and t.shape[2:] == (1, 1) and t.shape[1] == 512) or (t.dim() == 2 and t.shape[1] % 512 == 0):
             return int(t.shape[0])
-    return 128
+    return default
 
 
 @torch.no_grad()
-def _parity(path: str | os.PathLike[str], input_name: str, model: FaceNet, size: int, rgb: bool, seed: int) -> float:
+def _parity(path: str | os.PathLike[str], input_name: str, model: FaceNet, size: int, rgb: bool,
+            mean: float, std: float, seed: int) -> tuple[float, float]:
+    """``(max |Δ|, max |graph embedding|)`` over 4 random images: fedfs' input ``u`` to the
+    model, the same pixels ``p = 127.5 u + 127.5`` in the graph's convention to ONNX Runtime."""
     import onnxruntime as ort
 
     x = np.random.default_rng(seed).uniform(-1, 1, (4, 3, size, size)).astype(np.float32)
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    feed = x if rgb else x[:, ::-1].copy()
+    so = ort.SessionOptions()
+    so.log_severity_level = 4          # a batch-1 graph's failure on the batch of 4 is handled below
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    pixels = x.astype(np.float64) * 127.5 + 127.5
+    feed = ((pixels if rgb else pixels[:, ::-1]) - mean) / std
+    feed = np.ascontiguousarray(feed, dtype=np.float32)
     try:
         ref = sess.run(None, {input_name: feed})[0]
     except Exception:  # noqa: BLE001 - a graph exported for batch 1
         ref = np.concatenate([sess.run(None, {input_name: feed[i:i + 1]})[0] for i in range(len(x))])
     ours = model(torch.from_numpy(x)).embedding.numpy()
     if ref.shape != ours.shape:
-        return float("inf")
-    return float(np.abs(ref - ours).max())
+        return float("inf"), float(np.abs(ref).max())
+    return float(np.abs(ref - ours).max()), float(np.abs(ref).max())
 
 
 def save_imported(path: str | os.PathLike[str], model: FaceNet, report: MappingReport, source: str) -> Path:
-    """Write ``model`` as a fedfs checkpoint (``kind: "xi"``, the source and the mapping
-    report in its meta), usable as ``--xi`` / ``--pretrained`` or ``fedfs enroll --model``."""
+    """Write ``model`` as a fedfs checkpoint (``kind: "xi"``, the source, the mapping report
+    and the input convention in its meta), usable as ``--xi`` / ``--pretrained`` or
+    ``fedfs enroll --model``."""
     from .checkpoint import save_checkpoint
 
-    meta = {"kind": "xi", "imported_from": source, "mapping": {
+    meta = {"kind": "xi", "imported_from": source, "input_convention": dict(report.input_convention), "mapping": {
         "mapped": len(report.mapped), "by_shape": len(report.by_shape),
         "unmapped_source": report.unmapped_source, "missing_target": report.missing_target,
-        "folded_batchnorm": report.folded, "max_abs_diff": report.max_abs_diff}}
+        "folded_batchnorm": report.folded, "max_abs_diff": report.max_abs_diff, "max_rel_diff": report.max_rel_diff}}
     try:
         save_checkpoint(path, model, model.config, meta)
     except OSError as e:
@@ -358,5 +428,5 @@ def save_imported(path: str | os.PathLike[str], model: FaceNet, report: MappingR
     return Path(path)
 
 
-__all__ = ["MappingReport", "map_onto", "read_state_dict", "import_state_dict", "import_onnx", "fold_batchnorm",
-           "state_dict_backbone", "onnx_initializers_in_use_order", "save_imported"]
+__all__ = ["MappingReport", "TOPOLOGIES", "map_onto", "read_state_dict", "import_state_dict", "import_onnx",
+           "fold_batchnorm", "state_dict_backbone", "onnx_initializers_in_use_order", "save_imported"]
