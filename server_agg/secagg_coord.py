@@ -175,12 +175,9 @@ class SecAggCoordinator:
             r.secagg = SecAggRound.load(self._secagg_path(r.id), r.id)
             return True
         except InputError as e:
-            self.round = r
-            r.secagg = None
             with self.db.transaction() as c:  # type: ignore[attr-defined]
                 c.execute("UPDATE rounds SET state = 'failed', closed_at = ?, reason = ? WHERE id = ?",
                           (self.clock(), f"secure-aggregation state lost at restart: {e}"[:500], r.id))  # type: ignore[attr-defined]
-            self.round = None
             log.info("round failed", extra={"fields": {"round_id": r.id, "reason": str(e)}})
             return False
 

@@ -309,10 +309,16 @@ def test_bad_messages_get_4xx_and_change_nothing(tmp_path):
         srv.stop()
 
 
-def test_sigkill_mid_round_resumes_from_saved_state(tmp_path):
+@pytest.mark.parametrize("kill_in", ["advertise", "share_keys", "masked", "unmask"])
+def test_sigkill_in_each_phase_resumes_from_saved_state(tmp_path, kill_in):
+    """SIGKILL after 3 of 5 devices answered a phase; the restarted server restores the saved
+    state, the other devices go on, and the published sum is the FedAvg of all five."""
     state = tmp_path / "server"
-    srv = start_server(state, *SERVER_ARGS, "--rounds", "1", "--round-timeout", "60", "--secagg-phase-timeout", "60")
+    args = (*SERVER_ARGS, "--rounds", "1", "--round-timeout", "60", "--secagg-phase-timeout", "60")
+    srv = start_server(state, *args)
     port = int(srv.url.rsplit(":", 1)[1])
+    steps = [("advertise", lambda d: d.session.advertise()), ("share_keys", lambda d: d.session.share_keys()),
+             ("masked", lambda d: d.mask()), ("unmask", lambda d: d.session.unmask())]
     try:
         devs = [Dev(srv.url) for _ in range(N)]
         wait_open(srv, 1)
@@ -320,22 +326,43 @@ def test_sigkill_mid_round_resumes_from_saved_state(tmp_path):
         ref = model(srv, 1)
         for d in devs:
             d.start(1, ref, rng)
-        for d in devs:
-            d.session.advertise()
-        for d in devs:
-            d.session.share_keys()
-        for d in devs[:3]:
-            d.mask()
-        srv.kill()
-        srv = start_server(state, *SERVER_ARGS, "--rounds", "1", "--round-timeout", "60",
-                           "--secagg-phase-timeout", "60", port=port)
-        st = srv.status()["round"]
-        assert st["round_id"] == 1 and st["secure_aggregation"]["masked"] == 3
-        for d in devs[3:]:
-            d.mask()
-        for d in devs:
-            d.session.unmask()
+        for phase, act in steps:
+            for i, d in enumerate(devs):
+                if phase == kill_in and i == 3:
+                    srv.kill()
+                    srv = start_server(state, *args, port=port)
+                    sa = srv.status()["round"]["secure_aggregation"]
+                    assert sa["phase"] == kill_in
+                    assert sa[{"advertise": "advertised", "share_keys": "shared", "masked": "masked",
+                               "unmask": "unmasked"}[kill_in]] == 3
+                act(d)
         assert_fedavg(srv, wait_round(srv, 1), devs)
+    finally:
+        srv.stop()
+
+
+def test_unreadable_saved_state_fails_the_round_cleanly(tmp_path):
+    state = tmp_path / "server"
+    args = (*SERVER_ARGS, "--rounds", "2", "--round-timeout", "60", "--secagg-phase-timeout", "60")
+    srv = start_server(state, *args)
+    port = int(srv.url.rsplit(":", 1)[1])
+    try:
+        devs = [Dev(srv.url) for _ in range(N)]
+        wait_open(srv, 1)
+        rng = np.random.default_rng(5)
+        ref = model(srv, 1)
+        for d in devs:
+            d.start(1, ref, rng)
+            d.session.advertise()
+        srv.kill()
+        (state / "secagg" / "r000001.json").write_bytes(b'{"format": "fedfs-secagg-round/1", "round_id": 1}')
+        srv = start_server(state, *args, port=port)
+        with srv.admin() as c:
+            info = c.get("/v1/rounds/1").json()
+        assert info["state"] == "failed" and "state lost at restart" in info["reason"], info
+        wait_open(srv, 2)                                   # the next round opens and works
+        info = run_round(srv, devs, 2, rng)
+        assert_fedavg(srv, info, devs)
     finally:
         srv.stop()
 
