@@ -240,6 +240,26 @@ def test_dropouts_up_to_t_minus_1_recovered_one_more_fails_cleanly(tmp_path):
         srv.stop()
 
 
+def test_secagg_plus_neighbours_over_http(tmp_path):
+    """SecAgg+ (Bell et al. 2020): each device masks with k = 2 of the 4 others; threshold 2 of
+    its 3 share holders, so one drop after masking is recovered."""
+    args = [a for a in SERVER_ARGS]
+    args[args.index("--secagg-threshold") + 1] = "2"
+    srv = start_server(tmp_path / "server", *args, "--secagg-neighbours", "2", "--rounds", "2")
+    try:
+        devs = [Dev(srv.url) for _ in range(N)]
+        rng = np.random.default_rng(6)
+        for rnd, drop in ((1, 0), (2, 1)):
+            wait_open(srv, rnd)
+            info = run_round(srv, devs, rnd, rng, drop_after_mask=drop)
+            assert_fedavg(srv, info, devs)
+            assert info["secure_aggregation"]["threshold"] == 2
+        # the graph really was sparse: each device shared keys with 2 neighbours, not 4
+        assert all(len(d.session.device._graph[d.session.index]) == 2 for d in devs)
+    finally:
+        srv.stop()
+
+
 def _post(d: Dev, step: str, msg: dict | bytes, rnd: int = 1) -> httpx.Response:
     body = msg if isinstance(msg, bytes) else to_json(msg).encode()
     ctype = "application/octet-stream" if step == "masked-input" else "application/json"
@@ -305,6 +325,39 @@ def test_bad_messages_get_4xx_and_change_nothing(tmp_path):
             d.session.unmask()
         assert_fedavg(srv, wait_round(srv, 1), devs)
         assert _post(a, "unmask", um).status_code == 410                       # round over
+    finally:
+        srv.stop()
+
+
+def test_garbage_masked_vector_fails_the_round_never_a_wrong_sum(tmp_path):
+    """Any 8·(dim + 1) bytes are a well-formed element of Z_2^64, so the server cannot refuse a
+    garbled y_u on arrival; the unmasked sum then lies outside what valid inputs can sum to,
+    and the round fails instead of publishing."""
+    import os
+
+    srv = start_server(tmp_path / "server", *SERVER_ARGS, "--rounds", "1")
+    try:
+        devs = [Dev(srv.url) for _ in range(N)]
+        wait_open(srv, 1)
+        ref = model(srv, 1)
+        rng = np.random.default_rng(7)
+        for d in devs:
+            d.start(1, ref, rng)
+        for d in devs:
+            d.session.advertise()
+        for d in devs:
+            d.session.share_keys()
+        bad = devs[0]
+        bad.session._wait_for("inbox", "masked")
+        assert _post(bad, "masked-input", os.urandom(8 * (bad.w.size + 1))).status_code == 200
+        for d in devs[1:]:
+            d.mask()
+        for d in devs[1:]:                          # 4 ≥ t answer: enough shares to unmask
+            d.session.unmask()
+        info = wait_round(srv, 1)
+        assert info["state"] == "failed" and "corrupted" in info["reason"], info
+        with srv.admin() as c:
+            assert c.get("/v1/models/latest").json()["version"] == 1
     finally:
         srv.stop()
 
