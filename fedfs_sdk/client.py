@@ -383,6 +383,9 @@ class DeviceConfig:
             (:data:`fedfs_sdk.methods.DEFAULT_VERIFICATION`).
         verify: which ``fedfs+feduv`` model verifies: ``personal``, ``global`` or ``both``
             (``unit(W q') ⊕ unit(W r')``); ``None``: the method's default.
+        require_secure_aggregation: take part only in secure-aggregation rounds: a round whose
+            task has no ``secagg`` is refused (event ``round_refused``, nothing is trained or
+            sent) — the server cannot quietly turn secure aggregation off for this device.
     """
 
     rounds: int = 1
@@ -398,6 +401,7 @@ class DeviceConfig:
     outliers: str = "mad"
     score: str | None = None
     verify: str | None = None
+    require_secure_aggregation: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
@@ -413,6 +417,8 @@ class DeviceConfig:
             raise InputError(f"outliers (the enrollment's outlier rule) must be 'mad' or 'none', got {self.outliers!r}")
         if self.score is not None and self.score not in SCORES:
             raise InputError(f"score must be one of {SCORES} (or None for the method's default), got {self.score!r}")
+        if not isinstance(self.require_secure_aggregation, bool):
+            raise InputError(f"require_secure_aggregation must be True or False, got {self.require_secure_aggregation!r}")
         if self.verify is not None and self.verify not in VERIFY_MODELS:
             raise InputError(f"verify must be one of {VERIFY_MODELS} (or None for the method's default), "
                              f"got {self.verify!r}")
@@ -496,6 +502,7 @@ class DeviceAgent:
         self._batches: dict[int, np.ndarray] = dict(batches or {})
         self._checked = batches is not None
         self._progress_at = clock()
+        self._refused: set[int] = set()
 
     def check_inputs(self) -> None:
         """:func:`check_local_inputs` once (:meth:`run` calls it before registering)."""
@@ -575,6 +582,9 @@ class DeviceAgent:
                     # the server's hint, bounded so a bad value neither spins nor stalls the device
                     self._sleep(min(max(float(task.get("retry_after") or 1.0), 0.05), 60.0))
                     continue
+                if self.config.require_secure_aggregation and task.get("secagg") is None:
+                    self._refuse_plain(report, task)
+                    continue
                 self._progress_at = self._clock()         # a task is progress: the round gets the full timeout
                 self._patience(self.config.wait_timeout_s)
                 try:
@@ -588,6 +598,19 @@ class DeviceAgent:
                 if not is_transient(e):
                     raise
                 self._server_down(e)
+
+    def _refuse_plain(self, report: DeviceReport, task: Mapping[str, Any]) -> None:
+        """A plain round offered to a device that requires secure aggregation: record it once,
+        then wait like for ``wait`` (the server offers it again until it closes)."""
+        round_id = int(task["round_id"])
+        if round_id not in self._refused:
+            self._refused.add(round_id)
+            reason = "the round does not run secure aggregation and this device requires it"
+            report.lost_rounds.append({"round_id": round_id, "code": "not_secure_round", "reason": reason})
+            self._emit("round_refused", {"round_id": round_id, "reason": reason})
+        if self._clock() - self._progress_at > self.config.wait_timeout_s:
+            raise ProtocolError(f"no secure-aggregation round from the server for {self.config.wait_timeout_s:.0f} s")
+        self._sleep(1.0)
 
     def _lost(self, report: DeviceReport, round_id: int, e: "ServerError | SecAggRoundLost") -> None:
         report.lost_rounds.append({"round_id": round_id, "code": e.code, "reason": e.reason})

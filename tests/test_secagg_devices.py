@@ -142,3 +142,30 @@ def test_ort_devices_without_torch_run_secure_rounds(tmp_path):
         check_rounds(tmp_path, srv, 1)
     finally:
         srv.stop()
+
+
+def test_device_requiring_secure_aggregation_refuses_a_plain_round(tmp_path):
+    """A server without --secure-aggregation offers a plain round; a device configured with
+    ``require_secure_aggregation`` trains nothing and sends no update, and says why."""
+    from fedfs_sdk.client import DeviceAgent, DeviceConfig, ServerClient
+    from fedfs_sdk.device_state import DeviceState
+    from fedfs_sdk.errors import ProtocolError
+
+    srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--code-length", "127", "--rounds", "1",
+                       "--min-participants", "1")
+    try:
+        images = write_images(tmp_path / "img", 3, seed=1)
+        events: list[tuple[str, dict]] = []
+        agent = DeviceAgent(ServerClient(srv.url, audit_dir=tmp_path / "audit"), DeviceState(tmp_path / "dev"), images,
+                            DeviceConfig(rounds=1, wait_timeout_s=3, require_secure_aggregation=True),
+                            on_event=lambda n, f: events.append((n, f)), sleep=lambda s: __import__("time").sleep(0.2))
+        with pytest.raises(ProtocolError, match="no secure-aggregation round"):
+            agent.run()
+        refused = [f for n, f in events if n == "round_refused"]
+        assert len(refused) == 1 and refused[0]["round_id"] == 1
+        assert not [n for n, _ in events if n in ("trained", "uploaded", "round_started")]
+        index = [json.loads(x) for x in (tmp_path / "audit" / "index.jsonl").read_text().splitlines()]
+        assert {e["method"] for e in index} <= {"POST", "GET"} and not any("/update" in e["path"] for e in index)
+        assert srv.status()["round"]["accepted"] == 0
+    finally:
+        srv.stop()
