@@ -7,6 +7,7 @@ touches the round runs under the coordinator's lock.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -90,8 +91,6 @@ class SecAggCoordinator:
             assert r.secagg is not None
             ack = r.secagg.receive(device_id, step, payload)
             if step == "masked-input":
-                import hashlib
-
                 ack["sha256"] = hashlib.sha256(payload).hexdigest()
             self._secagg_tick(r)                # everyone answered: close the phase now
             return ack
