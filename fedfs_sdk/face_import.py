@@ -47,7 +47,7 @@ import torch
 from .batchnorm_fold import AFFINE, GROUP, fold_batchnorm, state_dict_backbone
 from .errors import CheckpointError, InputError
 from .model import FaceNet, ModelConfig
-from .onnx_weights import InGraphNormalization, onnx_initializers_in_use_order
+from .onnx_weights import FEDFS_INPUT, absorb_input_convention, onnx_initializers_in_use_order
 
 # Buffers of BatchNorm layers: meaningless for GroupNormP (normalizes each sample by itself).
 _STATS = ("running_mean", "running_var", "num_batches_tracked")
@@ -185,9 +185,6 @@ TOPOLOGIES: dict[str, str] = {
 """Backbones a source can import onto, tried in this order; a BatchNorm source (kept or folded)
 goes to the ``ChannelAffine`` ones, a source without BatchNorm to the GroupNorm one."""
 
-FEDFS_INPUT = "RGB, (x − 127.5) / 127.5 (fedfs_sdk.preprocess)"
-
-
 def _candidates(batchnorm: bool) -> tuple[str, ...]:
     return (AFFINE, MBF) if batchnorm else (GROUP,)
 
@@ -289,45 +286,6 @@ def _bgr_to_rgb_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def _input_transform(tensors: list[tuple[str, torch.Tensor]], norm: InGraphNormalization | None, rgb: bool,
-                     mean: float, std: float, path: str) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
-    """Move the source's input convention into its first convolution so that the imported model
-    takes fedfs' RGB ``u = (p − 127.5)/127.5``. The graph sees, per channel ``j`` of its own
-    order, ``y_j = k_j (p_j − mean)/std + d_j`` (``k, d`` of an in-graph normalization, else 1, 0)
-    ``= s_j u_j + o_j`` with ``s_j = 127.5 k_j / std`` and ``o_j = k_j (127.5 − mean)/std + d_j``.
-    ``o = 0`` (mid-grey is 0 for both) makes the move exact — the first convolution's weights
-    times ``s``, channels reordered for BGR — including its zero padding; ``o ≠ 0`` is refused."""
-    k = np.array(norm.k if norm else (1.0, 1.0, 1.0))
-    d = np.array(norm.d if norm else (0.0, 0.0, 0.0))
-    s = 127.5 * k / std
-    o = k * (127.5 - mean) / std + d
-    source = f"{'RGB' if rgb else 'BGR'}, " + (f"(x − {mean:g}) / {std:g} before the graph" if (mean, std) != (0.0, 1.0)
-                                                else "0–255 pixels")
-    if norm is not None:
-        source += ", then " + norm.describe()
-    if np.abs(o).max() > 1e-6 * max(1.0, float(np.abs(s).max())):
-        raise InputError(f"{path}: the graph's input convention ({source}) maps mid-grey 127.5 to {o.round(6).tolist()}, "
-                         "not 0: fedfs feeds (x − 127.5)/127.5 and can absorb only a rescaling and a channel order into "
-                         "the first convolution (a shift would change its zero padding). Check --input-mean/--input-std.")
-    absorbed = []
-    if not np.allclose(s, 1.0, rtol=0, atol=1e-7):
-        absorbed.append(f"input scaled by {[float(f'{v:.6g}') for v in s]}")
-    if not rgb:
-        absorbed.append("BGR → RGB (input channels swapped)")
-    convention = {"source": source, "fedfs": FEDFS_INPUT, "absorbed": "; ".join(absorbed)}
-    if not absorbed:
-        return tensors, convention
-    i = next((i for i, (_, t) in enumerate(tensors) if t.dim() == 4), None)
-    if i is None or tensors[i][1].shape[1] != 3:
-        raise InputError(f"{path}: the first weight is not a convolution over 3 input channels; cannot absorb "
-                         f"the input convention ({source})")
-    name, w = tensors[i]
-    w = w * torch.tensor(s, dtype=w.dtype).reshape(1, 3, 1, 1)
-    out = list(tensors)
-    out[i] = (name, w.flip(1) if not rgb else w)
-    return out, convention
-
-
 def import_onnx(path: str | os.PathLike[str], rgb: bool = True, embedding_dim: int | None = None,
                 atol: float = 1e-4, seed: int = 0, input_mean: float | None = None,
                 input_std: float | None = None) -> tuple[FaceNet, MappingReport]:
@@ -338,7 +296,7 @@ def import_onnx(path: str | os.PathLike[str], rgb: bool = True, embedding_dim: i
     applied *before* the graph, ``(x − input_mean)/input_std`` — by default insightface's rule:
     127.5/127.5 (insightface, arcface_torch exports), or 0/1 (raw pixels) when the graph starts
     with its own ``Sub``/``Mul`` normalization. It is absorbed into the first convolution
-    (:func:`_input_transform`), so the imported model takes fedfs' input. :class:`InputError` if
+    (:func:`~fedfs_sdk.onnx_weights.absorb_input_convention`), so the imported model takes fedfs' input. :class:`InputError` if
     no topology is filled (naming the first layer that does not map for each) or the embeddings
     differ by more than ``atol · max(1, largest embedding component)``."""
     tensors, info = onnx_initializers_in_use_order(path)
@@ -350,7 +308,7 @@ def import_onnx(path: str | os.PathLike[str], rgb: bool = True, embedding_dim: i
     mean = float(input_mean if input_mean is not None else (0.0 if norm else 127.5))
     std = float(input_std if input_std is not None else (1.0 if norm else 127.5))
     emb = embedding_dim or _last_dim(tensors)
-    tensors, convention = _input_transform(tensors, norm, rgb, mean, std, str(path))
+    tensors, convention = absorb_input_convention(tensors, norm, rgb, mean, std, str(path))
     model, rep, tried = _fit(tensors, _candidates(bool(info["folded"])), emb, int(size))
     rep.folded = list(info["folded"])
     rep.input_convention = convention

@@ -5,11 +5,12 @@ Used by :mod:`fedfs_sdk.face_import`. Two jobs:
 * :func:`onnx_initializers_in_use_order`: the parameters in the order the graph uses them,
   BatchNorm (kept as ``BatchNormalization`` nodes or already folded into biased convolutions
   by the exporter / an optimizer) turned into per-channel affines ``a·x + b``;
-* :func:`input_normalization`: the elementwise ``Sub``/``Add``/``Mul``/``Div`` by constants
+* :func:`input_normalization` / :func:`absorb_input_convention`: the elementwise ``Sub``/``Add``/``Mul``/``Div`` by constants
   that some graphs apply to the raw pixels before their first convolution (MXNet-converted
   insightface models, OpenCV's SFace: ``(x − 127.5)·0.0078125`` inside the graph, fed 0–255
-  pixels), as ``y = k·x + d`` per channel, so the importer can move it into the first
-  convolution and the imported model takes the project's input convention.
+  pixels), as ``y = k·x + d`` per channel, moved with the channel order and any mean/std
+  applied before the graph into the first convolution, so that the imported model takes the
+  project's input convention (:data:`FEDFS_INPUT`).
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from .batchnorm_fold import affine_of_bn
 from .errors import InputError
 
 _ELEMENTWISE = ("Sub", "Add", "Mul", "Div")
+
+FEDFS_INPUT = "RGB, (x − 127.5) / 127.5 (fedfs_sdk.preprocess)"
+"""What every fedfs model takes (:mod:`fedfs_sdk.preprocess`); imports are converted to it."""
 
 
 @dataclass(frozen=True)
@@ -199,4 +203,44 @@ def onnx_initializers_in_use_order(path: str | os.PathLike[str]) -> tuple[list[t
     return out, {"input": input_name, "shape": dims, "folded": folded, "normalization": norm}
 
 
-__all__ = ["InGraphNormalization", "input_normalization", "onnx_initializers_in_use_order"]
+def absorb_input_convention(tensors: list[tuple[str, torch.Tensor]], norm: InGraphNormalization | None, rgb: bool,
+                     mean: float, std: float, path: str) -> tuple[list[tuple[str, torch.Tensor]], dict[str, Any]]:
+    """Move the source's input convention into its first convolution so that the imported model
+    takes fedfs' RGB ``u = (p − 127.5)/127.5``. The graph sees, per channel ``j`` of its own
+    order, ``y_j = k_j (p_j − mean)/std + d_j`` (``k, d`` of an in-graph normalization, else 1, 0)
+    ``= s_j u_j + o_j`` with ``s_j = 127.5 k_j / std`` and ``o_j = k_j (127.5 − mean)/std + d_j``.
+    ``o = 0`` (mid-grey is 0 for both) makes the move exact — the first convolution's weights
+    times ``s``, channels reordered for BGR — including its zero padding; ``o ≠ 0`` is refused."""
+    k = np.array(norm.k if norm else (1.0, 1.0, 1.0))
+    d = np.array(norm.d if norm else (0.0, 0.0, 0.0))
+    s = 127.5 * k / std
+    o = k * (127.5 - mean) / std + d
+    source = f"{'RGB' if rgb else 'BGR'}, " + (f"(x − {mean:g}) / {std:g} before the graph" if (mean, std) != (0.0, 1.0)
+                                                else "0–255 pixels")
+    if norm is not None:
+        source += ", then " + norm.describe()
+    if np.abs(o).max() > 1e-6 * max(1.0, float(np.abs(s).max())):
+        raise InputError(f"{path}: the graph's input convention ({source}) maps mid-grey 127.5 to {o.round(6).tolist()}, "
+                         "not 0: fedfs feeds (x − 127.5)/127.5 and can absorb only a rescaling and a channel order into "
+                         "the first convolution (a shift would change its zero padding). Check --input-mean/--input-std.")
+    absorbed = []
+    if not np.allclose(s, 1.0, rtol=0, atol=1e-7):
+        absorbed.append(f"input scaled by {[float(f'{v:.6g}') for v in s]}")
+    if not rgb:
+        absorbed.append("BGR → RGB (input channels swapped)")
+    convention = {"source": source, "fedfs": FEDFS_INPUT, "absorbed": "; ".join(absorbed)}
+    if not absorbed:
+        return tensors, convention
+    i = next((i for i, (_, t) in enumerate(tensors) if t.dim() == 4), None)
+    if i is None or tensors[i][1].shape[1] != 3:
+        raise InputError(f"{path}: the first weight is not a convolution over 3 input channels; cannot absorb "
+                         f"the input convention ({source})")
+    name, w = tensors[i]
+    w = w * torch.tensor(s, dtype=w.dtype).reshape(1, 3, 1, 1)
+    out = list(tensors)
+    out[i] = (name, w.flip(1) if not rgb else w)
+    return out, convention
+
+
+__all__ = ["FEDFS_INPUT", "InGraphNormalization", "absorb_input_convention", "input_normalization",
+           "onnx_initializers_in_use_order"]

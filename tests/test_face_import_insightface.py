@@ -348,3 +348,27 @@ def test_imported_mbf_exports_for_inference(imported_xi: tuple[FaceNet, Path], t
     with torch.no_grad():
         want = verifier(x)[0].numpy()
     assert got.shape == want.shape and _rel(got, want) <= 1e-4
+
+
+@torch.no_grad()
+def _figures() -> None:
+    """The table in docs/real-faces.md: ``python tests/test_face_import_insightface.py``."""
+    import tempfile
+
+    reference = _randomized(11)
+    x = _images(8, seed=3)
+    d = Path(tempfile.mkdtemp())
+    for how in ("insightface", "bn-kept", "ort-optimized"):
+        path = _export(reference, d / f"{how}.onnx", how)
+        model, rep = import_onnx(path)
+        print(f"ONNX {how:14s} import check rel {rep.max_rel_diff:.2e}; "
+              f"vs the torch reference on 8 other images: rel {_rel(model(x).embedding, reference(x)):.2e}")
+    model, _ = import_state_dict(dict(reference.state_dict()))
+    print(f"state dict          vs the torch reference on 8 other images: rel {_rel(model(x).embedding, reference(x)):.2e}")
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.simplefilter("ignore")
+    _figures()
