@@ -39,7 +39,7 @@ from export.coreml import CoreMLNumericsError, check_coreml_numerics, export_cor
 from export.coreml_reference import CoreMLReference
 from export.onnx_inference import export_onnx
 from export.parity import decide, disagreements
-from export.quantize import quantize_int8, synthetic_calibration
+from export.quantize import Int8NumericsError, quantize_int8, synthetic_calibration
 from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
 from fedfs_sdk.onnx_backend import OnnxBackend
 
@@ -99,7 +99,13 @@ def main() -> None:
         t = time.perf_counter()
         onnx_path = export_onnx(verifier, Path(tmp) / "v.onnx")
         uv["onnx fp32"] = OnnxBackend(onnx_path).run(x.numpy())["uv"].astype(np.float64)
-        quantize_int8(onnx_path, Path(tmp) / "v.int8.onnx", synthetic_calibration(s))
+        calib = synthetic_calibration(s)
+        try:                                               # what `fedfs export --formats onnx-int8` does
+            info = quantize_int8(onnx_path, Path(tmp) / "v.int8.onnx", calib)
+            int8_verdict = f"exported (decisions unlike fp32 on held-out calibration images: {info['check']['decision_flip_rate']})"
+        except Int8NumericsError as e:
+            int8_verdict = f"REFUSED: {e}"
+            quantize_int8(onnx_path, Path(tmp) / "v.int8.onnx", calib, max_flip_rate=1.0)   # to show why
         uv["onnx int8"] = OnnxBackend(Path(tmp) / "v.int8.onnx").run(x.numpy())["uv"].astype(np.float64)
         times["onnx fp32+int8"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -130,6 +136,9 @@ def main() -> None:
         print(f"{name:26s} {d.tau:7.4f} {d.tpr:6.2f} {d.fpr:6.2f} {disagreements(ref, d):4d}/{flips.size}"
               f" {int((flips & far).sum()):12d} {dscore:11.2e} {norm:8.4f}")
     print(f"export_coreml of the pre-fix σ (fp16): {refused}")
+    print(f"fedfs export int8 of this model: {int8_verdict}")
+    print("'outside band' = decisions that differ although torch's score is farther from τ than max|Δscore| + |Δτ|:"
+          " 0 means every difference is a score within that precision's rounding of τ (export.score_bounds)")
     print("seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()))
 
 

@@ -32,7 +32,29 @@ import onnx
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.onnx_backend import int8_model_id
 
+from .common import ExportError
 from .onnx_inference import OUTPUT_EMBEDDING, read_metadata, set_metadata
+from .score_bounds import GUARANTEE, decision_flip_rate, score_change_bounds
+
+INT8_MAX_FLIP_RATE = 0.05
+"""Largest fraction of accept/reject decisions the int8 model may decide unlike the fp32 one
+on its held-out calibration images (:func:`export.score_bounds.decision_flip_rate`: random
+codewords / all image pairs, thresholds at the 10–90 % quantiles of each model's own scores,
+averaged),
+else :class:`Int8NumericsError`. Measured (docs/export.md): tiny 0.03; a random-init
+MobileFaceNet@112 0.09 — refused: its random features put every score near every threshold."""
+
+MIN_CHECK_IMAGES = 8
+"""Below this many check images the flip rate is too coarse to enforce (one pair of 3 images
+is a third of the decisions): it is still measured and recorded, with ``enforced: false``."""
+
+HOLD_OUT_EVERY = 4
+"""Every 4th calibration image (when there are ≥ 8) checks the quantized model instead of
+calibrating it, so the check runs on images the activation ranges were not fitted to."""
+
+
+class Int8NumericsError(ExportError):
+    """The int8 model moves verification scores beyond the tolerance (the file is not written)."""
 
 
 def synthetic_calibration(input_size: int, identities: int = 16, per_identity: int = 4,
@@ -58,24 +80,60 @@ def folder_calibration(folder: str | os.PathLike[str], input_size: int, limit: i
     return preprocess([str(f) for f in files], input_size)
 
 
-def _first_conv(model: onnx.ModelProto) -> str | None:
+def fp32_convs(model: onnx.ModelProto) -> dict[str, str]:
+    """The convolutions kept in float, ``{node name: why}`` (see the module docstring):
+
+    * the first one (fed by the graph input): its output groups have very different ranges
+      and the group norm after it amplifies the quantization noise of the small ones;
+    * every depthwise one (``group > 1``): ORT's int8 depthwise kernel was 2.4× *slower* than
+      its fp32 NCHWc one (``benchmarks/export_profile.py``), and their neighbours (group norm,
+      PReLU) run in fp32 anyway, so keeping them float also saves a Quantize/Dequantize pair;
+    * the last one (the embedding projection, 0.03 % of the MACs): its rounding goes straight
+      into the scores, unaveraged by later layers.
+    """
     graph_input = model.graph.input[0].name
-    for node in model.graph.node:
-        if node.op_type == "Conv" and graph_input in node.input:
-            return node.name
-    return None
+    convs = [n for n in model.graph.node if n.op_type == "Conv"]
+    keep: dict[str, str] = {}
+    for n in convs:
+        group = next((a.i for a in n.attribute if a.name == "group"), 1)
+        if graph_input in n.input:
+            keep[n.name] = "first convolution"
+        elif group > 1:
+            keep[n.name] = "depthwise"
+    if len(convs) > 1:
+        keep.setdefault(convs[-1].name, "last (feeds the embedding)")
+    return keep
+
+
+def split_calibration(calib: np.ndarray) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``(calibrate, check, held_out)``: every :data:`HOLD_OUT_EVERY`-th image checks, the rest
+    calibrate; with fewer than 8 images all do both (``held_out`` False, said in the manifest)."""
+    if len(calib) < 8:
+        return calib, calib, False
+    held = np.arange(len(calib)) % HOLD_OUT_EVERY == HOLD_OUT_EVERY - 1
+    return calib[~held], calib[held], True
 
 
 def quantize_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str], calibration: np.ndarray,
-                  calibration_source: str = "synthfaces") -> dict[str, Any]:
-    """Quantize the fp32 verifier ``src`` into ``dst``; returns what was done (for the manifest)."""
+                  calibration_source: str = "synthfaces", *,
+                  max_flip_rate: float = INT8_MAX_FLIP_RATE) -> dict[str, Any]:
+    """Quantize the fp32 verifier ``src`` into ``dst``; returns what was done (for the manifest).
+
+    The quantized model is checked before ``dst`` is written: on the held-out calibration
+    images (:func:`split_calibration`) its decisions are compared with ``src``'s
+    (:func:`export.score_bounds.decision_flip_rate`); more than ``max_flip_rate`` of them
+    different → :class:`Int8NumericsError` and no file. The manifest entry also records the
+    bound on how far any score moved (:func:`export.score_bounds.score_change_bounds`)."""
     from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType,
                                           quantize_static)
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    calib = np.asarray(calibration, dtype=np.float32)
-    if calib.ndim != 4 or calib.shape[0] < 1:
-        raise InputError(f"calibration must be a float32 [N,3,S,S] batch, got shape {list(calib.shape)}")
+    from fedfs_sdk.onnx_backend import OnnxBackend
+
+    images = np.asarray(calibration, dtype=np.float32)
+    if images.ndim != 4 or images.shape[0] < 1:
+        raise InputError(f"calibration must be a float32 [N,3,S,S] batch, got shape {list(images.shape)}")
+    calib, check, held_out = split_calibration(images)
     meta = read_metadata(src)
     input_name = meta.get("fedfs.input_name", "input")
 
@@ -89,21 +147,39 @@ def quantize_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str], cali
     with tempfile.TemporaryDirectory() as tmp:
         pre = Path(tmp) / "pre.onnx"
         quant_pre_process(str(src), str(pre))          # shape inference + graph cleanup
-        first = _first_conv(onnx.load(str(pre)))
+        keep = fp32_convs(onnx.load(str(pre)))
         out = Path(tmp) / "int8.onnx"
         quantize_static(str(pre), str(out), _Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
                         activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        op_types_to_quantize=["Conv"], nodes_to_exclude=[first] if first else [])
+                        op_types_to_quantize=["Conv"], nodes_to_exclude=sorted(keep))
         model = onnx.load(str(out))
-    description = ("static QDQ: per-channel int8 Conv weights, uint8 activations (MinMax calibration on "
-                   f"{len(calib)} {calibration_source} images); first Conv and all non-Conv ops in fp32")
-    model_id = int8_model_id(model, meta["fedfs.model_id"])
-    set_metadata(model, {**meta, "fedfs.precision": "int8", "fedfs.model_id": model_id,
-                         "fedfs.quantization": description})
+        kinds = sorted(set(keep.values()))
+        description = ("static QDQ: per-channel int8 Conv weights, uint8 activations (MinMax calibration on "
+                       f"{len(calib)} {calibration_source} images); in fp32: {', '.join(kinds)} convolutions "
+                       "and all non-Conv ops")
+        model_id = int8_model_id(model, meta["fedfs.model_id"])
+        set_metadata(model, {**meta, "fedfs.precision": "int8", "fedfs.model_id": model_id,
+                             "fedfs.quantization": description})
+        onnx.save(model, str(out))
+        want = OnnxBackend(src).run(check)
+        got = {k: v for k, v in OnnxBackend(out).run(check).items() if k in want}
+    bounds = score_change_bounds(got, want)
+    flips = {k: decision_flip_rate(k, got[k], want[k]) for k in want}
+    worst = max(flips, key=flips.get)
+    enforced = len(check) >= MIN_CHECK_IMAGES
+    if enforced and not flips[worst] <= max_flip_rate:
+        raise Int8NumericsError(
+            f"int8 quantization of {Path(src).name} decides {100 * flips[worst]:.1f} % of accept/reject decisions "
+            f"unlike fp32 (output {worst!r}, limit {100 * max_flip_rate:g} %) on {len(check)} "
+            f"{'held-out ' if held_out else ''}calibration images (scores moved by up to {bounds[worst]:.3g}). "
+            "Ship the fp32 ONNX model, or calibrate on more real aligned faces (--calibration DIR)")
     onnx.save(model, str(dst))
     return {"model_id": model_id, "method": "static-qdq", "calibration_images": int(len(calib)),
-            "calibration_source": calibration_source, "excluded_nodes": [first] if first else [],
-            "description": description}
+            "calibration_source": calibration_source, "excluded_nodes": sorted(keep),
+            "description": description,
+            "check": {"images": int(len(check)), "held_out": held_out, "reference": "the fp32 ONNX model",
+                      "decision_flip_rate": flips, "max_flip_rate": max_flip_rate, "enforced": enforced,
+                      "max_score_change": bounds, "guarantee": GUARANTEE}}
 
 
 def compare_int8(fp32_path: str | os.PathLike[str], int8_path: str | os.PathLike[str],

@@ -29,10 +29,21 @@ def test_onnx_fp32_and_int8_keep_torch_decisions_with_a_huge_head(tmp_path) -> N
     warm, gen, imp = slice(0, 10), slice(10, 30), slice(30, 50)
     code = owner_codeword(want[warm])
     ref = decide(want[warm], want[gen], want[imp], code)
-    # int8: the tiny backbone's quantization noise (measured 0.07), not σ — σ runs in fp32 there
+    # int8: the tiny backbone's quantization noise (measured 0.05-0.07), not σ — σ runs in fp32 there
+    scores = want @ code / C
     for path, bound in ((fp32, 1e-5), (int8, 0.1)):
         got = OnnxBackend(path).run(x)["uv"]
         assert np.allclose(np.linalg.norm(got, axis=1), np.sqrt(C), rtol=1e-4), path
         change = np.linalg.norm(got - want, axis=1).max() / np.sqrt(C)          # bounds |Δscore|
         assert change < bound, path
-        assert disagreements(ref, decide(got[warm], got[gen], got[imp], code)) == 0, path
+        d = decide(got[warm], got[gen], got[imp], code)
+        if path == fp32:
+            assert disagreements(ref, d) == 0
+            continue
+        # int8 decides like torch wherever rounding cannot reach τ: a flip is allowed only for a
+        # probe whose torch score is within |Δscore| + |Δτ| of τ (measured: 2 probes 0.002 and
+        # 0.012 from τ flip when τ moves by 0.01; export.score_bounds)
+        flips = np.concatenate([ref.genuine != d.genuine, ref.impostor != d.impostor])
+        near = np.abs(np.concatenate([scores[gen], scores[imp]]) - ref.tau) <= change + abs(d.tau - ref.tau)
+        assert not (flips & ~near).any(), path
+        assert flips.sum() <= 0.1 * flips.size, path
