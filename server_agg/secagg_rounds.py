@@ -174,6 +174,9 @@ class SecAggRound:
             out["inbox"] = s.inbox(idx)
         elif s.step == "unmask" and idx in s.u3:
             out["unmask_request"] = self.request
+        members = {"share_keys": s.pks, "masked": s.u2, "unmask": s.u3}.get(s.step)
+        if members is not None and idx not in members:
+            out["dropped"] = True            # it missed an earlier phase: nothing more for it this round
         return json.loads(to_json(out))
 
     def counts(self) -> dict[str, Any]:

@@ -67,6 +67,8 @@ class SecAggView(BaseModel, extra="allow"):
     deadline: float | None = None
     result_version: int | None = None
     reason: str | None = None
+    dropped: bool | None = None
+    """True: this device missed an earlier phase and takes no further part in the round."""
 
 
 def install_secagg_routes(app: FastAPI, coord: Any, device: Callable[..., str], errors: Callable[..., Any],

@@ -233,7 +233,15 @@ def test_dropouts_up_to_t_minus_1_recovered_one_more_fails_cleanly(tmp_path):
             assert c.get("/v1/models/latest").json()["version"] == 4     # v1 + rounds 1–3; round 4 published nothing
         # the next round opens and works: one drop before masking (not in the sum), one after
         wait_open(srv, 5)
-        info = run_round(srv, devs, 5, rng, drop_after_share=1, drop_after_mask=1)
+        late = {}
+
+        def after_masking(_):            # the masked phase ends at its deadline; devs[0] missed it
+            assert "inbox" in devs[0].session.view()
+            while devs[1].session.view()["phase"] != "unmask":
+                time.sleep(0.1)
+            late.update(devs[0].session.view())
+        info = run_round(srv, devs, 5, rng, drop_after_share=1, drop_after_mask=1, on_masked=after_masking)
+        assert late["phase"] == "unmask" and late["dropped"] is True and "unmask_request" not in late
         assert_fedavg(srv, info, devs[1:])
         assert info["secure_aggregation"]["dropped"].get("masked_input") == 1
     finally:

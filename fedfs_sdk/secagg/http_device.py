@@ -132,7 +132,7 @@ class SecAggSession:
             if key in v:
                 return v[key]
             at = str(v.get("phase"))
-            if at in ("done", "failed", "closed") or _AFTER.get(at, 0) > _AFTER[phase]:
+            if v.get("dropped") or at in ("done", "failed", "closed") or _AFTER.get(at, 0) > _AFTER[phase]:
                 raise SecAggRoundLost("secagg_dropped" if at != "failed" else "round_failed",
                                       f"round {self.round_id} is at {at!r} and has no {key} for device "
                                       f"{self.index}" + (f": {v['reason']}" if v.get("reason") else ""))
