@@ -222,7 +222,8 @@ def absorb_input_convention(tensors: list[tuple[str, torch.Tensor]], norm: InGra
     if np.abs(o).max() > 1e-6 * max(1.0, float(np.abs(s).max())):
         raise InputError(f"{path}: the graph's input convention ({source}) maps mid-grey 127.5 to {o.round(6).tolist()}, "
                          "not 0: fedfs feeds (x − 127.5)/127.5 and can absorb only a rescaling and a channel order into "
-                         "the first convolution (a shift would change its zero padding). Check --input-mean/--input-std.")
+                         "the first convolution (a shift would change its zero padding). If the graph is fed otherwise, "
+                         "give import_onnx the mean/std applied before it (input_mean=, input_std=).")
     absorbed = []
     if not np.allclose(s, 1.0, rtol=0, atol=1e-7):
         absorbed.append(f"input scaled by {[float(f'{v:.6g}') for v in s]}")

@@ -350,6 +350,22 @@ def test_imported_mbf_exports_for_inference(imported_xi: tuple[FaceNet, Path], t
     assert got.shape == want.shape and _rel(got, want) <= 1e-4
 
 
+def test_import_model_command_on_w600k_mbf(imported_xi: tuple[FaceNet, Path], tmp_path: Path) -> None:
+    """``fedfs import-model w600k_mbf.onnx`` picks insightface-mbf by itself and says so."""
+    import subprocess
+    import sys
+
+    xi, ck = imported_xi
+    r = subprocess.run([sys.executable, "-m", "fedfs_sdk.cli.import_model", str(ck.parent / "w600k_mbf.onnx"),
+                        "--out", str(tmp_path / "xi.safetensors")], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "mapped 183 tensors" in r.stdout and "folded 50 BatchNorm layers" in r.stdout
+    assert "wrote" in r.stdout and "(insightface-mbf, 512-d, 112×112 RGB" in r.stdout
+    back, meta = load_checkpoint(tmp_path / "xi.safetensors")
+    assert back.config == xi.config and meta["input_convention"]["absorbed"] == ""
+    assert all(torch.equal(v, xi.state_dict()[k]) for k, v in back.state_dict().items())
+
+
 @torch.no_grad()
 def _figures() -> None:
     """The table in docs/real-faces.md: ``python tests/test_face_import_insightface.py``."""
