@@ -6,11 +6,12 @@ change nothing: the fuzzed device may at most have advertised keys)."""
 from __future__ import annotations
 
 import json
+import subprocess
 
 import httpx
 import pytest
 
-from conftest_server import ADMIN, start_server, subprocess_env
+from conftest_server import start_server, subprocess_env
 from test_server_schemathesis import st_command
 
 pytest.importorskip("schemathesis", reason="schemathesis is in the test extra: pip install -e '.[test]'")
@@ -45,7 +46,6 @@ def test_secagg_endpoints_fuzzed_without_5xx(tmp_path):
                "--checks", "all", "--exclude-checks", "positive_data_acceptance",
                "--phases", "examples,coverage,fuzzing", "--seed", "20261124", "--workers", "1",
                "--no-color"]
-        import subprocess
         run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
         status = srv.status()["round"]
     finally:
