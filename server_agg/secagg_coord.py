@@ -185,9 +185,9 @@ class SecAggCoordinator:
         d = self.layout.root / "secagg"  # type: ignore[attr-defined]
         if not d.is_dir():
             return
-        keep = self._secagg_path(self.round.id).name if self.round is not None and self.round.secagg else None
+        keep = self.round.secagg.path if self.round is not None and self.round.secagg else None
         for p in d.iterdir():
-            if p.name != keep:
+            if keep is None or p.name.split(".")[0] != keep.stem:   # a stale sum file goes at the next save
                 p.unlink(missing_ok=True)
 
 

@@ -95,13 +95,31 @@ class SecAggRound:
         self.srv = SecAggServer(self.params)
         self.roster: dict[str, Any] | None = None
         self.request: dict[str, Any] | None = None
+        self._sum_saved = -1          # masked inputs in the sum file last written
 
     # ---- persistence -------------------------------------------------------------------
+    def _sum_path(self, count: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}.sum{count}")
+
     def save(self) -> None:
+        """Write the state atomically. The running sum of masked vectors (8·(dim + 1) bytes)
+        goes to its own raw file, written only when a masked input changed it and named by
+        the number of inputs in it, so the JSON — written after it — always names a complete
+        sum; the older sum file is deleted after the JSON that replaces it."""
+        core = snapshot(self.srv)
+        raw = core.pop("sum")
+        count = len(self.srv._masked_from)
+        if raw is not None and count != self._sum_saved:   # overwrites a stale file of a crashed save
+            atomic_write(self._sum_path(count), raw)
+            self._sum_saved = count
+        core["sum_file"] = self._sum_path(count).name if raw is not None else None
         doc = {"format": FORMAT, "round_id": self.round_id, "participants": self.participants,
                "fields": self.fields, "deadline": self.deadline, "masked_deadline": self.masked_deadline,
-               "roster": self.roster, "request": self.request, "core": snapshot(self.srv)}
+               "roster": self.roster, "request": self.request, "core": core}
         atomic_write(self.path, to_json(doc).encode())
+        for old in self.path.parent.glob(f"{self.path.stem}.sum*"):
+            if old.name != core["sum_file"]:
+                old.unlink(missing_ok=True)
 
     @classmethod
     def load(cls, path: Path, round_id: int) -> "SecAggRound":
@@ -116,8 +134,14 @@ class SecAggRound:
             r = cls(round_id, doc["participants"], doc["fields"], path, 0.0, float(doc["masked_deadline"]))
             r.deadline = float(doc["deadline"])
             r.roster, r.request = doc["roster"], doc["request"]
-            r.srv = restore(r.params, doc["core"])
-        except (KeyError, TypeError, ValueError, SecAggError) as e:
+            core = dict(doc["core"])
+            name = core.pop("sum_file")
+            core["sum"] = (path.parent / name).read_bytes() if name is not None else None
+            if core["sum"] is not None and len(core["sum"]) != 8 * r.params.words:
+                raise ValueError(f"{name} has {len(core['sum'])} bytes, expected {8 * r.params.words}")
+            r.srv = restore(r.params, core)
+            r._sum_saved = len(r.srv._masked_from) if name is not None else -1
+        except (KeyError, TypeError, ValueError, OSError, SecAggError) as e:
             raise InputError(f"secure round {round_id}: {path} is corrupt: {e}") from None
         return r
 
@@ -222,6 +246,8 @@ class SecAggRound:
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
+        for p in self.path.parent.glob(f"{self.path.stem}.sum*"):
+            p.unlink(missing_ok=True)
 
 
 __all__ = ["SecAggRound", "task_fields", "unflatten", "secagg_error", "STEP_OF"]

@@ -150,9 +150,10 @@ def test_server_sees_only_masked_vectors_and_publishes_fedavg(tmp_path):
             snap_path = tmp_path / "server" / "secagg" / "r000001.json"
             snap = from_json(snap_path.read_bytes())
             seen["snap"] = snap
-            summed = np.frombuffer(snap["core"]["sum"], dtype="<u8")
+            summed = np.frombuffer((snap_path.parent / snap["core"]["sum_file"]).read_bytes(), dtype="<u8")
             words = sum(fp.encode(d.w, d.n)[0] for d in maskers)      # Σ enc(n·w) mod 2^64 (unmasked)
             assert summed.size == words.size
+            assert sorted(p.name for p in snap_path.parent.iterdir()) == ["r000001.json", f"r000001.sum{N}"]
             # the stored running sum still carries the self masks: no coordinate matches the plain sum
             assert np.count_nonzero(summed == words) <= 2
             # nothing in the state holds a device's update: search every file for a 64-byte run of
@@ -169,7 +170,7 @@ def test_server_sees_only_masked_vectors_and_publishes_fedavg(tmp_path):
         assert_fedavg(srv, info, devs)
         assert info["secure_aggregation"]["survivors"] == N and info["secure_aggregation"]["threshold"] == T
         # the protocol file is gone with the round; no update file was ever written
-        assert not list((tmp_path / "server" / "secagg").glob("*.json"))
+        assert not list((tmp_path / "server" / "secagg").iterdir())
         assert not any("updates/r" in f and f.endswith(".safetensors") for f in seen["files"])
     finally:
         srv.stop()
