@@ -167,7 +167,7 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             obj = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any reader failure is "not a weights file"
         raise InputError(f"{p} is not a readable state dict ({e})") from None
-    for key in ("state_dict", "model", "backbone"):
+    for key in ("state_dict", "state_dict_backbone", "model", "backbone"):     # state_dict_backbone: arcface_torch resume files
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
     if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):

@@ -222,6 +222,11 @@ def test_arcface_torch_state_dict_imports(ref: ArcfaceMBF, tmp_path: Path) -> No
     assert all(k.endswith("num_batches_tracked") for k in rep.unmapped_source)
     x = _images()
     assert _rel(model(x).embedding, ref(x)) <= 1e-4
+    # arcface_torch's resume file wraps it with the margin layer's weights and the step count
+    torch.save({"epoch": 3, "global_step": 10, "state_dict_backbone": ref.state_dict(),
+                "state_dict_softmax_fc": {"weight": torch.zeros(10, 512)}}, tmp_path / "checkpoint_gpu_0.pt")
+    model2, _ = import_state_dict(read_state_dict(tmp_path / "checkpoint_gpu_0.pt"))
+    assert torch.equal(model2(x).embedding, model(x).embedding)
 
 
 @torch.no_grad()
