@@ -167,7 +167,8 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             obj = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any reader failure is "not a weights file"
         raise InputError(f"{p} is not a readable state dict ({e})") from None
-    for key in ("state_dict", "state_dict_backbone", "model", "backbone"):     # state_dict_backbone: arcface_torch resume files
+    # "state_dict_backbone": arcface_torch's resume files (checkpoint_gpu_N.pt)
+    for key in ("state_dict", "state_dict_backbone", "model", "backbone"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
     if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
@@ -232,7 +233,7 @@ def _foreign_hint(tensors: list[tuple[str, torch.Tensor]]) -> str:
     if fc_in == 512 * 7 * 7:
         return ("This looks like insightface's IResNet (ArcFace R18/R34/R50/R100, e.g. buffalo_l's w600k_r50.onnx "
                 "or glintr100.onnx): a ResNet whose embedding is a fully connected layer on the flattened 512×7×7 "
-                "map. It is not supported (25–65 M parameters: not a model a phone trains); use buffalo_s's or "
+                "map. It is not supported (24–65 M parameters: not a model a phone trains); use buffalo_s's or "
                 "buffalo_sc's w600k_mbf.onnx.")
     return ""
 
@@ -243,8 +244,8 @@ def import_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig | N
     """Map a state dict onto the backbone of a :class:`FaceNet` of ``config`` (default: the
     first of :data:`TOPOLOGIES` it fills — the project's MobileFaceNet, or with BatchNorm
     (found by :func:`state_dict_backbone`, folded with :func:`fold_batchnorm` and ``bn_eps``)
-    ``mobilefacenet-affine`` then ``insightface-mbf``, e.g. an arcface_torch ``backbone.pth``
-    of ``get_mbf``; 112 px, embedding size taken from the last layer). With an explicit
+    ``mobilefacenet-affine`` then ``insightface-mbf``, e.g. arcface_torch's ``model.pt`` of
+    ``get_mbf``; 112 px, embedding size taken from the last layer). With an explicit
     GroupNorm ``mobilefacenet`` config, BatchNorm statistics are not folded but reported as
     unmapped (a starting point for ϕ, not the same function). ``rgb=False``: the weights were
     trained on BGR input (the first convolution's input channels are swapped). With
@@ -296,9 +297,10 @@ def import_onnx(path: str | os.PathLike[str], rgb: bool = True, embedding_dim: i
     applied *before* the graph, ``(x − input_mean)/input_std`` — by default insightface's rule:
     127.5/127.5 (insightface, arcface_torch exports), or 0/1 (raw pixels) when the graph starts
     with its own ``Sub``/``Mul`` normalization. It is absorbed into the first convolution
-    (:func:`~fedfs_sdk.onnx_weights.absorb_input_convention`), so the imported model takes fedfs' input. :class:`InputError` if
-    no topology is filled (naming the first layer that does not map for each) or the embeddings
-    differ by more than ``atol · max(1, largest embedding component)``."""
+    (:func:`~fedfs_sdk.onnx_weights.absorb_input_convention`), so the imported model takes
+    fedfs' input. :class:`InputError` if no topology is filled (naming the first layer that
+    does not map for each) or the embeddings differ by more than
+    ``atol · max(1, largest embedding component)``."""
     tensors, info = onnx_initializers_in_use_order(path)
     shape = info["shape"]
     size = shape[-1] if len(shape) == 4 and shape[-1] else 112
