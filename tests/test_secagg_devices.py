@@ -169,3 +169,22 @@ def test_device_requiring_secure_aggregation_refuses_a_plain_round(tmp_path):
         assert srv.status()["round"]["accepted"] == 0
     finally:
         srv.stop()
+
+
+def test_cli_flag_require_secure_aggregation(tmp_path):
+    """``fedfs device --require-secure-aggregation`` against a plain server: refuses the round,
+    sends no update, stops at its wait timeout with a message."""
+    srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--code-length", "127", "--rounds", "1",
+                       "--min-participants", "1")
+    try:
+        write_images(tmp_path / "img", 3, seed=2)
+        r = subprocess.run([sys.executable, "-m", "fedfs_sdk.cli.main", "device", "--server", srv.url,
+                            "--images", str(tmp_path / "img"), "--state", str(tmp_path / "dev"), "--rounds", "1",
+                            "--wait-timeout", "3", "--require-secure-aggregation", "--audit-dir", str(tmp_path / "a")],
+                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and "round_refused round_id=1" in r.stderr, r.stderr[-2000:]
+        assert "no secure-aggregation round from the server" in r.stderr
+        index = [json.loads(x) for x in (tmp_path / "a" / "index.jsonl").read_text().splitlines()]
+        assert not any(e["method"] == "PUT" for e in index)
+    finally:
+        srv.stop()

@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", choices=VERIFY_MODELS, default=None,
                    help="with --enroll, fedfs+feduv: which model verifies: 'both' (unit(W q') ⊕ unit(W r'), the "
                         "default), 'personal' (θ_c, FedFS's reading) or 'global'")
+    p.add_argument("--require-secure-aggregation", action="store_true",
+                   help="take part only in secure-aggregation rounds (the server then sees only the sum of the "
+                        "round's updates); a plain round is refused, nothing is trained or sent")
     p.add_argument("--key-file", type=Path, help="32-byte device key: encrypts the enrollment and the FedUV "
                    "secrets (default: STATE/enrollment.key, created 0600)")
     p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what "
@@ -90,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
                           wait_timeout_s=args.wait_timeout,
                           detect_face=args.detect_face, enroll=args.enroll, q=args.q, enrollment_key=key,
                           registration_token=args.registration_token, outliers=args.outliers,
-                          score=args.score, verify=args.verify)
+                          score=args.score, verify=args.verify,
+                          require_secure_aggregation=args.require_secure_aggregation)
     runtime = OrtRuntime(args.artifacts) if args.artifacts is not None else None
     batches = check_local_inputs(images, config, runtime)
     if args.key_file is not None and key is None:
