@@ -1,6 +1,6 @@
 """How a device computes its part of a round, behind one small interface.
 
-:class:`~fedfs_sdk.client.DeviceAgent` speaks the protocol (register, task, download,
+:class:`~fedfs_sdk.agent.DeviceAgent` speaks the protocol (register, task, download,
 upload, enroll); a runtime turns a task and the global model's bytes into an upload body
 and, after training, gives the inference backend that enrolls the owner:
 
@@ -37,8 +37,20 @@ from .methods import (DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAU
 from .wire_format import MODEL_FORMAT, split_train_json
 
 if TYPE_CHECKING:
-    from .client import DeviceAgent
+    from .device_state import DeviceState
     from .inference import InferenceBackend
+
+
+class DeviceContext(Protocol):
+    """What a runtime reads from the device running it (:class:`~fedfs_sdk.agent.DeviceAgent`):
+    its state directory, its images at a model's input size, and ξ by content hash. A protocol,
+    so the runtimes do not import the agent that drives them."""
+
+    state: "DeviceState"
+
+    def images_array(self, input_size: int) -> np.ndarray: ...
+
+    def xi_file(self, sha256: str | None) -> Path: ...
 
 
 @dataclass
@@ -94,11 +106,11 @@ def round_seed(seed: int, round_id: int) -> int:
 class DeviceRuntime(Protocol):
     name: str
 
-    def train(self, task: Mapping[str, Any], model: bytes, agent: "DeviceAgent") -> LocalUpdate:
+    def train(self, task: Mapping[str, Any], model: bytes, agent: DeviceContext) -> LocalUpdate:
         """Local training for ``task`` from the global model ``model`` (a fedfs checkpoint body)."""
         ...
 
-    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int,
+    def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
                  verify: str | None = None) -> "InferenceBackend":
         """The backend the owner verifies with (global model version ``version``), by
         ``verify`` (:data:`fedfs_sdk.methods.VERIFY_MODELS`; ``None``: ``θ_c`` for FedFS methods,
@@ -144,7 +156,7 @@ class TorchRuntime:
             raise ProtocolError(f"the server's model is not a fedfs checkpoint (format={meta.get('format')!r})")
         return weights, meta
 
-    def train(self, task: Mapping[str, Any], model: bytes, agent: "DeviceAgent") -> LocalUpdate:
+    def train(self, task: Mapping[str, Any], model: bytes, agent: DeviceContext) -> LocalUpdate:
         from .checkpoint import load_checkpoint
         from .model import ModelConfig
         from .trainer import LocalTrainer
@@ -178,7 +190,7 @@ class TorchRuntime:
         personal_bytes = encode_weights(result.personal_weights) if result.personal_weights is not None else None
         return LocalUpdate(body, result.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
-    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int,
+    def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
                  verify: str | None = None) -> "InferenceBackend":
         from .checkpoint import load_verifier, save_verifier
         from .dual_verifier import save_dual_verifier
@@ -341,7 +353,7 @@ class OrtRuntime:
                                   f"({path.relative_to(self.root)}); export with --methods {method}")
         return path
 
-    def train(self, task: Mapping[str, Any], model: bytes, agent: "DeviceAgent") -> LocalUpdate:
+    def train(self, task: Mapping[str, Any], model: bytes, agent: DeviceContext) -> LocalUpdate:
         from .ort_device import OrtDeviceTrainer, TrainingArtifact, decode_model, encode_update
 
         method = check_method(str(task["method"]))
@@ -371,7 +383,7 @@ class OrtRuntime:
             personal_bytes = save({k: np.ascontiguousarray(v) for k, v in up.personal_weights.items()})
         return LocalUpdate(body, up.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
-    def verifier(self, method: str, model: bytes, agent: "DeviceAgent", version: int,
+    def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
                  verify: str | None = None) -> "InferenceBackend":
         from .onnx_backend import OnnxBackend, with_weights
         from .ort_device import decode_model, dual_verifier_weights, verifier_weights

@@ -13,7 +13,9 @@ import torch
 from conftest_export import TINY, checkpoints, full_export
 from conftest_server import start_server, write_images
 from fedfs_sdk.checkpoint import load_verifier, model_id_of, save_verifier
-from fedfs_sdk.client import DeviceAgent, DeviceConfig, ServerClient
+from fedfs_sdk.agent import DeviceAgent
+from fedfs_sdk.device_config import DeviceConfig
+from fedfs_sdk.server_client import ServerClient
 from fedfs_sdk.device_runtime import DUAL_ONNX_FILE, verifier_model
 from fedfs_sdk.device_state import DeviceState
 from fedfs_sdk.dual_verifier import save_dual_verifier

@@ -253,7 +253,7 @@ def test_device_config_outlier_rule_is_checked_and_passed_to_the_cli() -> None:
     import argparse
 
     from fedfs_sdk.cli import device as device_cli
-    from fedfs_sdk.client import DeviceConfig
+    from fedfs_sdk.device_config import DeviceConfig
     assert DeviceConfig().outliers == "mad" and DeviceConfig(outliers="none").outliers == "none"
     with pytest.raises(InputError, match="outliers"):
         DeviceConfig(outliers="median")

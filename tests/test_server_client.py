@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from conftest_server import write_images
-from fedfs_sdk.client import DeviceAgent, DeviceConfig, RetryPolicy, ServerClient, ServerError
+from fedfs_sdk.agent import DeviceAgent
+from fedfs_sdk.device_config import DeviceConfig
+from fedfs_sdk.server_client import RetryPolicy, ServerClient, ServerError
 from fedfs_sdk.codes import make_codeword
 from fedfs_sdk.device_state import DeviceKeyError, DeviceState, DeviceStateError
 from fedfs_sdk.errors import CodeError, InputError, ProtocolError
@@ -296,7 +298,7 @@ def test_agent_refuses_a_state_of_another_server(tmp_path):
 def test_retry_after_hint_must_be_a_finite_non_negative_number():
     import httpx
 
-    from fedfs_sdk.client import _retry_after
+    from fedfs_sdk.server_client import _retry_after
 
     def hint(v):
         return _retry_after(httpx.Response(503, headers={"Retry-After": v}))

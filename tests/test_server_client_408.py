@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from fedfs_sdk.client import RetryPolicy, ServerClient, ServerError, is_transient
+from fedfs_sdk.server_client import RetryPolicy, ServerClient, ServerError, is_transient
 from fedfs_sdk.wire_format import sha256_hex
 
 

@@ -13,7 +13,9 @@ import torch
 
 from conftest_server import start_server, write_images
 from fedfs_sdk.checkpoint import save_checkpoint
-from fedfs_sdk.client import DeviceAgent, DeviceConfig, RetryPolicy, ServerClient
+from fedfs_sdk.agent import DeviceAgent
+from fedfs_sdk.device_config import DeviceConfig
+from fedfs_sdk.server_client import RetryPolicy, ServerClient
 from fedfs_sdk.device_state import DeviceState
 from fedfs_sdk.model import FaceNet, ModelConfig, personal_config
 from fedfs_sdk.preprocess import preprocess

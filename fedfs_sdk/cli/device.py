@@ -71,7 +71,9 @@ def _printer(name: str, fields: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..client import DeviceAgent, DeviceConfig, ServerClient, check_local_inputs, check_server_url
+    from ..agent import DeviceAgent
+    from ..device_config import DeviceConfig, check_local_inputs
+    from ..server_client import ServerClient, check_server_url
     from ..device_runtime import OrtRuntime
     from ..device_state import DeviceState
     from ..errors import InputError

@@ -92,7 +92,7 @@ _AFTER = {"advertise": 0, "share_keys": 1, "masked": 2, "unmask": 3, "done": 4, 
 
 
 class SecAggSession:
-    """One device's secure round over HTTP. ``client`` is a :class:`fedfs_sdk.client.ServerClient`
+    """One device's secure round over HTTP. ``client`` is a :class:`fedfs_sdk.server_client.ServerClient`
     (its ``request`` retries transient failures); ``wait_timeout_s`` bounds each wait for the
     server to reach the next phase (the server's own phase deadlines normally end it first)."""
 
