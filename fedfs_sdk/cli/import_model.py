@@ -5,20 +5,25 @@ Example::
     fedfs import-model recognizer.onnx --out xi.safetensors          # insightface-style ONNX, RGB
     fedfs import-model recognizer.onnx --bgr --out xi.safetensors    # a graph that wants BGR
     fedfs import-model mobilefacenet.pth --out phi0.safetensors --partial
-    fedfs import-model w600k_mbf.onnx --out xi.safetensors          # BatchNorm graph → mobilefacenet-affine
+    fedfs import-model w600k_mbf.onnx --out xi.safetensors          # insightface buffalo_s → insightface-mbf
+    fedfs import-model raw.onnx --input-mean 0 --input-std 1 --out xi.safetensors   # a graph fed raw 0–255 pixels
 
 The checkpoint is usable as ``--xi`` / ``--pretrained`` and by ``fedfs enroll --model``;
 the mapping report (every unmapped key, the BatchNorm layers folded into per-channel affines)
 is printed and stored in the checkpoint's meta. A BatchNorm network (BatchNormalization
-nodes, running statistics or BN-folded biased convs) imports onto ``mobilefacenet-affine``.
-See docs/real-faces-alignment.md. Until ``fedfs`` lists this command, run it as
-``python -m fedfs_sdk.cli.import_model …``.
+nodes, running statistics or BN-folded biased convs) imports onto ``mobilefacenet-affine`` or,
+for insightface's ``w600k_mbf`` / arcface_torch's mbf, ``insightface-mbf``; the source's input
+convention (BGR, its normalization) is folded into the first convolution. See
+docs/real-faces.md ("Bring your own face model").
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+IMPORTABLE_BACKBONES = ("mobilefacenet", "mobilefacenet-affine", "insightface-mbf")
+"""Backbones a state dict can be mapped onto (fedfs_sdk.face_import)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,9 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embedding-dim", type=int, default=None, help="embedding size (default: read from the weights)")
     p.add_argument("--partial", action="store_true",
                    help="state dict: keep a partial mapping (a starting point for ϕ) instead of refusing it")
-    p.add_argument("--backbone", choices=("mobilefacenet", "mobilefacenet-affine"), default=None,
-                   help="state dict: target backbone (default: mobilefacenet-affine when the weights have "
-                        "BatchNorm statistics or biased convs, else mobilefacenet)")
+    p.add_argument("--backbone", choices=IMPORTABLE_BACKBONES, default=None,
+                   help="state dict: target backbone (default: the first the weights fill — mobilefacenet, "
+                        "or with BatchNorm statistics / biased convs mobilefacenet-affine, then insightface-mbf)")
+    p.add_argument("--input-mean", type=float, default=None,
+                   help="ONNX: the source's normalization (x − mean)/std applied before its graph (default: "
+                        "127.5, or 0 when the graph normalizes its input itself)")
+    p.add_argument("--input-std", type=float, default=None,
+                   help="ONNX: see --input-mean (default: 127.5, or 1 when the graph normalizes itself)")
     p.add_argument("--bn-eps", type=float, default=1e-5,
                    help="state dict: the BatchNorm ε (a state dict does not record it; torch's default 1e-5)")
     p.add_argument("--atol", type=float, default=1e-4,
@@ -43,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
 
     src = Path(args.source)
     if src.suffix.lower() == ".onnx":
-        model, report = import_onnx(src, rgb=not args.bgr, embedding_dim=args.embedding_dim, atol=args.atol)
+        model, report = import_onnx(src, rgb=not args.bgr, embedding_dim=args.embedding_dim, atol=args.atol,
+                                    input_mean=args.input_mean, input_std=args.input_std)
     else:
         state = read_state_dict(src)
         cfg = (ModelConfig(args.backbone or state_dict_backbone(state), embedding_dim=args.embedding_dim, input_size=112)
