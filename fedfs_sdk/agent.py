@@ -281,14 +281,15 @@ class DeviceAgent:
                                      "runtime": self.runtime.name, "secure_aggregation": True})
         session.advertise()
         session.share_keys()
-        update = self.runtime.train(task, self.model_bytes(version, str(task["model_sha256"])), self)
+        global_model = self.model_bytes(version, str(task["model_sha256"]))
+        update = self.runtime.train(task, global_model, self)
         self._emit("trained", {"round_id": round_id, "num_samples": update.num_samples,
                                **{k: v for k, v in update.metrics.items() if k.endswith("_last")}})
         self.state.save_pending(round_id, version, update.body, update.personal, {
             "round_id": round_id, "model_version": version, "method": method, "num_samples": update.num_samples,
             "runtime": self.runtime.name, "secure_aggregation": True, "at": time.time()})
-        try:
-            receipt = session.masked_input(update.body)
+        try:   # a DP round masks the clipped w_c − w: the global model is the reference
+            receipt = session.masked_input(update.body, reference=global_model)
         except BaseException:
             self.state.discard_pending()           # not in the sum: θ_c does not advance
             raise

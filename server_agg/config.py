@@ -60,12 +60,14 @@ class RoundPolicy:
         dp_accountant: ``rdp`` or ``pld`` (Google ``dp-accounting``).
         secure_aggregation: rounds run the secure-aggregation protocol (Bonawitz et al. 2017;
             ``server_agg.secagg_rounds``): the server learns only ``Σ n·w`` and ``Σ n`` of the
-            surviving devices. Not combinable with DP-FedAvg or ``max_update_norm`` (the
-            server cannot clip or weigh an update it never sees).
+            surviving devices. ``max_update_norm`` alone is refused (the server cannot clip an
+            update it never sees); with DP-FedAvg each device clips ``Δ`` to it and masks
+            ``min(n, ŵ)·Δ``, and the server adds the noise to the unmasked sum (docs/privacy.md).
         secagg_threshold: Shamir threshold ``t`` (``None``: ``⌊2m/3⌋ + 1`` of the ``m`` share
             holders; at least a strict majority).
         secagg_neighbours: ``None`` for full SecAgg, else an even ``k`` (SecAgg+, Bell et al. 2020).
-        secagg_clip: fixed-point range: each weight is clipped to ``[-clip, clip]``.
+        secagg_clip: fixed-point range: each weight is clipped to ``[-clip, clip]`` (a DP
+            round's range is ``max_update_norm`` instead: it masks ``Δ``, ``‖Δ‖₂ ≤ C``).
         secagg_scale_bits: fixed-point resolution ``2^-scale_bits``.
         secagg_min_devices: a round with fewer devices advertising keys fails (≥ 3).
         secagg_phase_timeout_s: deadline of each key / unmasking phase (the masked-input phase,
@@ -142,15 +144,19 @@ class RoundPolicy:
         _check_number("secagg_phase_timeout_s", self.secagg_phase_timeout_s, positive=True, maximum=MAX_SECONDS)
         if not self.secure_aggregation:
             return
-        if self.dp_noise_multiplier is not None:
-            raise InputError("secure aggregation with DP-FedAvg is not supported yet: DP-FedAvg clips and weighs "
-                             "each update on the server, which never sees one; drop dp_noise_multiplier or "
-                             "secure_aggregation")
-        if self.max_update_norm is not None:
-            raise InputError("secure aggregation cannot clip updates to max_update_norm: the server never sees "
-                             "one; unset max_update_norm (the fixed-point range secagg_clip bounds each weight)")
         from fedfs_sdk.secagg import FixedPoint   # checks range × samples × resolution fits 63 bits
 
+        if self.dp_noise_multiplier is not None:
+            # DP-FedAvg under secure aggregation: each device clips Δ = w_c − w to C = max_update_norm
+            # and masks n'·Δ with n' = min(n, ŵ); the fixed-point range is C (not secagg_clip) and
+            # the weight word at most ŵ. The server adds the noise to the unmasked sum.
+            FixedPoint(clip=float(self.max_update_norm), scale_bits=self.secagg_scale_bits,  # type: ignore[arg-type]
+                       max_devices=1, max_samples=self.dp_weight_cap)
+            return
+        if self.max_update_norm is not None:
+            raise InputError("secure aggregation cannot clip updates to max_update_norm: the server never sees "
+                             "one; unset max_update_norm (the fixed-point range secagg_clip bounds each weight), "
+                             "or turn DP-FedAvg on (dp_noise_multiplier), where devices clip to it themselves")
         FixedPoint(clip=float(self.secagg_clip), scale_bits=self.secagg_scale_bits, max_devices=1,
                    max_samples=self.max_num_samples)
 

@@ -12,7 +12,9 @@ Models*; the estimator and its sensitivity are explained in :mod:`fedfs_sdk.dp`)
   reveals who uploaded), so a crash never under-counts.
 * :class:`DpFedAvg` — drop-in for :class:`~server_agg.aggregate.StreamingFedAvg` in a DP
   round: accumulates ``Σ w_k · clip_C(w_c − w)`` in float64 and returns
-  ``w + (Σ + N(0, σ²C²)) / (q·N)``.
+  ``w + (Σ + N(0, σ²C²)) / (q·N)``. Under secure aggregation the devices clip and weigh
+  their own updates and the sum arrives unmasked (:meth:`DpFedAvg.add_secure_sum`); the
+  noise is added here, centrally, once.
 
 Sampling must be Poisson with rate ``q`` and secret for the amplification the accountant
 assumes: the coordinator samples DP rounds with :class:`random.SystemRandom`, each eligible
@@ -225,6 +227,32 @@ class DpFedAvg:
         self.total_samples += sum(ns)
         self.weight_sum += float(wk.sum())
         self.clipped += int((norms > clip).sum())
+
+    def add_secure_sum(self, weighted: np.ndarray, count: int, weight_words: int) -> None:
+        """Take a secure-aggregation round's unmasked sum instead of individual updates.
+
+        ``weighted`` is ``Σ_k n'_k Δ_k / Σ_k n'_k`` over **all** tensors sorted by name (the
+        secure layout of :func:`fedfs_sdk.secagg.http_device.flatten_update`), ``weight_words``
+        = ``Σ n'_k`` with ``n'_k = min(n_k, ŵ)``: the devices clipped and weighed their own
+        updates (:func:`fedfs_sdk.secagg.http_device.dp_input`), so ``Σ w_k Δ_k`` =
+        ``weighted · Σn' / ŵ``. The server cannot re-clip here — it never sees one update —
+        and coordinates of integer buffers are ignored (not privatized, as in :meth:`add`)."""
+        if count < 1 or weight_words < count:
+            raise InputError(f"a secure DP sum needs ≥ 1 input of weight ≥ 1; got {count} input(s), Σn' = {weight_words}")
+        names = sorted(self.reference)
+        offsets, at = {}, 0
+        for k in names:
+            offsets[k] = at
+            at += self.reference[k].numel()
+        vec = np.asarray(weighted, dtype=np.float64)
+        if vec.shape != (at,):
+            raise InputError(f"the unmasked sum has shape {vec.shape}, the model {at} values")
+        flat = np.concatenate([vec[offsets[k]:offsets[k] + self.reference[k].numel()] for k in self.keys]) \
+            if self.keys else np.zeros(0)
+        self._sum += flat * (float(weight_words) / self.params.weight_cap)
+        self.count += int(count)
+        self.total_samples += int(weight_words)
+        self.weight_sum += float(weight_words) / self.params.weight_cap
 
     def noisy_average_update(self) -> np.ndarray:
         """``(Σ w_k Δ_k + N(0, σ²C²)) / (q·N)``: fresh noise on every call."""

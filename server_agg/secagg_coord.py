@@ -135,11 +135,19 @@ class SecAggCoordinator:
 
     def _secagg_finish(self, r: "OpenRound", result: SecAggResult) -> None:
         model = self.model  # type: ignore[attr-defined]
-        weights = unflatten(result.mean, model.weights)
+        if "dp" in r.task:
+            # DP-FedAvg: the unmasked sum is Σ n'·clip_C(Δ) (devices clipped and weighed); the
+            # round's DpFedAvg adds N(0, σ²C²) once, here, and divides by the fixed q·N. The
+            # server sees this sum without noise (central DP; docs/privacy.md says so).
+            r.acc.add_secure_sum(result.mean, len(result.survivors), result.total_samples)
+            weights = r.acc.result()
+        else:
+            weights = unflatten(result.mean, model.weights)
+        dp = self._dp_statement(r.policy, r.task.get("dp"))  # type: ignore[attr-defined]  # as a plain round's
         self._secagg_summary(r, result)
         version = model.version + 1
         self._publish(version, weights, model.model_config, r.id, len(result.survivors),  # type: ignore[attr-defined]
-                      result.total_samples, "secure aggregation")
+                      result.total_samples, "secure aggregation", dp=dp)
         log.info("round closed", extra={"fields": {"round_id": r.id, "secure_aggregation": True,
                                                    "survivors": len(result.survivors), "dropped": result.dropped,
                                                    "total_samples": result.total_samples, "new_version": version}})

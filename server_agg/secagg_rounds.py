@@ -29,7 +29,7 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.secagg import (RoundFailedError, SecAggError, SecAggParams, SecAggResult, SecAggServer, from_json,
                               restore, snapshot, to_json)
 from fedfs_sdk.secagg import messages as M
-from fedfs_sdk.secagg.http_device import layout_digest, params_from_task
+from fedfs_sdk.secagg.http_device import DP_INPUT, layout_digest, params_from_task
 
 from .errors import ApiError, Forbidden
 from .store import atomic_write
@@ -51,12 +51,17 @@ def secagg_error(e: SecAggError) -> ApiError:
 def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int) -> dict[str, Any]:
     """``task["secagg"]`` of a new round (without the per-device ``device`` index)."""
     dim = int(sum(int(np.prod(s)) for s in shapes.values()))
-    return {"dim": dim, "threshold": policy.secagg_threshold, "neighbours": policy.secagg_neighbours,
-            "clip": float(policy.secagg_clip), "scale_bits": int(policy.secagg_scale_bits),
-            "max_devices": max(1, int(n_devices)), "max_samples": int(policy.max_num_samples),
-            "min_devices": int(policy.secagg_min_devices), "layout_sha256": layout_digest(
-                {k: tuple(int(x) for x in s) for k, s in shapes.items()}),
-            "phase_timeout_s": float(policy.secagg_phase_timeout_s)}
+    fields = {"dim": dim, "threshold": policy.secagg_threshold, "neighbours": policy.secagg_neighbours,
+              "clip": float(policy.secagg_clip), "scale_bits": int(policy.secagg_scale_bits),
+              "max_devices": max(1, int(n_devices)), "max_samples": int(policy.max_num_samples),
+              "min_devices": int(policy.secagg_min_devices), "layout_sha256": layout_digest(
+                  {k: tuple(int(x) for x in s) for k, s in shapes.items()}),
+              "phase_timeout_s": float(policy.secagg_phase_timeout_s)}
+    if getattr(policy, "dp", False):
+        # DP-FedAvg: devices mask n'·clip_C(Δ) and n' = min(n, ŵ) (fedfs_sdk.secagg.http_device.dp_input):
+        # every coordinate of an honest Δ is within ±C, so C is the range, and ŵ bounds the weight word.
+        fields.update(clip=float(policy.max_update_norm), max_samples=int(policy.dp_weight_cap), input=DP_INPUT)
+    return fields
 
 
 def unflatten(mean: np.ndarray, reference: Mapping[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,9 @@ from .params import SecAggParams
 
 TASK_FIELDS = ("dim", "threshold", "neighbours", "clip", "scale_bits", "max_devices", "max_samples",
                "min_devices", "layout_sha256")
+DP_INPUT = "dp_clipped_delta"
+"""``task["secagg"]["input"]`` of a DP-FedAvg secure round: the device masks its clipped,
+weighted update ``Δ`` (not its weights); absent = the weights ``w`` (plain FedAvg)."""
 DEVICE_MIN_DEVICES = 3
 """A device refuses a secure round whose server allows fewer devices than this: with 2, the
 other device learns this one's update from the published sum."""
@@ -79,6 +82,54 @@ def flatten_update(body: bytes, layout_sha256: str | None = None) -> tuple[np.nd
     return vec, meta.num_samples
 
 
+def dp_of_task(task: Mapping[str, Any]) -> Any:
+    """The round's :class:`~fedfs_sdk.dp.DpParams` if it is a DP secure round (None if plain);
+    :class:`SecAggRoundLost` when ``task["dp"]`` and ``task["secagg"]["input"]`` disagree —
+    masking weights in a DP round would publish an unclipped, unweighted sum."""
+    fields = task.get("secagg") or {}
+    wanted = fields.get("input") if isinstance(fields, Mapping) else None
+    if not task.get("dp"):
+        if wanted is not None:
+            raise SecAggRoundLost("refused", f"the round asks for secure input {wanted!r} without DP parameters")
+        return None
+    if wanted != DP_INPUT:
+        raise SecAggRoundLost("refused", f"a DP round's secure input must be {DP_INPUT!r}, the server says "
+                              f"{wanted!r}: this device will not mask unclipped weights")
+    from ..dp import DpParams
+
+    return DpParams.from_json(task["dp"])
+
+
+def dp_input(w: np.ndarray, n: int, reference: bytes, dp: Any,
+             layout_sha256: str | None = None) -> tuple[np.ndarray, int]:
+    """What a device masks in a DP-FedAvg secure round: ``(Δ, n')`` as the encoder's
+    ``(vector, weight)`` with ``Δ = clip_C(w_c − w)`` over the floating tensors (0 on integer
+    buffers, which DP-FedAvg does not average) and ``n' = min(n, ŵ)``. The encoder multiplies
+    by ``n'``, so the unmasked sum is ``Σ n'_k Δ_k = ŵ · Σ w_k Δ_k`` with McMahan et al.'s
+    weights ``w_k = min(n_k/ŵ, 1) = n'_k/ŵ`` — integers, which the ring holds exactly.
+
+    The clip runs here in float64 on the flattened update (the body holds ``w + Δ`` rounded to
+    float32, whose ``Δ`` may sit an ulp above ``C``): this is the device's own guarantee, the
+    server cannot check it under secure aggregation (docs/privacy.md)."""
+    from safetensors.numpy import load
+
+    from ..dp import clip_delta
+
+    ref = load(reference)
+    if layout_sha256 is not None and layout_digest({k: a.shape for k, a in ref.items()}) != layout_sha256:
+        raise InputError("the reference model's tensors differ from the round's model layout (layout_sha256)")
+    keys = sorted(ref)
+    sizes = [int(np.asarray(ref[k]).size) for k in keys]
+    if sum(sizes) != w.size:
+        raise InputError(f"the global model has {sum(sizes)} values, the update {w.size}")
+    flat_ref = np.concatenate([np.asarray(ref[k], dtype=np.float64).ravel() for k in keys])
+    floating = np.concatenate([np.full(s, np.issubdtype(np.asarray(ref[k]).dtype, np.floating))
+                               for k, s in zip(keys, sizes)])
+    delta = np.where(floating, np.asarray(w, dtype=np.float64) - flat_ref, 0.0)
+    clipped, _, _ = clip_delta(delta, dp.clip)
+    return clipped, min(int(n), int(dp.weight_cap))
+
+
 class SecAggRoundLost(ProtocolError):
     """This device is out of the secure round: the server moved past a phase without it, the
     round failed, or the device refused an unsafe request. ``code`` / ``reason`` say which."""
@@ -108,6 +159,7 @@ class SecAggSession:
         self.layout_sha256 = str(fields["layout_sha256"])  # type: ignore[index]
         self.device = SecAggDevice(self.params, self.index)
         self.client, self._sleep, self._clock, self.wait_timeout_s = client, sleep, clock, wait_timeout_s
+        self.dp = dp_of_task(task)
         self.path = f"/v1/rounds/{self.round_id}/secagg"
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -154,9 +206,17 @@ class SecAggSession:
         roster = self._wait_for("roster", "share_keys")
         return self._post("share-keys", self._local(self.device.share_keys, roster))
 
-    def masked_input(self, update_body: bytes) -> dict[str, Any]:
-        """Mask the update ``n·w`` (and ``n``) and upload ``y_u`` as a raw body; the receipt."""
+    def masked_input(self, update_body: bytes, reference: bytes | None = None) -> dict[str, Any]:
+        """Mask the update ``n·w`` (and ``n``) and upload ``y_u`` as a raw body; the receipt.
+
+        In a DP-FedAvg round (``task["dp"]``) the device masks ``n'·clip_C(w_c − w)`` and
+        ``n' = min(n, ŵ)`` instead (:func:`dp_input`), so ``reference`` — the round's global
+        model (its checkpoint bytes) — is required."""
         w, n = flatten_update(update_body, self.layout_sha256)
+        if self.dp is not None:
+            if reference is None:
+                raise InputError("a DP secure round masks w_c − w: pass the round's global model as reference")
+            w, n = dp_input(w, n, reference, self.dp, self.layout_sha256)
         inbox = self._wait_for("inbox", "masked")
         msg = self._local(self.device.masked_input, inbox, w, n)
         y = msg["y"]
@@ -187,4 +247,5 @@ class SecAggSession:
             self._sleep(min(max(float(v.get("retry_after") or 0.5), 0.05), 10.0))
 
 
-__all__ = ["SecAggSession", "SecAggRoundLost", "params_from_task", "flatten_update", "layout_digest", "TASK_FIELDS"]
+__all__ = ["SecAggSession", "SecAggRoundLost", "params_from_task", "flatten_update", "layout_digest", "TASK_FIELDS",
+           "DP_INPUT", "dp_of_task", "dp_input"]
