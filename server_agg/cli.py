@@ -94,7 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-accountant", choices=("rdp", "pld"), help="privacy accountant (dp-accounting)")
     g.add_argument("--secure-aggregation", action=argparse.BooleanOptionalAction, default=None,
                    help="rounds run secure aggregation: the server learns only the sum of the surviving "
-                        "devices' n·w and n (docs/privacy.md); --no-secure-aggregation turns it off")
+                        "devices' n·w and n (with --dp-noise-multiplier: of their clipped, weighted w_c − w, "
+                        "noised by the server; docs/privacy.md); --no-secure-aggregation turns it off")
     g.add_argument("--secagg-threshold", type=int, metavar="T",
                    help="shares needed to unmask (stored default: ⌊2m/3⌋+1 of m share holders; ≥ majority)")
     g.add_argument("--secagg-neighbours", type=int, metavar="K", help="SecAgg+: each device masks with K "
