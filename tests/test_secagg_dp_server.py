@@ -272,3 +272,52 @@ def test_policy_accepts_dp_with_secure_aggregation_and_still_refuses_a_server_si
     with pytest.raises(InputError, match="bits"):        # C × ŵ × 2^s must fit the ring
         RoundPolicy(secure_aggregation=True, max_update_norm=1e6, dp_noise_multiplier=1.0, dp_delta=1e-5,
                     dp_weight_cap=1 << 20, secagg_scale_bits=40)
+
+
+@pytest.mark.slow
+def test_torch_device_agents_run_a_secure_dp_round(tmp_path):
+    """Three real :class:`DeviceAgent` processes (torch runtime, real local training) in a
+    secure DP round at σ = 0: the published change is ``Σ w_k·clip_C(w_c − w)/(q·N)`` of
+    the updates their runtime produced, with ``w_k = min(n/ŵ, 1)``; no plain update left a
+    device (the audit copies of every request body are searched)."""
+    from test_secagg_devices import COUNTS, TRAIN, run_devices
+
+    cap, clip = 6, 0.05                                   # n = 5, 7, 9 → w_k = 5/6, 1, 1
+    srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--code-length", "127", "--method", "feduv",
+                       "--rounds", "1", "--min-participants", "3", "--secure-aggregation",
+                       "--secagg-phase-timeout", "60", "--train", json.dumps(TRAIN), "--max-update-norm", str(clip),
+                       "--dp-noise-multiplier", "0", "--dp-delta", str(DELTA), "--dp-weight-cap", str(cap))
+    try:
+        ref_bytes, ref, _ = _model(srv, 1)
+        run_devices(tmp_path, srv.url, rounds=1)
+        with srv.admin() as c:
+            info = c.get("/v1/rounds/1").json()
+        assert info["state"] == "closed" and info["secure_aggregation"]["survivors"] == 3, info
+        assert info["total_samples"] == sum(min(n, cap) for n in COUNTS)
+        fl = _floating(ref)
+        exact = np.zeros(fl.size)
+        norms = []
+        for d, n in enumerate(COUNTS):
+            body = (tmp_path / f"rec{d}" / "r1.safetensors").read_bytes()
+            w, _ = read_safetensors(body)
+            delta = (_flat(w) - _flat(ref)) * fl
+            norms.append(float(np.linalg.norm(delta)))
+            exact += min(n / cap, 1.0) * delta * min(1.0, clip / norms[-1])
+        exact /= 3.0                                          # q·N = 1·3
+        _, pub, meta = _model(srv, 2)
+        got = _flat(pub) - _flat(ref)
+        tol = 2.0 ** -24 * (1.0 + np.abs(_flat(ref))) * 2
+        assert np.all(np.abs(got - exact)[fl] <= tol[fl]), float(np.max(np.abs(got - exact)[fl]))
+        assert np.linalg.norm(got) <= clip * (5 / 6 + 2) / 3 * (1 + 1e-6)
+        assert max(norms) <= clip * (1 + 1e-6)                # the runtime already clipped before encoding
+        assert min(norms) >= clip * 0.999, norms               # … and clipping was active (updates ≫ C)
+        assert json.loads(meta["meta"])["dp"]["epsilon"] == "inf"
+        for d in range(3):                                    # no plain update in any request body
+            index = [json.loads(x) for x in (tmp_path / f"audit{d}" / "index.jsonl").read_text().splitlines()]
+            assert not any(e["path"].endswith("/update") for e in index)
+            sent = [(tmp_path / f"audit{d}" / e["file"]).read_bytes() for e in index if e["file"]]
+            w32 = np.concatenate([np.asarray(v, np.float32).ravel() for _, v in
+                                  sorted(read_safetensors((tmp_path / f"rec{d}" / "r1.safetensors").read_bytes())[0].items())])
+            assert not any(w32[1000:1016].tobytes() in s for s in sent)
+    finally:
+        srv.stop()
