@@ -128,12 +128,16 @@ def _state_blobs(root) -> list[bytes]:
     return [p.read_bytes() for p in root.rglob("*") if p.is_file()]
 
 
+def _args(sigma: float) -> tuple[str, ...]:
+    return ("--init-backbone", "tiny", "--code-length", "127", "--min-participants", str(N),
+            "--participation", "1.0", "--secure-aggregation", "--secagg-phase-timeout", "5",
+            "--round-timeout", "10", "--device-ttl", "0", "--rounds", "5",
+            "--max-update-norm", str(CLIP), "--dp-noise-multiplier", str(sigma), "--dp-delta", str(DELTA),
+            "--dp-weight-cap", str(CAP))
+
+
 def _server(state, sigma: float, *extra: str):
-    return start_server(state, "--init-backbone", "tiny", "--code-length", "127", "--min-participants", str(N),
-                        "--participation", "1.0", "--secure-aggregation", "--secagg-phase-timeout", "5",
-                        "--round-timeout", "10", "--device-ttl", "0", "--rounds", "5",
-                        "--max-update-norm", str(CLIP), "--dp-noise-multiplier", str(sigma), "--dp-delta", str(DELTA),
-                        "--dp-weight-cap", str(CAP), *extra)
+    return start_server(state, *_args(sigma), *extra)
 
 
 def _secure_round(srv, state, devs: list[Dev], rnd: int, rng) -> tuple[dict, dict, dict, dict]:
@@ -319,5 +323,49 @@ def test_torch_device_agents_run_a_secure_dp_round(tmp_path):
             w32 = np.concatenate([np.asarray(v, np.float32).ravel() for _, v in
                                   sorted(read_safetensors((tmp_path / f"rec{d}" / "r1.safetensors").read_bytes())[0].items())])
             assert not any(w32[1000:1016].tobytes() in s for s in sent)
+    finally:
+        srv.stop()
+
+
+def test_secure_dp_round_survives_sigkill_and_a_dropout_after_masking(tmp_path):
+    """The server is SIGKILLed after two of four masked inputs and restarted on its state; the
+    last device drops after masking (its input is in the sum, t = 3 shares rebuild its self
+    mask). The published change is still the clipped weighted sum of all four plus noise of
+    std σC/(q·N), and the round is charged once."""
+    state = tmp_path / "server"
+    srv = _server(state, SIGMA)
+    port = int(srv.url.rsplit(":", 1)[1])
+    try:
+        devs = [Dev(srv.url, i) for i in range(N)]
+        _wait(srv, 1)
+        ref_bytes, ref, _ = _model(srv, 1)
+        rng = np.random.default_rng(11)
+        for d in devs:
+            d.prepare(1, ref_bytes, ref, rng)
+        for d in devs:
+            d.session.advertise()
+        for d in devs:
+            d.session.share_keys()
+        devs[0].mask()
+        devs[1].mask()
+        srv.kill()
+        srv = start_server(state, *_args(SIGMA), port=port)
+        devs[2].mask()
+        devs[3].mask()
+        for d in devs[:3]:                                   # devs[3] drops after masking
+            d.session.unmask()
+        info = _wait(srv, 1, state="done")
+        assert info["state"] == "closed", info
+        assert info["secure_aggregation"]["dropped"].get("unmask") == 1
+        _, pub, meta = _model(srv, 2)
+        fl = _floating(ref)
+        resid = (_flat(pub) - _flat(ref) - _exact_update(ref, devs))[fl]
+        std = SIGMA * CLIP / DENOM
+        lo, hi = stats.chi2.ppf([0.0005, 0.9995], resid.size - 1)
+        assert lo <= (resid.size - 1) * resid.var(ddof=1) / std ** 2 <= hi, (resid.std(), std)
+        for d in devs:
+            assert abs((_flat(pub) - _flat(ref) - _exact_update(ref, devs))[d.idx].mean()) <= 4.5 * std / math.sqrt(BLOCK)
+        dp = json.loads(meta["meta"])["dp"]
+        assert dp["rounds_charged"] == 1 and dp["epsilon"] == pytest.approx(epsilon([(1.0, SIGMA, 1)], DELTA))
     finally:
         srv.stop()
