@@ -2,17 +2,19 @@
 
 Static QDQ quantization, per-channel int8 weights, uint8 activations calibrated (MinMax)
 on face images — the format NNAPI / XNNPACK / Core ML execution providers run as int8.
-Two choices, both measured (``docs/export.md``):
+Three choices, all measured (``docs/export.md``):
 
-* **The first convolution stays float.** Every conv here is followed by a per-sample group
-  norm (``GroupNormP``), which rescales each channel group to unit variance. The first
-  conv's output has channel groups of very different ranges; one per-tensor activation
-  scale leaves the small groups a few levels, and the norm then blows their quantization
-  noise up to full scale (alone it dropped the min cosine to fp32 to 0.62 on the tiny
-  model; excluding it: 0.994). Deeper convs quantize well.
+* **Only the dense inner convolutions are int8** (:func:`fp32_convs` lists the others and
+  why): the first (its output groups have very different ranges, and the per-sample group
+  norm after it blows the small groups' quantization noise up to full scale — alone it
+  dropped the min cosine to fp32 to 0.62 on the tiny model; excluded: 0.994), the depthwise
+  ones (ORT's int8 depthwise kernel is slower than its fp32 one) and the last.
 * **Static, not dynamic.** Dynamic quantization computes activation scales per *batch*
   at run time, so an image's embedding would depend on the other images batched with it,
   and ORT's CPU ``ConvInteger`` has no int8-weight kernel.
+* **Decisions are checked before the file is written** (:func:`quantize_int8`): on held-out
+  calibration images the int8 model may decide at most :data:`INT8_MAX_FLIP_RATE` of
+  accept/reject decisions unlike fp32, else :class:`Int8NumericsError`.
 
 The int8 model gets its own ``model_id``, ``<fp32 id>-int8-<16 hex>``: the suffix is the
 sha256 of what the int8 graph computes with (every initializer — int8 weights, scales, zero
