@@ -36,7 +36,7 @@ _POLICY_FLAGS: dict[str, tuple[str, type]] = {
     # user-level DP-FedAvg (server_agg.dp; docs/privacy.md)
     "dp_noise_multiplier": ("dp_noise_multiplier", float), "dp_delta": ("dp_delta", float),
     "dp_epsilon_budget": ("dp_epsilon_budget", float), "dp_weight_cap": ("dp_weight_cap", int),
-    "dp_accountant": ("dp_accountant", str),
+    "dp_accountant": ("dp_accountant", str), "dp_noise": ("dp_noise", str),
     # secure aggregation (server_agg.secagg_rounds; docs/privacy.md)
     "secure_aggregation": ("secure_aggregation", bool), "secagg_threshold": ("secagg_threshold", int),
     "secagg_neighbours": ("secagg_neighbours", int), "secagg_clip": ("secagg_clip", float),
@@ -92,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="refuse to open a round that would take ε above this; the federation stops")
     g.add_argument("--dp-weight-cap", type=int, metavar="N", help="a device weighs min(|D_c|/N, 1) in a DP round")
     g.add_argument("--dp-accountant", choices=("rdp", "pld"), help="privacy accountant (dp-accounting)")
+    g.add_argument("--dp-noise", choices=("central", "distributed"),
+                   help="with --secure-aggregation: 'distributed' = each device adds its share of the noise to "
+                        "its masked input, so the server never sees a noiseless sum (docs/privacy.md)")
     g.add_argument("--secure-aggregation", action=argparse.BooleanOptionalAction, default=None,
                    help="rounds run secure aggregation: the server learns only the sum of the surviving "
                         "devices' n·w and n (with --dp-noise-multiplier: of their clipped, weighted w_c − w, "

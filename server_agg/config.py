@@ -58,6 +58,9 @@ class RoundPolicy:
             automatic federation stops (``None``: no budget, ε is still reported).
         dp_weight_cap: ``ŵ``: a device's weight ``min(|D_c|/ŵ, 1)`` (1: all weigh the same).
         dp_accountant: ``rdp`` or ``pld`` (Google ``dp-accounting``).
+        dp_noise: ``central`` (the server adds ``N(0, σ²C²)`` to the sum) or ``distributed``
+            (secure aggregation only: each device adds ``N(0, σ²C²/m)`` to its masked input
+            and the round fails before unmasking with fewer than ``m`` inputs).
         secure_aggregation: rounds run the secure-aggregation protocol (Bonawitz et al. 2017;
             ``server_agg.secagg_rounds``): the server learns only ``Σ n·w`` and ``Σ n`` of the
             surviving devices. ``max_update_norm`` alone is refused (the server cannot clip an
@@ -92,6 +95,7 @@ class RoundPolicy:
     dp_epsilon_budget: float | None = None
     dp_weight_cap: int = 1
     dp_accountant: str = "rdp"
+    dp_noise: str = "central"
     secure_aggregation: bool = False
     secagg_threshold: int | None = None
     secagg_neighbours: int | None = None
@@ -147,6 +151,11 @@ class RoundPolicy:
         from fedfs_sdk.secagg import FixedPoint   # checks range × samples × resolution fits 63 bits
 
         if self.dp_noise_multiplier is not None:
+            if self.dp_noise == "distributed":   # the range must hold the noise tails too
+                from .secagg_rounds import dp_range
+
+                FixedPoint(clip=dp_range(self, self.secagg_min_devices), scale_bits=self.secagg_scale_bits,
+                           max_devices=1, max_samples=self.dp_weight_cap)
             # DP-FedAvg under secure aggregation: each device clips Δ = w_c − w to C = max_update_norm
             # and masks n'·Δ with n' = min(n, ŵ); the fixed-point range is C (not secagg_clip) and
             # the weight word at most ŵ. The server adds the noise to the unmasked sum.
@@ -165,6 +174,11 @@ class RoundPolicy:
         _check_int("dp_weight_cap", self.dp_weight_cap, 1, MAX_NUM_SAMPLES)
         if self.dp_accountant not in ("rdp", "pld"):
             raise InputError(f"dp_accountant must be 'rdp' or 'pld', got {str(self.dp_accountant)[:40]!r}")
+        if self.dp_noise not in ("central", "distributed"):
+            raise InputError(f"dp_noise must be 'central' or 'distributed', got {str(self.dp_noise)[:40]!r}")
+        if self.dp_noise == "distributed" and not (self.secure_aggregation and self.dp_noise_multiplier is not None):
+            raise InputError("dp_noise = distributed needs DP (dp_noise_multiplier) and secure_aggregation: "
+                             "without masking, each device's noise would be seen alone")
         if self.dp_delta is not None:
             _check_number("dp_delta", self.dp_delta, positive=True)
             if not self.dp_delta < 1:

@@ -254,16 +254,19 @@ class DpFedAvg:
         self.total_samples += int(weight_words)
         self.weight_sum += float(weight_words) / self.params.weight_cap
 
-    def noisy_average_update(self) -> np.ndarray:
-        """``(Σ w_k Δ_k + N(0, σ²C²)) / (q·N)``: fresh noise on every call."""
+    def noisy_average_update(self, add_noise: bool = True) -> np.ndarray:
+        """``(Σ w_k Δ_k + N(0, σ²C²)) / (q·N)``: fresh noise on every call. ``add_noise=False``:
+        the sum already carries it (distributed noise under secure aggregation)."""
         p = self.params
+        if not add_noise:
+            return self._sum / p.denominator
         noise = gaussian_noise(self.rng, self._sum.size, p.noise_multiplier, p.clip)
         return (self._sum + noise) / p.denominator
 
-    def result(self) -> dict[str, torch.Tensor]:
+    def result(self, add_noise: bool = True) -> dict[str, torch.Tensor]:
         """``w + f̃_f + noise`` as a state dict in the reference dtypes (non-floating
         buffers keep the global model's values: they are not privatized)."""
-        upd = self.noisy_average_update()
+        upd = self.noisy_average_update(add_noise)
         out: dict[str, torch.Tensor] = {}
         off = 0
         for k, ref in self.reference.items():

@@ -139,11 +139,17 @@ class SecAggCoordinator:
             # DP-FedAvg: the unmasked sum is Σ n'·clip_C(Δ) (devices clipped and weighed); the
             # round's DpFedAvg adds N(0, σ²C²) once, here, and divides by the fixed q·N. The
             # server sees this sum without noise (central DP; docs/privacy.md says so).
+            # With distributed noise (task secagg.dp_noise) each of the ≥ m inputs already carries
+            # N(0, σ²C²/m): nothing is added here, and the server never saw a noiseless sum.
             r.acc.add_secure_sum(result.mean, len(result.survivors), result.total_samples)
-            weights = r.acc.result()
+            distributed = r.secagg.min_inputs > 0  # type: ignore[union-attr]
+            weights = r.acc.result(add_noise=not distributed)
         else:
             weights = unflatten(result.mean, model.weights)
         dp = self._dp_statement(r.policy, r.task.get("dp"))  # type: ignore[attr-defined]  # as a plain round's
+        if dp is not None and "dp" in r.task:
+            dp = {**dp, "noise": "distributed" if r.secagg.min_inputs else "central",  # type: ignore[union-attr]
+                  "noise_min_inputs": r.secagg.min_inputs or None}  # type: ignore[union-attr]
         self._secagg_summary(r, result)
         version = model.version + 1
         self._publish(version, weights, model.model_config, r.id, len(result.survivors),  # type: ignore[attr-defined]

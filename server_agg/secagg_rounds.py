@@ -26,8 +26,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.secagg import (RoundFailedError, SecAggError, SecAggParams, SecAggResult, SecAggServer, from_json,
-                              restore, snapshot, to_json)
+from fedfs_sdk.secagg import (RoundFailedError, SecAggError, SecAggParams, SecAggResult, SecAggServer,
+                              default_threshold, from_json, restore, snapshot, to_json)
 from fedfs_sdk.secagg import messages as M
 from fedfs_sdk.secagg.http_device import DP_INPUT, layout_digest, params_from_task
 
@@ -48,6 +48,28 @@ def secagg_error(e: SecAggError) -> ApiError:
     return err
 
 
+NOISE_TAIL = 8.0
+"""Distributed DP noise: the fixed-point range holds ``C`` plus this many standard deviations
+of a device's noise (a coordinate beyond it — probability 2Φ(−8) ≈ 1e-15 — is clipped)."""
+
+
+def dp_min_inputs(policy: Any, n_devices: int) -> int:
+    """``m``, the fewest masked inputs a distributed-noise DP round unmasks: the Shamir
+    threshold of the full sample (the configured one under full SecAgg, else ⌊2k/3⌋ + 1), at
+    least ``secagg_min_devices``. Each device adds ``N(0, σ²C²/m)``, so any sum the server is
+    allowed to unmask carries at least ``σ²C²``."""
+    t = policy.secagg_threshold if policy.secagg_threshold is not None and policy.secagg_neighbours is None \
+        else default_threshold(max(1, int(n_devices)))
+    return max(int(policy.secagg_min_devices), min(int(t), max(1, int(n_devices))))
+
+
+def dp_range(policy: Any, min_inputs: int) -> float:
+    """The fixed-point range of a distributed-noise DP round: ``C + 8·ŵ·σC/√m`` (a device with
+    weight ``n' ≥ 1`` encodes ``Δ + ŵ·z/n'``, ``z ~ N(0, σ²C²/m)``)."""
+    c, s = float(policy.max_update_norm), float(policy.dp_noise_multiplier)
+    return c + NOISE_TAIL * int(policy.dp_weight_cap) * s * c / float(min_inputs) ** 0.5
+
+
 def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int) -> dict[str, Any]:
     """``task["secagg"]`` of a new round (without the per-device ``device`` index)."""
     dim = int(sum(int(np.prod(s)) for s in shapes.values()))
@@ -61,6 +83,9 @@ def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int
         # DP-FedAvg: devices mask n'·clip_C(Δ) and n' = min(n, ŵ) (fedfs_sdk.secagg.http_device.dp_input):
         # every coordinate of an honest Δ is within ±C, so C is the range, and ŵ bounds the weight word.
         fields.update(clip=float(policy.max_update_norm), max_samples=int(policy.dp_weight_cap), input=DP_INPUT)
+        if getattr(policy, "dp_noise", "central") == "distributed":
+            m = dp_min_inputs(policy, n_devices)
+            fields.update(clip=dp_range(policy, m), dp_noise={"min_inputs": m})
     return fields
 
 
@@ -94,6 +119,8 @@ class SecAggRound:
         self.fields = dict(fields)
         self.params: SecAggParams = params_from_task(round_id, fields)
         self.phase_timeout = float(fields["phase_timeout_s"])
+        noise = fields.get("dp_noise")
+        self.min_inputs = int(noise["min_inputs"]) if noise else 0   # distributed DP noise: see dp_min_inputs
         self.masked_deadline = masked_deadline
         self.deadline = opened + self.phase_timeout     # of the current phase
         self.path = path
@@ -238,6 +265,12 @@ class SecAggRound:
                     s.close_share_keys()
                     self.deadline = max(self.masked_deadline, now + self.phase_timeout)   # training happens now
                 elif s.step == "masked":
+                    if len(s._masked_from) < self.min_inputs:   # before any mask is removed
+                        raise RoundFailedError(
+                            f"round {self.round_id} failed: only {len(s._masked_from)} masked inputs, a distributed-"
+                            f"noise DP round needs {self.min_inputs} (each carries 1/{self.min_inputs} of the "
+                            f"noise variance); nothing was unmasked", survivors=len(s._masked_from),
+                            threshold=self.min_inputs)
                     self.request = s.close_masked()
                     self.deadline = now + self.phase_timeout
                 else:

@@ -68,20 +68,22 @@ class Dev:
         self.client = ServerClient(url, self.token, retry=RetryPolicy(attempts=20, base_delay_s=0.2, max_delay_s=1.0))
         self.session: SecAggSession | None = None
 
-    def prepare(self, rnd: int, ref_bytes: bytes, ref: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+    def prepare(self, rnd: int, ref_bytes: bytes, ref: dict[str, np.ndarray], rng: np.random.Generator,
+                samples: tuple[int, ...] = SAMPLES) -> None:
         """The round's update ``w + Δ`` (float32 body) and, independently of the SDK, the
         clipped, weighted Δ this device should mask."""
         task = self.client.task()
         assert task["action"] == "train" and task["round_id"] == rnd, task
         assert task["secagg"]["input"] == DP_INPUT and task["dp"]["clip"] == CLIP
-        assert task["secagg"]["clip"] == CLIP and task["secagg"]["max_samples"] == CAP
+        assert task["secagg"]["max_samples"] == CAP
+        assert task["secagg"]["clip"] == CLIP or "dp_noise" in task["secagg"]       # range C (central noise)
         self.session = SecAggSession(self.client, task, sleep=time.sleep)
         flat, fl = _flat(ref), _floating(ref)
         idx = np.flatnonzero(fl)[self.i * BLOCK:(self.i + 1) * BLOCK]
         delta = np.zeros_like(flat)
         # devices 0–2: ‖Δ‖ ≫ C (clipped on the device); device 3: ‖Δ‖ ≈ 0.045 < C (sent as is)
         delta[idx] = rng.normal(1.0, 0.3, BLOCK) if self.i < 3 else rng.normal(0, 1e-3, BLOCK)
-        self.n = SAMPLES[self.i]
+        self.n = samples[self.i]
         new = _unflat(flat + delta, ref)
         self.body = encode_update(new, round_id=rnd, model_version=task["model_version"], num_samples=self.n)
         self.ref_bytes = ref_bytes
@@ -131,7 +133,7 @@ def _state_blobs(root) -> list[bytes]:
 def _args(sigma: float) -> tuple[str, ...]:
     return ("--init-backbone", "tiny", "--code-length", "127", "--min-participants", str(N),
             "--participation", "1.0", "--secure-aggregation", "--secagg-phase-timeout", "5",
-            "--round-timeout", "10", "--device-ttl", "0", "--rounds", "5",
+            "--round-timeout", "60", "--device-ttl", "0", "--rounds", "5",
             "--max-update-norm", str(CLIP), "--dp-noise-multiplier", str(sigma), "--dp-delta", str(DELTA),
             "--dp-weight-cap", str(CAP))
 
@@ -273,6 +275,13 @@ def test_policy_accepts_dp_with_secure_aggregation_and_still_refuses_a_server_si
     assert p.dp and p.secure_aggregation
     with pytest.raises(InputError, match="max_update_norm"):
         RoundPolicy(secure_aggregation=True, max_update_norm=0.5)
+    with pytest.raises(InputError, match="needs DP .* and secure_aggregation"):
+        RoundPolicy(max_update_norm=0.5, dp_noise_multiplier=1.0, dp_delta=1e-5, dp_noise="distributed")
+    with pytest.raises(InputError, match="dp_noise must be"):
+        RoundPolicy(dp_noise="local")
+    d = RoundPolicy(secure_aggregation=True, max_update_norm=0.5, dp_noise_multiplier=1.0, dp_delta=1e-5,
+                    dp_noise="distributed")
+    assert d.dp_noise == "distributed"
     with pytest.raises(InputError, match="bits"):        # C × ŵ × 2^s must fit the ring
         RoundPolicy(secure_aggregation=True, max_update_norm=1e6, dp_noise_multiplier=1.0, dp_delta=1e-5,
                     dp_weight_cap=1 << 20, secagg_scale_bits=40)
@@ -367,5 +376,69 @@ def test_secure_dp_round_survives_sigkill_and_a_dropout_after_masking(tmp_path):
             assert abs((_flat(pub) - _flat(ref) - _exact_update(ref, devs))[d.idx].mean()) <= 4.5 * std / math.sqrt(BLOCK)
         dp = json.loads(meta["meta"])["dp"]
         assert dp["rounds_charged"] == 1 and dp["epsilon"] == pytest.approx(epsilon([(1.0, SIGMA, 1)], DELTA))
+    finally:
+        srv.stop()
+
+
+def test_distributed_noise_each_device_adds_its_share_and_too_few_inputs_fail_before_unmasking(tmp_path):
+    """``--dp-noise distributed`` with 5 sampled devices: m = ⌊2·5/3⌋ + 1 = 4, each device adds
+    N(0, σ²C²/4) inside its masked input and the server adds nothing, so with all 5 in the sum
+    the residual's std is √(5/4)·σC/(q·N). Next round only 3 devices advertise (their Shamir
+    threshold is then 3, so plain SecAgg would finish): fewer than m = 4 inputs, the round
+    fails before any mask is removed."""
+    n5, samples = 5, SAMPLES + (10,)
+    args = [a for a in _args(SIGMA)]
+    args[args.index("--min-participants") + 1] = str(n5)
+    state = tmp_path / "server"
+    srv = start_server(state, *args, "--dp-noise", "distributed")
+    try:
+        devs = [Dev(srv.url, i) for i in range(n5)]
+        rng = np.random.default_rng(5)
+        _wait(srv, 1)
+        ref_bytes, ref, _ = _model(srv, 1)
+        for d in devs:
+            d.prepare(1, ref_bytes, ref, rng, samples)
+        task = devs[0].session.params.fixed_point
+        m = 4
+        assert devs[0].session.noise_min_inputs == m
+        assert task.clip == pytest.approx(CLIP + 8 * CAP * SIGMA * CLIP / math.sqrt(m))   # range holds the noise
+        for step in ("advertise", "share_keys"):
+            for d in devs:
+                getattr(d.session, step)()
+        for d in devs:
+            d.mask()
+        for d in devs:
+            d.session.unmask()
+        info = _wait(srv, 1, state="done")
+        assert info["state"] == "closed", info
+        _, pub, meta = _model(srv, 2)
+        fl = _floating(ref)
+        exact = sum(d.weight * d.clipped for d in devs) / n5
+        full = _flat(pub) - _flat(ref) - exact
+        std = math.sqrt(n5 / m) * SIGMA * CLIP / n5
+        lo, hi = stats.chi2.ppf([0.0005, 0.9995], int(fl.sum()) - 1)
+        assert lo <= (fl.sum() - 1) * full[fl].var(ddof=1) / std ** 2 <= hi, (full[fl].std(), std)
+        for d in devs:
+            assert abs(full[d.idx].mean()) <= 4.5 * std / math.sqrt(BLOCK), (d.i, full[d.idx].mean(), std)
+        dp = json.loads(meta["meta"])["dp"]
+        assert dp["noise"] == "distributed" and dp["noise_min_inputs"] == m
+        assert dp["epsilon"] == pytest.approx(epsilon([(1.0, SIGMA, 1)], DELTA))   # accounted at σ (the minimum)
+
+        _wait(srv, 2)
+        ref_bytes, ref, _ = _model(srv, 2)
+        for d in devs:
+            d.prepare(2, ref_bytes, ref, rng, samples)
+        for d in devs[:3]:                               # two devices never advertise
+            d.session.advertise()
+        for d in devs[:3]:
+            d.session.share_keys()
+        for d in devs[:3]:
+            d.mask()
+        info = _wait(srv, 2, state="done")
+        assert info["state"] == "failed" and "needs 4" in info["reason"] and "nothing was unmasked" in info["reason"]
+        with pytest.raises(SecAggRoundLost):
+            devs[0].session.unmask()                      # no unmask request was ever made
+        with srv.admin() as c:
+            assert c.get("/v1/models/latest").json()["version"] == 2
     finally:
         srv.stop()

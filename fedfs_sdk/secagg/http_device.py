@@ -100,8 +100,8 @@ def dp_of_task(task: Mapping[str, Any]) -> Any:
     return DpParams.from_json(task["dp"])
 
 
-def dp_input(w: np.ndarray, n: int, reference: bytes, dp: Any,
-             layout_sha256: str | None = None) -> tuple[np.ndarray, int]:
+def dp_input(w: np.ndarray, n: int, reference: bytes, dp: Any, layout_sha256: str | None = None,
+             noise_min_inputs: int | None = None) -> tuple[np.ndarray, int]:
     """What a device masks in a DP-FedAvg secure round: ``(Δ, n')`` as the encoder's
     ``(vector, weight)`` with ``Δ = clip_C(w_c − w)`` over the floating tensors (0 on integer
     buffers, which DP-FedAvg does not average) and ``n' = min(n, ŵ)``. The encoder multiplies
@@ -110,7 +110,11 @@ def dp_input(w: np.ndarray, n: int, reference: bytes, dp: Any,
 
     The clip runs here in float64 on the flattened update (the body holds ``w + Δ`` rounded to
     float32, whose ``Δ`` may sit an ulp above ``C``): this is the device's own guarantee, the
-    server cannot check it under secure aggregation (docs/privacy.md)."""
+    server cannot check it under secure aggregation (docs/privacy.md).
+
+    Distributed noise (``noise_min_inputs = m``): the device adds ``z ~ N(0, σ²C²/m)`` per
+    floating coordinate as ``Δ + ŵ·z/n'`` (so its masked ``n'·v`` carries ``ŵ·z``); any sum of
+    ≥ m inputs then holds at least the central mechanism's ``N(0, σ²C²)`` in ``Σ w_k Δ_k``."""
     from safetensors.numpy import load
 
     from ..dp import clip_delta
@@ -127,7 +131,26 @@ def dp_input(w: np.ndarray, n: int, reference: bytes, dp: Any,
                                for k, s in zip(keys, sizes)])
     delta = np.where(floating, np.asarray(w, dtype=np.float64) - flat_ref, 0.0)
     clipped, _, _ = clip_delta(delta, dp.clip)
-    return clipped, min(int(n), int(dp.weight_cap))
+    weight = min(int(n), int(dp.weight_cap))
+    if noise_min_inputs:
+        import secrets
+
+        std = dp.noise_multiplier * dp.clip / float(noise_min_inputs) ** 0.5
+        z = np.random.default_rng(secrets.randbits(128)).normal(0.0, std, size=clipped.size) * floating
+        clipped = clipped + z * (dp.weight_cap / weight)
+    return clipped, weight
+
+
+def _min_inputs(noise: Any, dp: Any, max_devices: int) -> int | None:
+    """``m`` of a distributed-noise DP round (``task["secagg"]["dp_noise"]["min_inputs"]``);
+    a device refuses one that is not an int in [2, max_devices] or comes without DP."""
+    if noise is None:
+        return None
+    m = noise.get("min_inputs") if isinstance(noise, Mapping) else None
+    if dp is None or isinstance(m, bool) or not isinstance(m, int) or not 2 <= m <= max_devices:
+        raise SecAggRoundLost("refused", f"invalid distributed-noise request {noise!r} (needs DP and 2 ≤ min_inputs "
+                              f"≤ {max_devices})")
+    return m
 
 
 class SecAggRoundLost(ProtocolError):
@@ -160,6 +183,8 @@ class SecAggSession:
         self.device = SecAggDevice(self.params, self.index)
         self.client, self._sleep, self._clock, self.wait_timeout_s = client, sleep, clock, wait_timeout_s
         self.dp = dp_of_task(task)
+        noise = fields.get("dp_noise") if isinstance(fields, Mapping) else None   # type: ignore[union-attr]
+        self.noise_min_inputs = _min_inputs(noise, self.dp, self.params.fixed_point.max_devices)
         self.path = f"/v1/rounds/{self.round_id}/secagg"
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -216,7 +241,7 @@ class SecAggSession:
         if self.dp is not None:
             if reference is None:
                 raise InputError("a DP secure round masks w_c − w: pass the round's global model as reference")
-            w, n = dp_input(w, n, reference, self.dp, self.layout_sha256)
+            w, n = dp_input(w, n, reference, self.dp, self.layout_sha256, self.noise_min_inputs)
         inbox = self._wait_for("inbox", "masked")
         msg = self._local(self.device.masked_input, inbox, w, n)
         y = msg["y"]
