@@ -429,7 +429,8 @@ def test_unreadable_saved_state_fails_the_round_cleanly(tmp_path):
         srv.stop()
 
 
-def test_secure_aggregation_flags_refused_with_dp(tmp_path):
+def test_secure_aggregation_refuses_max_update_norm_without_dp(tmp_path):
+    """A norm bound without DP would need the server to see each update: refused at start."""
     import subprocess
     import sys
 
