@@ -16,6 +16,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import torch
+from no_torch import NO_TORCH
 
 from fedfs_sdk.checkpoint import save_checkpoint
 from fedfs_sdk.model import FaceNet, ModelConfig
@@ -32,16 +33,7 @@ FedUV head c = 127."""
 TOL = 2e-5
 """Absolute tolerance of ORT-training vs torch weights after a few SGD steps (measured ≤ 2e-7)."""
 
-NO_TORCH_PRELUDE = """
-import sys
-class _NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch must not be imported on the device path")
-        return None
-sys.meta_path.insert(0, _NoTorch())
-sys.path.insert(0, {root!r})
-"""
+NO_TORCH_PRELUDE = NO_TORCH + "sys.path.insert(0, {root!r})\n"
 """Prepended to every device subprocess: any attempt to import torch raises. The subprocess
 also asserts ``'torch' not in sys.modules`` at its end."""
 

@@ -21,6 +21,7 @@ import pytest
 
 from conftest_server import ROOT, read_safetensors, start_server, subprocess_env, write_images
 from fedfs_sdk.secagg.http_device import flatten_update
+from no_torch import NO_TORCH
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -28,16 +29,6 @@ SCALE = 2.0 ** -24
 ATOL, RTOL = 0.5 * SCALE * 1.01, SCALE * 1.01
 TRAIN = {"lr": 0.1, "local_epochs": 1, "batch_size": 4}
 COUNTS = (5, 7, 9)
-
-NO_TORCH = """
-import sys
-class _NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch must not be imported on the device path")
-        return None
-sys.meta_path.insert(0, _NoTorch())
-"""
 
 DEVICE = """
 import sys
