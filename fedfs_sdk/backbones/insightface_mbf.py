@@ -28,25 +28,7 @@ import torch
 from torch import nn
 
 from .layers import ChannelAffine
-from .mobilefacenet import ConvNormAct
-
-
-class MBFUnit(nn.Module):
-    """arcface_torch's ``DepthWise``: 1×1 expand (PReLU) → 3×3 depthwise, stride ``s`` (PReLU) →
-    1×1 linear projection; ``x +`` it when ``residual``."""
-
-    def __init__(self, cin: int, cout: int, hidden: int, stride: int, residual: bool) -> None:
-        super().__init__()
-        self.residual = residual
-        self.block = nn.Sequential(
-            ConvNormAct(cin, hidden, 1, 1, norm="affine"),
-            ConvNormAct(hidden, hidden, 3, stride, groups=hidden, norm="affine"),
-            ConvNormAct(hidden, cout, 1, 1, act=False, norm="affine"),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.block(x)
-        return x + y if self.residual else y
+from .mobilefacenet import Bottleneck, ConvNormAct
 
 
 class InsightFaceMBF(nn.Module):
@@ -75,8 +57,9 @@ class InsightFaceMBF(nn.Module):
         for cin, cout, h_down, h_res, n in ((c, c, 128, 128, blocks[1]),
                                             (c, 2 * c, 256, 256, blocks[2]),
                                             (2 * c, 2 * c, 512, 256, blocks[3])):
-            layers.append(MBFUnit(cin, cout, h_down, 2, residual=False))
-            layers += [MBFUnit(cout, cout, h_res, 1, residual=True) for _ in range(n)]
+            # arcface_torch's DepthWise (stride 2, no shortcut) then its Residual units (stride 1)
+            layers.append(Bottleneck(cin, cout, 2, 1, 1, norm="affine", hidden=h_down))
+            layers += [Bottleneck(cout, cout, 1, 1, 1, norm="affine", hidden=h_res) for _ in range(n)]
         layers.append(ConvNormAct(2 * c, 512, 1, 1, norm="affine"))            # conv_sep
         self.features = nn.Sequential(*layers)
         k = input_size // 16

@@ -49,12 +49,14 @@ class ConvNormAct(nn.Sequential):
 
 
 class Bottleneck(nn.Module):
-    """Inverted residual: 1×1 expand → 3×3 depthwise (stride s) → 1×1 linear projection."""
+    """Inverted residual: 1×1 expand → 3×3 depthwise (stride s) → 1×1 linear projection; ``x +`` it
+    when stride 1 keeps the shape. ``hidden`` overrides ``cin · expansion`` (arcface_torch's mbf
+    fixes the expanded widths, :mod:`~fedfs_sdk.backbones.insightface_mbf`)."""
 
     def __init__(self, cin: int, cout: int, stride: int, expansion: int, gn_groups: int,
-                 norm: str = "group") -> None:
+                 norm: str = "group", hidden: int | None = None) -> None:
         super().__init__()
-        hidden = cin * expansion
+        hidden = cin * expansion if hidden is None else hidden
         self.residual = stride == 1 and cin == cout
         self.block = nn.Sequential(
             ConvNormAct(cin, hidden, 1, 1, gn_groups=gn_groups, norm=norm),
