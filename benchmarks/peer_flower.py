@@ -44,14 +44,21 @@ PAGE = resource.getpagesize()
 
 # ---- process-tree peak RSS ---------------------------------------------------------------
 
-def _tree_rss(root: int) -> int:
-    """Resident bytes summed over ``root`` and its descendants (from /proc)."""
+def _tree(root: int) -> tuple[int, set[int]]:
+    """Resident bytes summed over ``root`` and its descendants, and their session ids (from /proc).
+
+    Sessions matter on a shared Linux machine: with ``kernel.sched_autogroup_enabled=1`` the
+    scheduler shares the CPU fairly between *sessions* (autogroups), not processes, so a
+    launcher that starts each worker in a new session (torchrun does, ``start_new_session``)
+    takes a larger share from other users' jobs than workers that stay in one session."""
     parent: dict[int, int] = {}
+    sid: dict[int, int] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/stat") as f:
-                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+                    fields = f.read().rsplit(")", 1)[1].split()
+                parent[int(d)], sid[int(d)] = int(fields[1]), int(fields[3])
             except (OSError, IndexError, ValueError):
                 pass
     tree, frontier = {root}, [root]
@@ -67,19 +74,23 @@ def _tree_rss(root: int) -> int:
                 total += int(f.read().split()[1]) * PAGE
         except OSError:
             pass
-    return total
+    return total, {sid[p] for p in tree if p in sid}
 
 
-def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """Run ``cmd``; returns (wall seconds, peak process-tree RSS bytes)."""
+def run_measured(cmd: list[str], env: dict[str, str], stats: dict | None = None) -> tuple[float, int]:
+    """Run ``cmd``; returns (wall seconds, peak process-tree RSS bytes). ``stats`` receives
+    ``sessions``: how many session ids the tree used (see :func:`_tree`)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = [0]
+    sessions: set[int] = set()
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], _tree_rss(proc.pid))
+            rss, sids = _tree(proc.pid)
+            peak[0] = max(peak[0], rss)
+            sessions.update(sids)
             done.wait(0.2)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -89,6 +100,8 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
     th.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:4]} … exited with {proc.returncode}:\n{err[-3000:]}")
+    if stats is not None:
+        stats["sessions"] = len(sessions)
     return time.perf_counter() - t0, peak[0]
 
 
@@ -165,6 +178,7 @@ def flower_child(a: argparse.Namespace, tmp: Path, result_file: Path) -> None:
            "train": json.dumps({"local_epochs": 1, "batch_size": a.batch_size}), "state-root": str(tmp / "state"),
            "torch-threads": 1}
     marks: list[tuple[int, float, int]] = []
+    final: dict[str, torch.Tensor] = {}          # the last round's global model (peer_frameworks.py compares it)
 
     server = ServerApp()
 
@@ -174,7 +188,8 @@ def flower_child(a: argparse.Namespace, tmp: Path, result_file: Path) -> None:
         weights, config, _ = read_checkpoint(s.initial_model)
         strategy = FedFSStrategy(method=s.method, model_config_json=config.to_json(), train=s.train,
                                  fraction_train=s.fraction_train, min_nodes=s.min_nodes,
-                                 on_aggregate=lambda r, w, acc: marks.append((r, time.perf_counter(), len(acc))))
+                                 on_aggregate=lambda r, w, acc: (marks.append((r, time.perf_counter(), len(acc))),
+                                                                 final.update(w)))
         marks.append((0, time.perf_counter(), 0))
         strategy.start(grid=grid, initial_arrays=ArrayRecord.from_torch_state_dict(weights), num_rounds=s.num_rounds,
                        train_config=ConfigRecord({}))
@@ -189,6 +204,9 @@ def flower_child(a: argparse.Namespace, tmp: Path, result_file: Path) -> None:
         raise RuntimeError(f"Flower ran {len(marks) - 1} of {a.rounds} rounds")
     updates = sum(m[2] for m in marks[1:])
     warm = sum(m[2] for m in marks[2:]) if a.rounds > 1 else updates
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in final.items()}, str(tmp / "global.safetensors"))
     result_file.write_text(json.dumps({
         "updates_per_s": updates / (marks[-1][1] - marks[0][1]),
         "warm_updates_per_s": warm / (marks[-1][1] - marks[1 if a.rounds > 1 else 0][1])}))
