@@ -45,7 +45,7 @@ def serve_open_round(tmp: str, backbone: str, devices: int, *extra: str,
     model; stop the server on exit (its log stays at ``tmp/server.log``)."""
     import httpx
 
-    from fedfs_sdk.wire import decode_weights
+    from fedfs_sdk.federation.wire import decode_weights
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

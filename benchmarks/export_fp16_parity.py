@@ -33,15 +33,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import fedfs_sdk.model as model_mod
+import fedfs_sdk.nn.model as model_mod
 from device_sim.synthfaces import SynthFaces
 from export.coreml import CoreMLNumericsError, check_coreml_numerics, export_coreml
 from export.coreml_reference import CoreMLReference
 from export.onnx_inference import export_onnx
 from export.parity import decide, disagreements
 from export.quantize import Int8NumericsError, quantize_int8, synthetic_calibration
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
-from fedfs_sdk.onnx_backend import OnnxBackend
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
 
 def _old_l2_normalize(x: torch.Tensor, dim: int = -1, eps: float = 1e-12) -> torch.Tensor:

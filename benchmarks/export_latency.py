@@ -32,9 +32,9 @@ import torch
 from export.onnx_inference import export_onnx
 from export.quantize import (INT8_MAX_FLIP_RATE, compare_int8, quantize_int8, synthetic_calibration,
                              synthetic_eval_set)
-from fedfs_sdk.checkpoint import load_checkpoint, save_checkpoint
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
-from fedfs_sdk.onnx_backend import OnnxBackend
+from fedfs_sdk.nn.checkpoint import load_checkpoint, save_checkpoint
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
 
 def pretrained_tiny(steps: int) -> FaceNet:

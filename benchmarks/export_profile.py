@@ -31,8 +31,8 @@ import torch
 
 from export.onnx_inference import export_onnx
 from export.quantize import quantize_int8, synthetic_calibration
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
-from fedfs_sdk.onnx_backend import import_onnxruntime
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.runtime.onnx_backend import import_onnxruntime
 
 
 def load() -> str:

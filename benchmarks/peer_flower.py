@@ -4,7 +4,7 @@ Same clients (SynthFaces, the ``fedfs simulate`` split: N clients, 20 training i
 same model (``--backbone``: tiny at 32 px or MobileFaceNet at 112 px, with the method's
 projection / FedUV head; Flower's ξ is a random one of the same architecture, since only the
 speed is compared), same local
-objective and settings (``fedfs_sdk.trainer.LocalTrainer``, 1 epoch, batch 10, the method's
+objective and settings (``fedfs_sdk.training.trainer.LocalTrainer``, 1 epoch, batch 10, the method's
 default lr), same participation and rounds. Each run is a fresh process, the two engines
 interleaved (A B A B …) so a shared machine's drift hits both.
 
@@ -154,12 +154,12 @@ def flower_child(a: argparse.Namespace, tmp: Path, result_file: Path) -> None:
     from fedfs_flower.client_app import create_app
     from fedfs_flower.settings import ServerSettings
     from fedfs_flower.strategy import FedFSStrategy
-    from fedfs_sdk.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
-    from fedfs_sdk.methods import uses_fedfs, uses_feduv
-    from fedfs_sdk.model import FaceNet, ModelConfig
-    from fedfs_sdk.trainer import initial_global_weights
+    from fedfs_sdk.nn.checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
+    from fedfs_sdk.training.methods import uses_fedfs, uses_feduv
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig
+    from fedfs_sdk.training.trainer import initial_global_weights
 
-    from fedfs_sdk.losses.fedfs import FedFSLossConfig
+    from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -258,8 +258,8 @@ def main() -> None:
         if a.random_xi:
             import torch
 
-            from fedfs_sdk.checkpoint import save_checkpoint
-            from fedfs_sdk.model import FaceNet, ModelConfig
+            from fedfs_sdk.nn.checkpoint import save_checkpoint
+            from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
             torch.manual_seed(0)
             xi = FaceNet(ModelConfig(a.backbone, input_size=a.image_size))

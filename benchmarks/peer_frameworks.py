@@ -168,11 +168,11 @@ def main() -> None:
 
     import torch
 
-    from fedfs_sdk.checkpoint import save_checkpoint
-    from fedfs_sdk.losses.fedfs import FedFSLossConfig
-    from fedfs_sdk.methods import uses_fedfs, uses_feduv
-    from fedfs_sdk.model import FaceNet, ModelConfig
-    from fedfs_sdk.trainer import initial_global_weights
+    from fedfs_sdk.nn.checkpoint import save_checkpoint
+    from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
+    from fedfs_sdk.training.methods import uses_fedfs, uses_feduv
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig
+    from fedfs_sdk.training.trainer import initial_global_weights
 
     variants: list[tuple[str, object]] = []
     for v in a.fedfs:

@@ -14,7 +14,7 @@ What pfl runs, with the same pieces as fedfs's simulator and Flower's ClientApp:
   central optimizer SGD(lr=1) — ``w ← w + mean_c(w_c − w)``, FedAvg (all clients hold
   the same number of images, so pfl's unweighted mean equals the weighted one);
 * algorithm: :class:`pfl.algorithm.FederatedAveraging` whose ``train_one_user`` runs
-  ``fedfs_sdk.trainer.LocalTrainer`` (the device's local step: FedFS loss with ξ and θ_c,
+  ``fedfs_sdk.training.trainer.LocalTrainer`` (the device's local step: FedFS loss with ξ and θ_c,
   FedUV's codeword) instead of pfl's own SGD loop, and returns ``w_c − w`` as pfl's statistics;
 * backend: :class:`pfl.aggregate.simulate.SimulatedBackend` over a
   :class:`pfl.data.federated_dataset.FederatedDataset` whose user sampler replays
@@ -65,12 +65,12 @@ def run(a: argparse.Namespace) -> None:
     from safetensors.torch import save_file
 
     from device_sim.federation import client_seed
-    from fedfs_sdk.checkpoint import load_checkpoint
-    from fedfs_sdk.losses.fedfs import FedFSLossConfig
-    from fedfs_sdk.methods import uses_fedfs, uses_feduv
-    from fedfs_sdk.model import FaceNet, ModelConfig
-    from fedfs_sdk.trainer import LocalTrainer, initial_global_weights
-    from fedfs_sdk.wire import train_config_from_json
+    from fedfs_sdk.nn.checkpoint import load_checkpoint
+    from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
+    from fedfs_sdk.training.methods import uses_fedfs, uses_feduv
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig
+    from fedfs_sdk.training.trainer import LocalTrainer, initial_global_weights
+    from fedfs_sdk.federation.wire import train_config_from_json
     from peer_flower import _population
 
     torch.set_num_threads(a.threads)

@@ -31,9 +31,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from device_sim.secagg_sim import gaussian_updates, run_round  # noqa: E402
-from fedfs_sdk.secagg import SecAggParams  # noqa: E402
-from fedfs_sdk.secagg.encoding import FixedPoint  # noqa: E402
-from fedfs_sdk.secagg.prg import add_mask  # noqa: E402
+from fedfs_sdk.federation.secagg import SecAggParams  # noqa: E402
+from fedfs_sdk.federation.secagg.encoding import FixedPoint  # noqa: E402
+from fedfs_sdk.federation.secagg.prg import add_mask  # noqa: E402
 
 
 def _best(fn, reps: int = 5) -> float:

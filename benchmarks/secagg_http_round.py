@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 from conftest_server import read_safetensors, start_server  # noqa: E402
-from fedfs_sdk.server_client import RetryPolicy, ServerClient# noqa: E402
-from fedfs_sdk.ort_device import encode_update  # noqa: E402
-from fedfs_sdk.secagg.http_device import SecAggSession, flatten_update  # noqa: E402
+from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient# noqa: E402
+from fedfs_sdk.training.ort_device import encode_update  # noqa: E402
+from fedfs_sdk.federation.secagg.http_device import SecAggSession, flatten_update  # noqa: E402
 
 
 def main() -> None:

@@ -175,7 +175,7 @@ def main() -> int:
     import httpx
     import torch
 
-    from fedfs_sdk.wire import encode_update
+    from fedfs_sdk.federation.wire import encode_update
 
     from bench_server import serve_open_round
 

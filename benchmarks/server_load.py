@@ -42,7 +42,7 @@ def load_test(devices: int, concurrency: int, backbone: str) -> dict:
     import torch
 
     from bench_server import serve_open_round
-    from fedfs_sdk.wire import encode_update
+    from fedfs_sdk.federation.wire import encode_update
 
     with tempfile.TemporaryDirectory() as tmp, serve_open_round(tmp, backbone, devices) as srv:
         url, rid, version, tokens, global_w = srv.url, srv.round_id, srv.model_version, srv.tokens, srv.global_weights
@@ -106,7 +106,7 @@ def aggregation_test(updates: int, params: int, threads: int, pool: int = 4) -> 
     """Run in a fresh process (see main) so ru_maxrss is this measurement's peak."""
     import torch
 
-    from fedfs_sdk.wire import check_finite, check_layout, clip_update, decode_update, encode_update
+    from fedfs_sdk.federation.wire import check_finite, check_layout, clip_update, decode_update, encode_update
     from server_agg.aggregate import StreamingFedAvg
 
     torch.set_num_threads(threads)

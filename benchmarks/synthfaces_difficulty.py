@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from device_sim.metrics import per_client_verification, template_scores
 from device_sim.synthfaces import SynthFaces
-from fedfs_sdk.backbones import get_backbone
+from fedfs_sdk.nn.backbones import get_backbone
 
 
 def evaluate(emb: np.ndarray, n_id: int, n_enroll: int, n_probe: int) -> dict:

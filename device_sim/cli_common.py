@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfs_sdk.backbones import BACKBONES
+from fedfs_sdk.nn.backbones import BACKBONES
 from fedfs_sdk.cli.progress import progress_bar
 from fedfs_sdk.errors import CheckpointError, InputError
 
@@ -246,7 +246,7 @@ def resolve_xi(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits
     """ξ from ``--pretrained`` or pre-trained (cached) on the public identities of
     :func:`build_pretrain_data` (``--pretrain-data``, ``--pretrain-domain``)."""
     if getattr(args, "pretrained", None):
-        from fedfs_sdk.checkpoint import read_checkpoint
+        from fedfs_sdk.nn.checkpoint import read_checkpoint
         _, _, meta = read_checkpoint(args.pretrained)
         check_xi_disjoint(meta, splits, ds)
         xi = load_xi(args.pretrained)

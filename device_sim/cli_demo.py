@@ -6,9 +6,9 @@
    docs/personalization.md) runs ξ, the honest references (local-compact, norm-adapt, the
    supervised oracle), FedFS (the paper's configuration) and the default FedFS+FedUV side
    by side on the same 100 clients (same seed, same sampled participants);
-4. enrolls one client with :func:`fedfs_sdk.enrollment.enroll` on its FedFS+FedUV verifier
+4. enrolls one client with :func:`fedfs_sdk.runtime.enrollment.enroll` on its FedFS+FedUV verifier
    (personalized backbone + shared head + its secret codeword) and verifies one of its own
-   held-out images and one stranger's image with :func:`fedfs_sdk.enrollment.verify`;
+   held-out images and one stranger's image with :func:`fedfs_sdk.runtime.enrollment.verify`;
 5. prints the table (also written to ``--out``: results.json, results.md, roc.png).
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from fedfs_sdk.enrollment import enroll, verify
-from fedfs_sdk.inference import TorchBackend
+from fedfs_sdk.runtime.enrollment import enroll, verify
+from fedfs_sdk.runtime.inference import TorchBackend
 
 from . import cli_simulate
 from .federation import Federation

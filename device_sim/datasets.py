@@ -2,7 +2,7 @@
 
 Both implement :class:`IdentityDataset`, the only thing the simulator needs: how many
 identities, how many images each has, and normalized float32 batches ``[n, 3, S, S]``
-(``(x − 127.5)/127.5``, RGB — the contract of :func:`fedfs_sdk.preprocess.preprocess`).
+(``(x − 127.5)/127.5``, RGB — the contract of :func:`fedfs_sdk.runtime.preprocess.preprocess`).
 
 Images are cached as uint8 (4× smaller than float32 and exact: every fedfs input is
 ``(level − 127.5)/127.5`` for an integer level) in a byte-bounded LRU.
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fedfs_sdk.errors import FedFSError, ImageNotFoundError, InputError
-from fedfs_sdk.preprocess import IMAGE_EXTENSIONS, face_mode_key, preprocess
+from fedfs_sdk.runtime.preprocess import IMAGE_EXTENSIONS, face_mode_key, preprocess
 
 from .synthfaces import SynthFaces, broadcast_pairs
 
@@ -212,7 +212,7 @@ class ImageFolderDataset:
     Identity ``i`` is the ``i``-th non-empty sub-folder in sorted order (``names[i]``);
     images are sorted by file name. Decoding, optional face detection (OpenCV Haar cascade,
     ``detect_face=True``), centre-square crop and resize go through
-    :func:`fedfs_sdk.preprocess.preprocess`.
+    :func:`fedfs_sdk.runtime.preprocess.preprocess`.
 
     Bad data — nothing is dropped without being named (:meth:`skip_summary`):
       * sub-folders with fewer than ``min_images`` image files are skipped, listed in

@@ -5,7 +5,7 @@ round samples every client independently with probability ``q = p`` (Poisson, fr
 federation's checkpointed sampler — the accountant's amplification assumes it), clips each
 participant's update of the ``global`` parameters to ``C`` in float64, sums them with
 weights ``min(n/ŵ, 1)``, adds ``N(0, σ²C²)`` per coordinate and divides by ``q·N``
-(the fixed-denominator estimator, :mod:`fedfs_sdk.dp`). Private groups (FedFS's ``θ_c``,
+(the fixed-denominator estimator, :mod:`fedfs_sdk.federation.dp`). Private groups (FedFS's ``θ_c``,
 FedUV's codeword) never leave a device and are not privatized.
 
 Only the global FedAvg is covered: methods whose server reads per-client uploads
@@ -22,7 +22,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from fedfs_sdk.dp import DpParams
+from fedfs_sdk.federation.dp import DpParams
 from fedfs_sdk.errors import InputError
 from server_agg.dp import DpFedAvg, calibrate_noise, default_delta, epsilon
 

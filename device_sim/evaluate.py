@@ -5,7 +5,7 @@ For each evaluated client ``c`` the method gives a :class:`VerifierSpec` (person
 
 * **enrolls** on its local training images (the images the device holds; FedUV Alg. 2
   warm-up): a cosine template (leave-one-out warm-up scores, as
-  :func:`fedfs_sdk.enrollment.enroll`) or its codeword, and the warm-up threshold ``τ``
+  :func:`fedfs_sdk.runtime.enrollment.enroll`) or its codeword, and the warm-up threshold ``τ``
   at target TPR ``q``;
 * scores its held-out **test** images (genuine), a pool of **other participants'** test
   images (impostors) and all **new users'** images (never-seen identities).

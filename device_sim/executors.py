@@ -1,6 +1,6 @@
 """Local training of many simulated clients: one loop per client, or all at once.
 
-Both executors run the same math as :class:`fedfs_sdk.trainer.LocalTrainer` — for each
+Both executors run the same math as :class:`fedfs_sdk.training.trainer.LocalTrainer` — for each
 local epoch a ``torch.randperm`` of the client's images (generator seeded with the
 client's seed), batches of ``min(batch_size, n)``, batches smaller than the method's
 minimum skipped, and plain SGD (``p ← p − lr·(g + wd·p)``, optional momentum, as

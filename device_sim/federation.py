@@ -36,7 +36,7 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from fedfs_sdk.checkpoint import model_id_of, read_safetensors, write_safetensors_atomic
+from fedfs_sdk.nn.checkpoint import model_id_of, read_safetensors, write_safetensors_atomic
 from fedfs_sdk.errors import CheckpointError, InputError
 from server_agg.aggregate import StreamingFedAvg, fedavg_stacked
 

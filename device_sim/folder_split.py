@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fedfs_sdk.enrollment import min_warmup_images
+from fedfs_sdk.runtime.enrollment import min_warmup_images
 from fedfs_sdk.errors import InputError
 
 from .datasets import SkippedIdentity

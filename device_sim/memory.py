@@ -1,7 +1,7 @@
 """Batch sizes that fit a memory budget, measured from the model itself.
 
 MobileFaceNet at 112×112 keeps ≈ 60 MB of activations per image for the backward pass
-(its norm layers, :class:`~fedfs_sdk.backbones.layers.GroupNormP`, are built from primitive
+(its norm layers, :class:`~fedfs_sdk.nn.backbones.layers.GroupNormP`, are built from primitive
 ops that each save their input); at the historical default batch of 128 that is 7.6 GB of
 saved tensors and a 12.4 GB peak. Instead of a per-backbone table, the cost per image is
 measured on a 2-image forward pass (the bytes autograd saves; the largest layer output for

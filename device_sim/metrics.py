@@ -382,12 +382,12 @@ class WarmupOutcome:
 def warmup_outcome(warmup_scores: Sequence[float] | np.ndarray, genuine_scores: Sequence[float] | np.ndarray,
                    impostor_scores: Sequence[float] | np.ndarray, q: float = 0.9) -> WarmupOutcome:
     """FedUV warm-up: ``τ`` from the user's own warm-up scores at target TPR ``q``
-    (:func:`fedfs_sdk.enrollment.warmup_threshold`), then TPR on the user's held-out genuine
+    (:func:`fedfs_sdk.runtime.enrollment.warmup_threshold`), then TPR on the user's held-out genuine
     scores and FPR on impostor scores, accepting ``score ≥ τ``.
 
     Raises :class:`InsufficientWarmupError` if ``⌊n(1 − q)⌋ < 1``.
     """
-    from fedfs_sdk.enrollment import warmup_threshold
+    from fedfs_sdk.runtime.enrollment import warmup_threshold
 
     w = _scores(warmup_scores, "warm-up")
     g = _scores(genuine_scores, "genuine")

@@ -1,7 +1,7 @@
 """Central pre-training of the frozen model ``ξ(ψ)`` on public identities (FedFS §4.1).
 
 FedFS pre-trains ξ on public data (MS-Celeb-1M) with a margin softmax; here ξ is a
-:class:`~fedfs_sdk.model.FaceNet` (backbone only) trained with a **CosFace** margin
+:class:`~fedfs_sdk.nn.model.FaceNet` (backbone only) trained with a **CosFace** margin
 ``s·(cos θ_y − m)`` by default — ``cos θ`` is a normalized dot product, so the whole loss
 is made of ops that ONNX Runtime training differentiates (ArcFace's ``cos(θ + m)`` needs
 ``acos``, which it does not; the optional ``arcface`` margin builds it from
@@ -26,10 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfs_sdk.backbones.layers import l2_normalize
-from fedfs_sdk.checkpoint import load_checkpoint, save_checkpoint
+from fedfs_sdk.nn.backbones.layers import l2_normalize
+from fedfs_sdk.nn.checkpoint import load_checkpoint, save_checkpoint
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.model import FaceNet, ModelConfig
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
 from .datasets import IdentityDataset
 from .memory import inference_batch, train_micro_batch

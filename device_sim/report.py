@@ -11,8 +11,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from fedfs_sdk.checkpoint import atomic_write_bytes
-from fedfs_sdk.enrollment import min_warmup_images
+from fedfs_sdk.nn.checkpoint import atomic_write_bytes
+from fedfs_sdk.runtime.enrollment import min_warmup_images
 
 from .metrics import paired_delta
 from .plots import plot_roc

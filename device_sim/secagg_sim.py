@@ -1,6 +1,6 @@
 """Run one secure-aggregation round over K simulated devices in-process, and measure it.
 
-The same state machines a real deployment uses (:mod:`fedfs_sdk.secagg`), driven
+The same state machines a real deployment uses (:mod:`fedfs_sdk.federation.secagg`), driven
 sequentially: every message goes device → server → device as a dict, is sized as it would
 travel (JSON with base64 for keys and ciphertexts, the masked vector as a raw body), and each
 call's CPU time is taken with ``time.thread_time`` — one device's work on one core, and the
@@ -21,7 +21,7 @@ from typing import Any, Callable, Collection, Mapping
 import numpy as np
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.secagg import SecAggDevice, SecAggParams, SecAggResult, SecAggServer, from_json, to_json
+from fedfs_sdk.federation.secagg import SecAggDevice, SecAggParams, SecAggResult, SecAggServer, from_json, to_json
 
 STEPS = ("advertise", "share_keys", "masked_input", "unmask")
 UpdateFn = Callable[[int], tuple[np.ndarray, int]]

@@ -13,10 +13,10 @@ From it this module writes an ordinary fedfs checkpoint (``fedfs-checkpoint/1``)
 * the **global model** (no ``client``): ``w`` as a FaceNet — what the server would ship;
   ``fedfs export`` builds ONNX / training artifacts from it;
 * **client ``c``'s verifier** (``client=c``): what that simulated device verifies with, as
-  the device runtime builds it (:class:`fedfs_sdk.device_runtime.TorchRuntime`): FedFS — the
+  the device runtime builds it (:class:`fedfs_sdk.federation.device_runtime.TorchRuntime`): FedFS — the
   personalized backbone of ``θ_c``; FedUV — the global backbone and head; FedFS+FedUV —
   ``θ_c``'s backbone with the global head ``W`` (``verify=personal``), the global model
-  (``verify=global``) or both (``verify=both``, :mod:`fedfs_sdk.dual_verifier`).
+  (``verify=global``) or both (``verify=both``, :mod:`fedfs_sdk.nn.dual_verifier`).
 
 Client ``c`` is the simulation's client number: ``results.json``'s ``clients[c]`` names its
 identity folder.
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from fedfs_sdk.checkpoint import read_safetensors, save_checkpoint, save_verifier
+from fedfs_sdk.nn.checkpoint import read_safetensors, save_checkpoint, save_verifier
 from fedfs_sdk.errors import CheckpointError, InputError
-from fedfs_sdk.model import FaceNet, ModelConfig
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
 FEDERATION_FORMAT = "fedfs-federation/1"      # = device_sim.federation.CHECKPOINT_FORMAT (not imported: light)
 
@@ -130,7 +130,7 @@ def export_federation_model(path: str | os.PathLike[str], out: str | os.PathLike
     theta = FaceNet(replace(cfg, code_length=None))
     theta.load_state_dict(_client_weights(tensors, ident, cfg, client, p), strict=True)
     if method == "fedfs+feduv" and options.get("verify") == "both":
-        from fedfs_sdk.dual_verifier import save_dual_verifier
+        from fedfs_sdk.nn.dual_verifier import save_dual_verifier
         save_dual_verifier(out, theta.backbone, net.backbone, net.uv_head, cfg, meta={**meta, "verifies_with": "both"})
         return {**meta, "verifies_with": "both"}
     head = net.uv_head if method == "fedfs+feduv" else None

@@ -464,7 +464,7 @@ class SynthFaces:
 
         ``identities`` and ``indices`` broadcast against each other (a scalar with a list
         renders many images of one identity). Pixels are quantized to uint8 levels first, so
-        ``render`` equals ``fedfs_sdk.preprocess.preprocess(render_uint8(...), S)``.
+        ``render`` equals ``fedfs_sdk.runtime.preprocess.preprocess(render_uint8(...), S)``.
         """
         u8 = self._render_levels(identities, indices, device)
         return (u8 - 127.5) / 127.5

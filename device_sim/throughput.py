@@ -46,7 +46,7 @@ def _measure(cfg: BenchConfig, device: str, executor: str) -> dict[str, Any]:
     """Run in the current process: set up, warm up, time ``repeats`` rounds of ``clients``."""
     import torch
 
-    from fedfs_sdk.model import FaceNet, ModelConfig
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig
     from server_agg.aggregate import fedavg_stacked
 
     from .executors import ClientTask, LocalConfig, make_executor
@@ -142,7 +142,7 @@ def run_benchmark(cfg: BenchConfig, devices: list[str], executors: tuple[str, ..
 
 def store_estimate(cfg: BenchConfig, num_clients: int = 10_000) -> dict[str, float]:
     """GiB to hold ``num_clients`` personalized models of this method/backbone (client store)."""
-    from fedfs_sdk.model import FaceNet, ModelConfig
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
     from .client_store import estimate_memory
     from .methods import SimContext, parse_method

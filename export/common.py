@@ -2,7 +2,7 @@
 loading with export-specific errors, hashing, and a quiet ONNX Runtime.
 
 The input contract is fixed once for every format so a phone app preprocesses the same
-way whatever runtime it uses (insightface convention, :mod:`fedfs_sdk.preprocess`):
+way whatever runtime it uses (insightface convention, :mod:`fedfs_sdk.runtime.preprocess`):
 RGB, ``float32`` NCHW ``[N, 3, S, S]``, ``(x − 127.5) / 127.5``. Core ML takes the
 uint8 image itself and applies the same affine map inside the model (``ImageType``
 scale ``1/127.5``, bias ``−1``).
@@ -102,7 +102,7 @@ def load_for_export(path: str | os.PathLike[str]) -> LoadedCheckpoint:
     :class:`~fedfs_sdk.errors.CheckpointError` when the file is missing, is not a fedfs checkpoint, or its
     tensors do not fit the architecture its header declares.
     """
-    from fedfs_sdk.checkpoint import checkpoint_from_bytes, read_checkpoint_bytes
+    from fedfs_sdk.nn.checkpoint import checkpoint_from_bytes, read_checkpoint_bytes
 
     p = Path(path)
     data = read_checkpoint_bytes(p)

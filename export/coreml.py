@@ -81,7 +81,7 @@ def export_coreml(verifier: torch.nn.Module, path: str | os.PathLike[str], *, pr
                   metadata: dict[str, str] | None = None, model_version: str = "unversioned",
                   check_pixels: np.ndarray | None = None, tolerance: float = NUMERICS_TOLERANCE,
                   check_numerics: bool = True) -> Path:
-    """Convert ``verifier`` (a :class:`~fedfs_sdk.model.VerifierNet`) to an ``.mlpackage``.
+    """Convert ``verifier`` (a :class:`~fedfs_sdk.nn.model.VerifierNet`) to an ``.mlpackage``.
 
     The saved program is then executed by the fp16 reference on ``check_pixels`` (RGB
     pixel values ``[N, 3, S, S]``; default: :func:`synthetic_check_pixels`) and compared

@@ -1,8 +1,8 @@
 """The inference twin of a verifier: the same parameters, exported with ops ONNX Runtime runs fast.
 
 The backbones build their normalization and activation from primitives
-(:class:`~fedfs_sdk.backbones.layers.GroupNormP`: ReduceMean/Sub/Mul/Sqrt/Div;
-:class:`~fedfs_sdk.backbones.layers.PReLUP`: Relu/Neg/Mul/Sub) because ONNX Runtime
+(:class:`~fedfs_sdk.nn.backbones.layers.GroupNormP`: ReduceMean/Sub/Mul/Sqrt/Div;
+:class:`~fedfs_sdk.nn.backbones.layers.PReLUP`: Relu/Neg/Mul/Sub) because ONNX Runtime
 *training* 1.19 cannot differentiate ``InstanceNormalization`` or ``PRelu``. The training
 graphs (``export.training_graphs``) need exactly that; an inference graph does not. Profiled
 on MobileFaceNet@112 at one thread (``benchmarks/export_profile.py``), the primitives spent
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfs_sdk.backbones.layers import ChannelAffine, GroupNormP, PReLUP
+from fedfs_sdk.nn.backbones.layers import ChannelAffine, GroupNormP, PReLUP
 
 
 def _affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ THRESHOLD_SEMANTICS = {
     },
     "decision": "accept iff score >= tau",
     "threshold": "tau is set on the device by the FedUV Alg. 2 warm-up: the floor(n(1-q))-th smallest "
-                 "score of n owner images, q = target true-positive rate (fedfs_sdk.enrollment.warmup_threshold)",
+                 "score of n owner images, q = target true-positive rate (fedfs_sdk.runtime.enrollment.warmup_threshold)",
     "binding": "an enrollment and its tau are bound to the artifact's model_id: re-enroll after a model "
                "update or when switching precision (fp32 / fp16 / int8); thresholds never carry over",
 }
@@ -63,7 +63,7 @@ def build_manifest(root: Path, *, source: dict[str, Any], model: dict[str, Any],
             "onnx_and_ort_training": InputContract(int(model["input_size"])).to_dict(),
             "coreml": {"input": "image", "type": f"RGB image {model['input_size']}x{model['input_size']}",
                        "normalization": "in-model: x * (1/127.5) - 1 (ImageType scale/bias) == (x - 127.5) / 127.5"},
-            "preprocessing": "fedfs_sdk.preprocess.preprocess: RGB, center square crop (or detected face), "
+            "preprocessing": "fedfs_sdk.runtime.preprocess.preprocess: RGB, center square crop (or detected face), "
                              "resize to input_size, (x - 127.5) / 127.5, NCHW",
         },
         "outputs": {

@@ -1,11 +1,11 @@
 """ONNX inference export of the verifier (embedding network + FedUV score head).
 
-The graph is :class:`fedfs_sdk.model.VerifierNet`: input ``input`` float32
+The graph is :class:`fedfs_sdk.nn.model.VerifierNet`: input ``input`` float32
 ``[N, 3, S, S]`` (dynamic ``N``, the :class:`~export.common.InputContract`), outputs
 ``embedding`` ``[N, D]`` (``g(x)``/``q'``, not normalized) and, for FedUV models,
 ``uv`` ``[N, c]`` = ``σ(W g(x))`` with norm ``√c`` (FedUV Eq. 5 scores it against the
 device's codeword: ``e = vᵀ uv / c``). Everything a runtime needs to use the file is in
-its ``metadata_props`` (read by :class:`fedfs_sdk.onnx_backend.OnnxBackend`).
+its ``metadata_props`` (read by :class:`fedfs_sdk.runtime.onnx_backend.OnnxBackend`).
 """
 from __future__ import annotations
 
@@ -95,18 +95,18 @@ def check_runtime_compatible(model: onnx.ModelProto, what: str) -> None:
 
 def export_onnx(verifier: torch.nn.Module, path: str | os.PathLike[str], *,
                 model_version: str = "unversioned", fused: bool = True) -> Path:
-    """Export ``verifier`` (a :class:`~fedfs_sdk.model.VerifierNet`) to ``path``.
+    """Export ``verifier`` (a :class:`~fedfs_sdk.nn.model.VerifierNet`) to ``path``.
 
     Dynamic batch, opset :data:`~export.common.OPSET`, metadata from :func:`inference_metadata`.
     ``fused`` (default): the graph of :func:`export.inference_graph.inference_twin` — the same
     parameters with ``InstanceNormalization``/``BatchNormalization``/``PRelu`` in place of the
     ORT-trainable primitives (1.4× faster on MobileFaceNet, docs/export.md); ``fused=False``
     exports the primitive graph as the training graphs have it (for comparison benchmarks).
-    ``fedfs.model_id`` is the id of the verifier's weights (:func:`fedfs_sdk.checkpoint.model_id_of`),
-    computed here — :class:`~fedfs_sdk.onnx_backend.OnnxBackend` recomputes it on load and
+    ``fedfs.model_id`` is the id of the verifier's weights (:func:`fedfs_sdk.nn.checkpoint.model_id_of`),
+    computed here — :class:`~fedfs_sdk.runtime.onnx_backend.OnnxBackend` recomputes it on load and
     refuses a file whose id and weights disagree.
     """
-    from fedfs_sdk.checkpoint import model_id_of
+    from fedfs_sdk.nn.checkpoint import model_id_of
 
     from .inference_graph import inference_twin
 
@@ -152,7 +152,7 @@ def onnx_vs_torch(verifier: torch.nn.Module, onnx_path: str | os.PathLike[str],
 
     ``batch`` defaults to 4 random inputs in the contract's range [−1, 1].
     """
-    from fedfs_sdk.onnx_backend import OnnxBackend
+    from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
     s = int(verifier.backbone.input_size)
     if batch is None:

@@ -1,7 +1,7 @@
 """ONNX Runtime on-device training artifacts for a device's local step.
 
 For each method (``feduv``, ``fedfs``, ``fedfs+feduv``) one folder holds what
-``onnxruntime-training`` (Android/iOS C API, or :mod:`fedfs_sdk.ort_device` here) needs:
+``onnxruntime-training`` (Android/iOS C API, or :mod:`fedfs_sdk.training.ort_device` here) needs:
 ``training_model.onnx``, ``eval_model.onnx``, ``optimizer_model.onnx`` (plain SGD),
 ``checkpoint`` (initial parameters) and ``artifact.json`` (how to drive them: inputs,
 outputs, parameter names ↔ FaceNet state-dict keys, which are trainable, learning
@@ -24,9 +24,9 @@ import onnx
 import torch
 from torch import nn
 
-from fedfs_sdk.model import FaceNet, personal_config
-from fedfs_sdk.objective import METHODS, ObjectiveConfig, uses_fedfs, uses_feduv
-from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, TrainConfig
+from fedfs_sdk.nn.model import FaceNet, personal_config
+from fedfs_sdk.training.objective import METHODS, ObjectiveConfig, uses_fedfs, uses_feduv
+from fedfs_sdk.training.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, TrainConfig
 
 from .common import FORMAT_ORT_TRAINING, OPSET, ExportError, captured_native_stderr, quiet_onnxruntime
 from .onnx_inference import check_runtime_compatible
@@ -113,7 +113,7 @@ def build_step(method: str, global_model: FaceNet, *, xi: nn.Module | None = Non
                objective: ObjectiveConfig = ObjectiveConfig(), lr: float | None = None,
                head_lr: float | None = None) -> tuple[nn.Module, float]:
     """The loss module of ``method`` and its head scale ``a`` (see training_graphs);
-    ``head_lr=None`` is the device default :data:`~fedfs_sdk.trainer.DEFAULT_HEAD_LR`."""
+    ``head_lr=None`` is the device default :data:`~fedfs_sdk.training.trainer.DEFAULT_HEAD_LR`."""
     if method not in METHODS:
         raise ExportError(f"unknown method {method!r}; choose from {METHODS}")
     eff_lr = lr if lr is not None else DEFAULT_LR[method]
@@ -209,7 +209,7 @@ def export_training_artifacts(method: str, global_model: FaceNet, out_dir: str |
     """Write the ORT training artifacts of ``method`` into ``out_dir`` (created).
 
     ``lr``/``head_lr``/``local_epochs`` default to the method's paper values
-    (:data:`fedfs_sdk.trainer.DEFAULT_LR`, ``DEFAULT_HEAD_LR``). The ratio
+    (:data:`fedfs_sdk.training.trainer.DEFAULT_LR`, ``DEFAULT_HEAD_LR``). The ratio
     ``head_lr/lr`` is baked into the graph (FedUV methods); the device may change ``lr``
     and the head's rate follows it. ``xi_sha256`` (of ξ's checkpoint file) is recorded so a
     device can check that the ξ baked into the artifact (frozen) is the one a round task
@@ -267,8 +267,8 @@ def export_training_artifacts(method: str, global_model: FaceNet, out_dir: str |
 
 
 def train_config_of(info: dict[str, Any]) -> TrainConfig:
-    """The torch :class:`~fedfs_sdk.trainer.TrainConfig` an artifact folder reproduces."""
-    from fedfs_sdk.losses.fedfs import FedFSLossConfig
+    """The torch :class:`~fedfs_sdk.training.trainer.TrainConfig` an artifact folder reproduces."""
+    from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
 
     obj = info["objective"]
     return TrainConfig(method=info["method"], lr=info["lr"], head_lr=info["head_lr"],

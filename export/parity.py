@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fedfs_sdk.enrollment import warmup_threshold
+from fedfs_sdk.runtime.enrollment import warmup_threshold
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from fedfs_sdk.errors import CheckpointError, InputError
-from fedfs_sdk.ort_device import artifact_subdir
+from fedfs_sdk.training.ort_device import artifact_subdir
 
 from .common import FORMAT_COREML, ExportError, load_for_export, model_version
 
@@ -41,7 +41,7 @@ def parse_formats(text: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
 
 
 def method_dir(method: str) -> str:
-    """``ort-training/<this>`` of a method (shared with the device: :func:`fedfs_sdk.ort_device.artifact_subdir`)."""
+    """``ort-training/<this>`` of a method (shared with the device: :func:`fedfs_sdk.training.ort_device.artifact_subdir`)."""
     return artifact_subdir(method)
 
 
@@ -54,7 +54,7 @@ class ExportOptions:
         xi: path of the frozen pre-trained model ``ξ`` (FedFS training artifacts).
         methods: training methods to build artifacts for (default: all the checkpoint supports).
         train: local-training settings, the ``train`` object of a server round task
-            (:func:`fedfs_sdk.wire.train_config_from_json`): lr, head_lr, local_epochs,
+            (:func:`fedfs_sdk.federation.wire.train_config_from_json`): lr, head_lr, local_epochs,
             batch_size, objective. Defaults are the methods' paper values.
         coreml_precisions: ``fp16`` and/or ``fp32``.
         calibration: folder of face images for int8 calibration (default: SynthFaces).
@@ -106,7 +106,7 @@ def _check_out(out: Path, overwrite: bool, inputs: Mapping[str, str | os.PathLik
 
 
 def _train_configs(methods: list[str], train: Mapping[str, Any] | None) -> dict[str, Any]:
-    from fedfs_sdk.wire import train_config_from_json
+    from fedfs_sdk.federation.wire import train_config_from_json
 
     out = {}
     for m in methods:
@@ -213,8 +213,8 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
     model, meta = source_ckpt.model, source_ckpt.meta
     xi_ckpt = load_for_export(options.xi) if options.xi is not None else None
     xi = xi_ckpt.model if xi_ckpt is not None else None
-    from fedfs_sdk.checkpoint import verified_model_id
-    from fedfs_sdk.model import VerifierNet
+    from fedfs_sdk.nn.checkpoint import verified_model_id
+    from fedfs_sdk.nn.model import VerifierNet
 
     verifier = VerifierNet(model.backbone, model.uv_head).eval()
     mid = verified_model_id(model, meta, checkpoint)   # a model_id in meta must match the weights
@@ -224,7 +224,7 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
     if "ort-training" in formats:
         possible = supported_methods(model, xi)
         methods = list(options.methods) if options.methods else possible
-        from fedfs_sdk.objective import METHODS
+        from fedfs_sdk.training.objective import METHODS
 
         unknown = [m for m in methods if m not in METHODS]
         if unknown:
@@ -323,7 +323,7 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
                                  "lr": info["lr"], "head_lr": info["head_lr"], "local_epochs": info["local_epochs"],
                                  "batch_size": info["batch_size"], "soft_labels": info["soft_labels"]}
             artifacts["ort-training"] = {"methods": per_method, "runtime": "onnxruntime-training 1.19.2 C API "
-                                         "(fedfs_sdk.ort_device.OrtDeviceTrainer)"}
+                                         "(fedfs_sdk.training.ort_device.OrtDeviceTrainer)"}
         step("manifest")
         source = {"file": source_ckpt.name, "sha256": source_ckpt.sha256, "meta": meta}
         if xi_ckpt is not None:
@@ -365,9 +365,9 @@ def write_folder_manifest(tmp: Path, cfg: Any, *, source: dict[str, Any], model_
 
 
 def export_dual_onnx(dual: Any, path: Path, version: str) -> dict[str, Any]:
-    """Write a :class:`~fedfs_sdk.model.DualVerifierNet` (``verify=both``: ``unit(W q') ⊕
+    """Write a :class:`~fedfs_sdk.nn.model.DualVerifierNet` (``verify=both``: ``unit(W q') ⊕
     unit(W r')``) to ``path`` with the torch-parity check; returns its manifest entry."""
-    from fedfs_sdk.checkpoint import model_id_of
+    from fedfs_sdk.nn.checkpoint import model_id_of
 
     from .onnx_inference import export_onnx, onnx_vs_torch
 
@@ -383,8 +383,8 @@ def export_dual_onnx(dual: Any, path: Path, version: str) -> dict[str, Any]:
 def _export_dual(model: Any, tmp: Path, version: str) -> dict[str, Any]:
     """``onnx/verifier-dual.onnx``: the ``verify=both`` graph of ``fedfs+feduv`` with both
     backbones the checkpoint's; a device swaps in ``θ_c`` and ``w`` (``OrtRuntime.verifier``)."""
-    from fedfs_sdk.device_runtime import DUAL_ONNX_FILE
-    from fedfs_sdk.model import DualVerifierNet
+    from fedfs_sdk.federation.device_runtime import DUAL_ONNX_FILE
+    from fedfs_sdk.nn.model import DualVerifierNet
 
     dual = DualVerifierNet(model.backbone, copy.deepcopy(model.backbone), model.uv_head).eval()
     return {"file": DUAL_ONNX_FILE, **export_dual_onnx(dual, tmp / DUAL_ONNX_FILE, version)}

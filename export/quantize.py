@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.onnx_backend import int8_model_id
+from fedfs_sdk.runtime.onnx_backend import int8_model_id
 
 from .common import ExportError
 from .onnx_inference import OUTPUT_EMBEDDING, read_metadata, set_metadata
@@ -76,7 +76,7 @@ def synthetic_calibration(input_size: int, identities: int = 16, per_identity: i
 
 def folder_calibration(folder: str | os.PathLike[str], input_size: int, limit: int = 256) -> np.ndarray:
     """Up to ``limit`` images of ``folder``, preprocessed like every fedfs input."""
-    from fedfs_sdk.preprocess import list_images, preprocess
+    from fedfs_sdk.runtime.preprocess import list_images, preprocess
 
     files = list_images(folder)[:limit]
     return preprocess([str(f) for f in files], input_size)
@@ -130,7 +130,7 @@ def quantize_int8(src: str | os.PathLike[str], dst: str | os.PathLike[str], cali
                                           quantize_static)
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    from fedfs_sdk.onnx_backend import OnnxBackend
+    from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
     images = np.asarray(calibration, dtype=np.float32)
     if images.ndim != 4 or images.shape[0] < 1:
@@ -190,7 +190,7 @@ def compare_int8(fp32_path: str | os.PathLike[str], int8_path: str | os.PathLike
     ``images``, and the cosine between each image's fp32 and int8 embedding."""
     from sklearn.metrics import roc_auc_score
 
-    from fedfs_sdk.onnx_backend import OnnxBackend
+    from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
     labels = np.asarray(labels)
     same = labels[:, None] == labels[None, :]

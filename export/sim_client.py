@@ -2,9 +2,9 @@
 of a ``fedfs+feduv`` simulation, whose default verifies with both models).
 
 :func:`export.pipeline.run_export` exports a single-model checkpoint (one backbone, optional
-head). The ``verify=both`` verifier of a client is a :class:`~fedfs_sdk.model.DualVerifierNet`
+head). The ``verify=both`` verifier of a client is a :class:`~fedfs_sdk.nn.model.DualVerifierNet`
 (``unit(W q') ⊕ unit(W r')``: the client's ``θ_c`` and the global ``w`` through the global head
-``W``), saved by :func:`fedfs_sdk.dual_verifier.save_dual_verifier`. This module writes it as
+``W``), saved by :func:`fedfs_sdk.nn.dual_verifier.save_dual_verifier`. This module writes it as
 ``onnx/verifier.onnx`` — the file an app (``OnnxBackend``) and ``fedfs enroll --model`` take —
 with the same parity check and ``manifest.json`` as the pipeline, published the same way
 (complete or not at all).
@@ -22,8 +22,8 @@ from fedfs_sdk.errors import InputError
 def export_dual_client(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], formats: tuple[str, ...],
                        overwrite: bool, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Export the dual verifier file ``checkpoint`` to ``out/onnx/verifier.onnx`` + manifest."""
-    from fedfs_sdk.checkpoint import read_checkpoint, read_checkpoint_bytes
-    from fedfs_sdk.dual_verifier import dual_verifier_from_state, is_dual_verifier
+    from fedfs_sdk.nn.checkpoint import read_checkpoint, read_checkpoint_bytes
+    from fedfs_sdk.nn.dual_verifier import dual_verifier_from_state, is_dual_verifier
     from fedfs_sdk.errors import CheckpointError
 
     from .common import model_version

@@ -1,7 +1,7 @@
 """Torch modules whose ``forward`` *is* a device's local loss — exported to ONNX as the
 forward graph of the ORT on-device training artifacts.
 
-They compute exactly :func:`fedfs_sdk.objective.local_objective` (the reference the
+They compute exactly :func:`fedfs_sdk.training.objective.local_objective` (the reference the
 parity tests compare against), rearranged for what ONNX can express:
 
 * **No stop-gradient in ONNX.** FedFS's soft labels ``α`` (Eq. 5–6) are labels: torch
@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedfs_sdk.losses.fedfs import FedFSLossConfig, combine, f_reg, insub_logits, k_threshold
-from fedfs_sdk.losses.feduv import feduv_neg_loss, feduv_pos_loss
-from fedfs_sdk.model import FaceNet, FedUVHead, scale_to_sqrt_c
-from fedfs_sdk.objective import ObjectiveConfig, uses_fedfs, uses_feduv
+from fedfs_sdk.training.losses.fedfs import FedFSLossConfig, combine, f_reg, insub_logits, k_threshold
+from fedfs_sdk.training.losses.feduv import feduv_neg_loss, feduv_pos_loss
+from fedfs_sdk.nn.model import FaceNet, FedUVHead, scale_to_sqrt_c
+from fedfs_sdk.training.objective import ObjectiveConfig, uses_fedfs, uses_feduv
 
 PREFIX_GLOBAL = "global_model."
 PREFIX_PERSONAL = "personal_model."
@@ -41,7 +41,7 @@ PREFIX_XI = "xi."
 
 
 class ScaledFedUVHead(nn.Module):
-    """``σ((a·W̃) g)`` — a :class:`~fedfs_sdk.model.FedUVHead` whose stored weight is ``W/a``."""
+    """``σ((a·W̃) g)`` — a :class:`~fedfs_sdk.nn.model.FedUVHead` whose stored weight is ``W/a``."""
 
     def __init__(self, head: FedUVHead, scale: float) -> None:
         super().__init__()
@@ -60,7 +60,7 @@ class ScaledFedUVHead(nn.Module):
 def soft_labels_graph(z: torch.Tensor, v: torch.Tensor, cfg: FedFSLossConfig) -> torch.Tensor:
     """Adaptive soft labels ``α`` (FedFS Eq. 5–6) in exportable, batch-size-free form.
 
-    Same values as :func:`fedfs_sdk.losses.fedfs.adaptive_soft_labels` (without mask):
+    Same values as :func:`fedfs_sdk.training.losses.fedfs.adaptive_soft_labels` (without mask):
     ``ass = z vᵀ``; ``β_ij = γ·ass_ij`` on the diagonal, ``ass_ij`` if it is in the top-K of
     column ``j`` (``#{l : ass_lj > ass_ij} < K``), else 0; ``α = (softmax_i β)ᵀ``.
     """

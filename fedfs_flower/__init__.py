@@ -5,8 +5,8 @@ aggregation server, run by Flower's engines instead:
 
 * :mod:`fedfs_flower.client_app` — ``app``, a Flower ``ClientApp``: the device's local step of
   ``fedfs`` (FedFS Alg. 1), ``feduv`` (FedUV Alg. 1–2) or ``fedfs+feduv`` with
-  :class:`fedfs_sdk.trainer.LocalTrainer`. The FedUV codeword ``v_u = C(b_u ‖ r_u)`` and the
-  personalized weights ``θ_c`` live in a per-node :class:`fedfs_sdk.device_state.DeviceState`
+  :class:`fedfs_sdk.training.trainer.LocalTrainer`. The FedUV codeword ``v_u = C(b_u ‖ r_u)`` and the
+  personalized weights ``θ_c`` live in a per-node :class:`fedfs_sdk.federation.device_state.DeviceState`
   folder and never leave it; only ``w_c`` and ``|D_c|`` are sent.
 * :mod:`fedfs_flower.strategy` — :class:`FedFSStrategy`, Flower's message-based ``FedAvg``
   with fedfs's float64 weighted average (:class:`server_agg.aggregate.StreamingFedAvg`,

@@ -1,7 +1,7 @@
 """The device's local step on a Flower node (no Flower import: the ClientApp wraps it).
 
-Does what :class:`fedfs_sdk.device_runtime.TorchRuntime` does for a fedfs round task, with
-the per-node :class:`~fedfs_sdk.device_state.DeviceState` folder as the device's storage:
+Does what :class:`fedfs_sdk.federation.device_runtime.TorchRuntime` does for a fedfs round task, with
+the per-node :class:`~fedfs_sdk.federation.device_state.DeviceState` folder as the device's storage:
 
 * ``b_u`` — the base vector the server assigned to this node — is saved at the node's first
   round (``device.json``) and must not change afterwards: the codeword depends on it;
@@ -22,9 +22,9 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from fedfs_sdk.device_state import DeviceState
+from fedfs_sdk.federation.device_state import DeviceState
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.methods import check_method, uses_fedfs, uses_feduv
+from fedfs_sdk.training.methods import check_method, uses_fedfs, uses_feduv
 
 from .settings import NodeSettings
 
@@ -58,7 +58,7 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
 
 def node_images(data_dir: Path, input_size: int, detect_face: bool) -> np.ndarray:
     """The node's images (every image file directly in ``data_dir``) preprocessed for the model."""
-    from fedfs_sdk.preprocess import list_images, preprocess
+    from fedfs_sdk.runtime.preprocess import list_images, preprocess
 
     key = (str(Path(data_dir).resolve()), int(input_size), bool(detect_face))
     if key not in _IMAGES:
@@ -85,11 +85,11 @@ def local_step(settings: NodeSettings, *, method: str, model_config_json: str, t
     """One round of ``method``'s local training on this node (FedFS Alg. 1 client step;
     FedUV Alg. 2). Returns ``w_c``, ``|D_c|``, the loss metrics and the digest of ``w_c``.
     ``images``: preprocessed float32 ``[N, 3, S, S]`` instead of the node's ``data_dir``."""
-    from fedfs_sdk.checkpoint import load_checkpoint
-    from fedfs_sdk.device_runtime import negative_codewords, round_seed
-    from fedfs_sdk.model import ModelConfig
-    from fedfs_sdk.trainer import LocalTrainer
-    from fedfs_sdk.wire import check_finite, encode_weights, train_config_from_json
+    from fedfs_sdk.nn.checkpoint import load_checkpoint
+    from fedfs_sdk.federation.device_runtime import negative_codewords, round_seed
+    from fedfs_sdk.nn.model import ModelConfig
+    from fedfs_sdk.training.trainer import LocalTrainer
+    from fedfs_sdk.federation.wire import check_finite, encode_weights, train_config_from_json
 
     method = check_method(method)
     if settings.torch_threads > 0:

@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from flwr.app import ArrayRecord, ConfigRecord, Context  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from fedfs_sdk.checkpoint import FORMAT, read_checkpoint, write_safetensors_atomic  # noqa: E402
+from fedfs_sdk.nn.checkpoint import FORMAT, read_checkpoint, write_safetensors_atomic  # noqa: E402
 
 from .settings import ServerSettings  # noqa: E402
 from .strategy import FedFSStrategy  # noqa: E402

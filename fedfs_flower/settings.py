@@ -3,7 +3,7 @@
 
 Flower hands both as flat ``key → int | float | str | bool`` mappings. fedfs's nested
 training settings travel as one JSON string (``train``), the same object a fedfs round task
-carries (:func:`fedfs_sdk.wire.train_config_from_json`), so one schema serves both servers.
+carries (:func:`fedfs_sdk.federation.wire.train_config_from_json`), so one schema serves both servers.
 No Flower import here: the settings are testable without the extra.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.methods import check_method, uses_fedfs
+from fedfs_sdk.training.methods import check_method, uses_fedfs
 
 RUN_DEFAULTS: dict[str, Any] = {
     "method": "fedfs+feduv",

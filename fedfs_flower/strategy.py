@@ -31,10 +31,10 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from fedfs_sdk.codes import BASE_BITS
+from fedfs_sdk.runtime.codes import BASE_BITS
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.fileio import atomic_write_bytes
-from fedfs_sdk.wire import check_finite, encode_weights
+from fedfs_sdk.federation.wire import check_finite, encode_weights
 from server_agg.aggregate import StreamingFedAvg, check_num_samples
 
 from .node import weights_digest
@@ -58,7 +58,7 @@ class FedFSStrategy(FedAvg):
 
     Args:
         method: ``fedfs``, ``feduv`` or ``fedfs+feduv`` (sent to the nodes).
-        model_config_json: the global model's :class:`fedfs_sdk.model.ModelConfig` JSON.
+        model_config_json: the global model's :class:`fedfs_sdk.nn.model.ModelConfig` JSON.
         train: fedfs's training settings (a round task's ``train`` object).
         fraction_train, min_nodes: sampling, as Flower's FedAvg (``min_nodes`` also waits
             for that many connected nodes).

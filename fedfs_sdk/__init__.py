@@ -18,19 +18,19 @@ _LAZY: dict[str, str] = {
     "InsufficientWarmupError": "fedfs_sdk.errors", "EnrollmentError": "fedfs_sdk.errors",
     "CodeError": "fedfs_sdk.errors", "CheckpointError": "fedfs_sdk.errors", "TrainingError": "fedfs_sdk.errors",
     # numpy-only
-    "preprocess": "fedfs_sdk.preprocess", "load_image": "fedfs_sdk.preprocess",
-    "make_codeword": "fedfs_sdk.codes", "get_code": "fedfs_sdk.codes",
-    "Enrollment": "fedfs_sdk.enrollment", "enroll": "fedfs_sdk.enrollment",
-    "verify": "fedfs_sdk.enrollment", "save_enrollment": "fedfs_sdk.enrollment",
-    "load_enrollment": "fedfs_sdk.enrollment", "warmup_threshold": "fedfs_sdk.enrollment",
-    "mad_outliers": "fedfs_sdk.enrollment", "generate_key": "fedfs_sdk.enrollment",
-    "min_warmup_images": "fedfs_sdk.enrollment", "ImageNotFoundError": "fedfs_sdk.errors",
+    "preprocess": "fedfs_sdk.runtime.preprocess", "load_image": "fedfs_sdk.runtime.preprocess",
+    "make_codeword": "fedfs_sdk.runtime.codes", "get_code": "fedfs_sdk.runtime.codes",
+    "Enrollment": "fedfs_sdk.runtime.enrollment", "enroll": "fedfs_sdk.runtime.enrollment",
+    "verify": "fedfs_sdk.runtime.enrollment", "save_enrollment": "fedfs_sdk.runtime.enrollment",
+    "load_enrollment": "fedfs_sdk.runtime.enrollment", "warmup_threshold": "fedfs_sdk.runtime.enrollment",
+    "mad_outliers": "fedfs_sdk.runtime.enrollment", "generate_key": "fedfs_sdk.runtime.enrollment",
+    "min_warmup_images": "fedfs_sdk.runtime.enrollment", "ImageNotFoundError": "fedfs_sdk.errors",
     # torch
-    "ModelConfig": "fedfs_sdk.model", "FaceNet": "fedfs_sdk.model", "VerifierNet": "fedfs_sdk.model",
-    "TrainConfig": "fedfs_sdk.trainer", "LocalTrainer": "fedfs_sdk.trainer",
-    "TorchBackend": "fedfs_sdk.inference",
+    "ModelConfig": "fedfs_sdk.nn.model", "FaceNet": "fedfs_sdk.nn.model", "VerifierNet": "fedfs_sdk.nn.model",
+    "TrainConfig": "fedfs_sdk.training.trainer", "LocalTrainer": "fedfs_sdk.training.trainer",
+    "TorchBackend": "fedfs_sdk.runtime.inference",
     # onnxruntime only (never torch): what a phone-like app runs
-    "OnnxBackend": "fedfs_sdk.onnx_backend", "OrtDeviceTrainer": "fedfs_sdk.ort_device",
+    "OnnxBackend": "fedfs_sdk.runtime.onnx_backend", "OrtDeviceTrainer": "fedfs_sdk.training.ort_device",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

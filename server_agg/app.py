@@ -30,8 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from fedfs_sdk.wire import MEDIA_TYPE
-from fedfs_sdk.wire_format import MAX_ID
+from fedfs_sdk.federation.wire import MEDIA_TYPE
+from fedfs_sdk.federation.wire_format import MAX_ID
 
 from .errors import ApiError, BadRequest, NotFound, Unauthorized, Unprocessable
 from .rounds import Coordinator

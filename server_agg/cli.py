@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.objective import uses_fedfs
+from fedfs_sdk.training.objective import uses_fedfs
 
 log = logging.getLogger("fedfs.server")
 
@@ -165,10 +165,10 @@ def initial_checkpoint(args: argparse.Namespace) -> bytes | None:
         return args.init_model.read_bytes()
     if args.init_backbone is None:
         return None
-    from fedfs_sdk.checkpoint import FORMAT, load_checkpoint
-    from fedfs_sdk.model import ModelConfig
-    from fedfs_sdk.trainer import initial_global_weights
-    from fedfs_sdk.wire import encode_weights
+    from fedfs_sdk.nn.checkpoint import FORMAT, load_checkpoint
+    from fedfs_sdk.nn.model import ModelConfig
+    from fedfs_sdk.training.trainer import initial_global_weights
+    from fedfs_sdk.federation.wire import encode_weights
 
     config = ModelConfig(backbone=args.init_backbone, embedding_dim=args.embedding_dim, input_size=args.input_size,
                          proj_dim=args.proj_dim, code_length=args.code_length, width=args.width).resolved()
@@ -180,7 +180,7 @@ def initial_checkpoint(args: argparse.Namespace) -> bytes | None:
 
 def model_config_of(checkpoint: bytes) -> dict[str, Any]:
     """The model config a fedfs checkpoint's header declares (``InputError`` if unreadable)."""
-    from fedfs_sdk.wire_format import read_header
+    from fedfs_sdk.federation.wire_format import read_header
 
     try:
         _, meta = read_header(checkpoint)
@@ -212,7 +212,7 @@ def xi_config_of(xi: bytes | None) -> dict[str, Any] | None:
     """The resolved model config of a ξ checkpoint (``None`` without one)."""
     if xi is None:
         return None
-    from fedfs_sdk.model import ModelConfig
+    from fedfs_sdk.nn.model import ModelConfig
 
     try:
         return json.loads(ModelConfig.from_json(json.dumps(model_config_of(xi))).resolved().to_json())

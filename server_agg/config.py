@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.wire_format import MAX_ID, is_finite_number
-from fedfs_sdk.objective import METHODS, uses_fedfs, uses_feduv
+from fedfs_sdk.federation.wire_format import MAX_ID, is_finite_number
+from fedfs_sdk.training.objective import METHODS, uses_fedfs, uses_feduv
 
 MAX_NEG_CODEWORDS = 1 << 16
 """ℓ_neg codewords a device draws per round: each is a ``c``-bit vector held on the device."""
@@ -28,7 +28,7 @@ class RoundPolicy:
 
     Attributes:
         method: what devices train: ``feduv`` | ``fedfs`` | ``fedfs+feduv``.
-        train: training settings published in the task (``fedfs_sdk.wire.TRAIN_KEYS``).
+        train: training settings published in the task (``fedfs_sdk.federation.wire.TRAIN_KEYS``).
         neg_codewords: FedUV ℓ_neg (Eq. 4): how many random codewords a device draws
             locally when ``train.objective.lambda_neg > 0`` (no other user's codeword exists
             on a device).
@@ -126,7 +126,7 @@ class RoundPolicy:
         self._check_secagg()
         if not isinstance(self.train, Mapping):
             raise InputError("train must be an object")
-        from fedfs_sdk.wire import train_config_from_json
+        from fedfs_sdk.federation.wire import train_config_from_json
         cfg = train_config_from_json(self.method, self.train)  # raises InputError when invalid
         if cfg.objective.lambda_neg > 0 and uses_feduv(self.method) and self.neg_codewords < 1:
             raise InputError("train.objective.lambda_neg > 0 needs neg_codewords ≥ 1 (FedUV ℓ_neg)")
@@ -148,7 +148,7 @@ class RoundPolicy:
         _check_number("secagg_phase_timeout_s", self.secagg_phase_timeout_s, positive=True, maximum=MAX_SECONDS)
         if not self.secure_aggregation:
             return
-        from fedfs_sdk.secagg import FixedPoint   # checks range × samples × resolution fits 63 bits
+        from fedfs_sdk.federation.secagg import FixedPoint   # checks range × samples × resolution fits 63 bits
 
         if self.dp_noise_multiplier is not None:
             if self.dp_noise == "distributed":   # the range must hold the noise tails too
@@ -266,7 +266,7 @@ def proj_dim_mismatch(method: str, model_config: Mapping[str, Any] | None, xi_co
     every device in its first round (``set proj_dim = …``)."""
     if not uses_fedfs(method) or model_config is None or xi_config is None or not model_config.get("proj_dim"):
         return None
-    from fedfs_sdk.losses.fedfs import FedFSLossConfig
+    from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
 
     cfg = FedFSLossConfig(**dict((train.get("objective") or {}).get("fedfs") or {}))
     xi_dim = int(xi_config["embedding_dim"])

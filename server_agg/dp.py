@@ -1,6 +1,6 @@
 """User-level DP-FedAvg on the server: the privacy accountant, the budget, and the noisy
 round aggregate (McMahan et al. 2018, *Learning Differentially Private Recurrent Language
-Models*; the estimator and its sensitivity are explained in :mod:`fedfs_sdk.dp`).
+Models*; the estimator and its sensitivity are explained in :mod:`fedfs_sdk.federation.dp`).
 
 * :func:`epsilon` — ε at a given δ after a sequence of rounds, each a Poisson-subsampled
   Gaussian mechanism ``(q, σ)``, from Google's ``dp-accounting`` library (RDP — Mironov
@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from fedfs_sdk.dp import DpParams, clip_delta, gaussian_noise, user_weight
+from fedfs_sdk.federation.dp import DpParams, clip_delta, gaussian_noise, user_weight
 from fedfs_sdk.errors import InputError
 
 from .aggregate import check_num_samples
@@ -232,9 +232,9 @@ class DpFedAvg:
         """Take a secure-aggregation round's unmasked sum instead of individual updates.
 
         ``weighted`` is ``Σ_k n'_k Δ_k / Σ_k n'_k`` over **all** tensors sorted by name (the
-        secure layout of :func:`fedfs_sdk.secagg.http_device.flatten_update`), ``weight_words``
+        secure layout of :func:`fedfs_sdk.federation.secagg.http_device.flatten_update`), ``weight_words``
         = ``Σ n'_k`` with ``n'_k = min(n_k, ŵ)``: the devices clipped and weighed their own
-        updates (:func:`fedfs_sdk.secagg.http_device.dp_input`), so ``Σ w_k Δ_k`` =
+        updates (:func:`fedfs_sdk.federation.secagg.http_device.dp_input`), so ``Σ w_k Δ_k`` =
         ``weighted · Σn' / ŵ``. The server cannot re-clip here — it never sees one update —
         and coordinates of integer buffers are ignored (not privatized, as in :meth:`add`)."""
         if count < 1 or weight_words < count:

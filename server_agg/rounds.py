@@ -33,7 +33,7 @@ from typing import Any, Callable, Mapping
 import torch
 
 from fedfs_sdk.errors import CheckpointError, InputError
-from fedfs_sdk.wire import (MODEL_FORMAT, check_finite, check_layout, clip_update, decode_update,
+from fedfs_sdk.federation.wire import (MODEL_FORMAT, check_finite, check_layout, clip_update, decode_update,
                             decode_weights, encode_update, encode_weights, model_nbytes, sha256_hex)
 
 from .aggregate import StreamingFedAvg
@@ -256,7 +256,7 @@ class Coordinator(SecAggCoordinator):
     @staticmethod
     def _decode_model(data: bytes) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Weights and model config of a fedfs checkpoint; 422 ``invalid_model`` if it is not one."""
-        from fedfs_sdk.model import FaceNet, ModelConfig
+        from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
         try:
             weights, meta = decode_weights(data)
@@ -315,8 +315,8 @@ class Coordinator(SecAggCoordinator):
         """Why devices could not train ``policy`` on ``model_config`` with the served ξ, if so."""
         if not self.layout.xi.is_file() or model_config is None:
             return None
-        from fedfs_sdk.model import ModelConfig
-        from fedfs_sdk.wire_format import read_header
+        from fedfs_sdk.nn.model import ModelConfig
+        from fedfs_sdk.federation.wire_format import read_header
 
         try:
             meta = read_header(self.layout.xi.read_bytes())[1]

@@ -3,15 +3,15 @@
 Written out (not a pydantic model) so that the route can check the admin token before it
 reads the body — FastAPI reads and parses a typed body *before* running the route's
 dependencies. The bounds are the ones :class:`~server_agg.config.RoundPolicy` and
-:func:`fedfs_sdk.wire_format.split_train_json` enforce (every value the server accepts is
+:func:`fedfs_sdk.federation.wire_format.split_train_json` enforce (every value the server accepts is
 valid here; a fuzzer's schema-invalid values are refused with a 4xx).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from fedfs_sdk.objective import METHODS
-from fedfs_sdk.wire_format import MAX_ID, OBJECTIVE_MAX, TRAIN_FLOAT_MAX, TRAIN_INT_RANGES
+from fedfs_sdk.training.objective import METHODS
+from fedfs_sdk.federation.wire_format import MAX_ID, OBJECTIVE_MAX, TRAIN_FLOAT_MAX, TRAIN_INT_RANGES
 
 from .config import MAX_NEG_CODEWORDS, MAX_NUM_SAMPLES, MAX_SECONDS
 
@@ -33,7 +33,7 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
 
 FEDFS_LOSS_SCHEMA: dict[str, Any] = {
     "type": "object", "additionalProperties": False,
-    "description": "fields of fedfs_sdk.losses.fedfs.FedFSLossConfig (FedFS Eq. 2–9)",
+    "description": "fields of fedfs_sdk.training.losses.fedfs.FedFSLossConfig (FedFS Eq. 2–9)",
     "properties": {
         "combine": {"enum": ["concat", "sum"]},
         "logits": {"enum": ["similarity", "literal"]},
@@ -47,7 +47,7 @@ FEDFS_LOSS_SCHEMA: dict[str, Any] = {
 
 TRAIN_SCHEMA: dict[str, Any] = {
     "type": "object", "additionalProperties": False,
-    "description": "training settings of the round task (fedfs_sdk.wire_format.TRAIN_KEYS)",
+    "description": "training settings of the round task (fedfs_sdk.federation.wire_format.TRAIN_KEYS)",
     "properties": {
         **{k: _num(0.0, hi) for k, hi in TRAIN_FLOAT_MAX.items()},
         "head_lr": _nullable(_num(0.0, TRAIN_FLOAT_MAX["head_lr"])),   # null: the same as lr

@@ -14,8 +14,8 @@ import shutil
 from typing import TYPE_CHECKING, Any, Sequence
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.secagg import RoundFailedError, SecAggResult
-from fedfs_sdk.secagg.http_device import params_from_task
+from fedfs_sdk.federation.secagg import RoundFailedError, SecAggResult
+from fedfs_sdk.federation.secagg.http_device import params_from_task
 
 from .errors import Conflict, Forbidden, Gone, NotFound
 from .secagg_rounds import SecAggRound, task_fields, unflatten

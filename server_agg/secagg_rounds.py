@@ -1,4 +1,4 @@
-"""Secure-aggregation rounds: the server side of :mod:`fedfs_sdk.secagg` behind the HTTP round.
+"""Secure-aggregation rounds: the server side of :mod:`fedfs_sdk.federation.secagg` behind the HTTP round.
 
 A round opened with ``policy.secure_aggregation`` carries a :class:`SecAggRound`: the
 participants get indices 1…k (sorted by device id; the Shamir x-coordinates), the task says
@@ -9,7 +9,7 @@ dropped); ``finalize`` yields only ``Σ n·w / Σ n`` of the survivors, which th
 publishes as the next version.
 
 Crash safety: after every accepted message and every phase close the whole state —
-:func:`fedfs_sdk.secagg.snapshot` of the core (public keys, routed ciphertexts until
+:func:`fedfs_sdk.federation.secagg.snapshot` of the core (public keys, routed ciphertexts until
 delivered, the running sum of masked vectors, unmask shares), the roster / unmask request
 and the phase deadline — is written atomically to ``STATE/secagg/rNNNNNN.json``. A restarted
 server restores it and goes on from there (a phase whose deadline passed while it was down
@@ -26,10 +26,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.secagg import (RoundFailedError, SecAggError, SecAggParams, SecAggResult, SecAggServer,
+from fedfs_sdk.federation.secagg import (RoundFailedError, SecAggError, SecAggParams, SecAggResult, SecAggServer,
                               default_threshold, from_json, restore, snapshot, to_json)
-from fedfs_sdk.secagg import messages as M
-from fedfs_sdk.secagg.http_device import DP_INPUT, layout_digest, params_from_task
+from fedfs_sdk.federation.secagg import messages as M
+from fedfs_sdk.federation.secagg.http_device import DP_INPUT, layout_digest, params_from_task
 
 from .errors import ApiError, Forbidden
 from .store import atomic_write
@@ -80,7 +80,7 @@ def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int
                   {k: tuple(int(x) for x in s) for k, s in shapes.items()}),
               "phase_timeout_s": float(policy.secagg_phase_timeout_s)}
     if getattr(policy, "dp", False):
-        # DP-FedAvg: devices mask n'·clip_C(Δ) and n' = min(n, ŵ) (fedfs_sdk.secagg.http_device.dp_input):
+        # DP-FedAvg: devices mask n'·clip_C(Δ) and n' = min(n, ŵ) (fedfs_sdk.federation.secagg.http_device.dp_input):
         # every coordinate of an honest Δ is within ±C, so C is the range, and ŵ bounds the weight word.
         fields.update(clip=float(policy.max_update_norm), max_samples=int(policy.dp_weight_cap), input=DP_INPUT)
         if getattr(policy, "dp_noise", "central") == "distributed":
@@ -91,7 +91,7 @@ def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int
 
 def unflatten(mean: np.ndarray, reference: Mapping[str, Any]) -> dict[str, Any]:
     """The averaged vector back into tensors of ``reference``'s layout and dtypes (sorted
-    names, C order — :func:`fedfs_sdk.secagg.http_device.flatten_update`'s order)."""
+    names, C order — :func:`fedfs_sdk.federation.secagg.http_device.flatten_update`'s order)."""
     import torch
 
     from .aggregate import _cast_back

@@ -3,7 +3,7 @@
 Thin, like ``app.py``'s: authenticate the device, refuse before reading the body what no
 body could make acceptable (round not open or not secure, device not sampled, a phase past
 its deadline), read a bounded body, hand it to the coordinator. JSON messages are the core's
-(:func:`fedfs_sdk.secagg.to_json`: bytes as ``{"b64": …}``); the masked vector ``y_u`` is a
+(:func:`fedfs_sdk.federation.secagg.to_json`: bytes as ``{"b64": …}``); the masked vector ``y_u`` is a
 raw little-endian ``uint64`` body of exactly ``8·(dim + 1)`` bytes. docs/protocol.md
 describes the phases.
 """
@@ -17,7 +17,7 @@ from fastapi import FastAPI, Path, Request, Security
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from fedfs_sdk.wire_format import MAX_ID
+from fedfs_sdk.federation.wire_format import MAX_ID
 
 from .transport import receive_body, require_media_type
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from starlette.requests import Request
 
-from fedfs_sdk.wire_format import parse_decimal
+from fedfs_sdk.federation.wire_format import parse_decimal
 from fedfs_sdk.errors import InputError
 
 from .errors import ApiError, BadRequest, PayloadTooLarge, UnsupportedMediaType

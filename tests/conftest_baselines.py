@@ -7,7 +7,7 @@ import torch
 
 from device_sim.methods import parse_method
 from device_sim.methods.base import FederatedMethod, SimContext
-from fedfs_sdk.model import FaceNet, ModelConfig
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
 EMB = 16
 

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 from no_torch import NO_TORCH
 
-from fedfs_sdk.checkpoint import save_checkpoint
-from fedfs_sdk.model import FaceNet, ModelConfig
-from fedfs_sdk.trainer import initial_global_weights
+from fedfs_sdk.nn.checkpoint import save_checkpoint
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
+from fedfs_sdk.training.trainer import initial_global_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 TMP = Path(tempfile.mkdtemp(prefix="fedfs-export-tests-"))

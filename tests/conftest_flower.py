@@ -10,11 +10,11 @@ import numpy as np
 import torch
 
 from conftest_server import weighted_average, write_images
-from fedfs_sdk.checkpoint import read_checkpoint, save_checkpoint
-from fedfs_sdk.device_state import DeviceState
-from fedfs_sdk.model import FaceNet, ModelConfig
-from fedfs_sdk.trainer import initial_global_weights
-from fedfs_sdk.wire import decode_weights
+from fedfs_sdk.nn.checkpoint import read_checkpoint, save_checkpoint
+from fedfs_sdk.federation.device_state import DeviceState
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
+from fedfs_sdk.training.trainer import initial_global_weights
+from fedfs_sdk.federation.wire import decode_weights
 from server_agg.aggregate import fedavg
 
 TINY = ModelConfig("tiny", proj_dim=32, code_length=127)

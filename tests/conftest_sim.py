@@ -7,7 +7,7 @@ import torch
 
 from device_sim.executors import ClientTask
 from device_sim.methods import FederatedMethod, SimContext, parse_method
-from fedfs_sdk.model import FaceNet, ModelConfig
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
 XI_CONFIG = ModelConfig("tiny", embedding_dim=16, input_size=32, width=4)
 

@@ -1,4 +1,4 @@
-"""Five-point alignment (fedfs_sdk.align): the similarity fit on known transforms, the warp,
+"""Five-point alignment (fedfs_sdk.runtime.align): the similarity fit on known transforms, the warp,
 dlib detection on a real photo (matplotlib's grace_hopper.jpg) and the Haar fallback."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import cv2
 import numpy as np
 import pytest
 
-from fedfs_sdk import align
-from fedfs_sdk.align import ARCFACE_TEMPLATE, align_face, similarity_transform, template, warp_to_template
+from fedfs_sdk.runtime import align
+from fedfs_sdk.runtime.align import ARCFACE_TEMPLATE, align_face, similarity_transform, template, warp_to_template
 from fedfs_sdk.errors import NoFaceError
-from fedfs_sdk.preprocess import preprocess
+from fedfs_sdk.runtime.preprocess import preprocess
 
 
 def _similarity(angle_deg: float, scale: float, tx: float, ty: float) -> np.ndarray:

@@ -44,8 +44,8 @@ def test_simulate_out_is_a_file(tmp_path):
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
 def test_enroll_out_on_an_impossible_path(tmp_path):
     """Not caught by the command itself: the generic OSError handler of ``fedfs``."""
-    from fedfs_sdk.checkpoint import save_checkpoint
-    from fedfs_sdk.model import FaceNet, ModelConfig
+    from fedfs_sdk.nn.checkpoint import save_checkpoint
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
     model = FaceNet(ModelConfig("tiny", code_length=127))
     save_checkpoint(tmp_path / "m.safetensors", model, model.config, {})

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedfs_sdk.checkpoint import (FORMAT, checkpoint_from_bytes, load_checkpoint, load_verifier, read_checkpoint,
+from fedfs_sdk.nn.checkpoint import (FORMAT, checkpoint_from_bytes, load_checkpoint, load_verifier, read_checkpoint,
                                   save_checkpoint, write_safetensors_atomic)
 from fedfs_sdk.errors import CheckpointError, FedFSError
-from fedfs_sdk.model import FaceNet, ModelConfig
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

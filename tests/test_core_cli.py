@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedfs_sdk.checkpoint import save_verifier
-from fedfs_sdk.model import FaceNet, ModelConfig
+from fedfs_sdk.nn.checkpoint import save_verifier
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def test_failed_enroll_leaves_no_key_file_and_creates_no_state_folder(workspace:
 
 def test_enroll_reads_the_codeword_with_the_device_key(tmp_path: Path) -> None:
     from fedfs_sdk.cli.enroll import _codeword
-    from fedfs_sdk.device_state import DeviceKeyError, DeviceState
+    from fedfs_sdk.federation.device_state import DeviceKeyError, DeviceState
 
     app_key = os.urandom(32)
     with DeviceState(tmp_path / "app", key=app_key) as st:       # the app gave its key (--key-file)

@@ -6,8 +6,8 @@ import itertools
 import numpy as np
 import pytest
 
-import fedfs_sdk.codes as codes
-from fedfs_sdk.codes import (BASE_BITS, DESIGN_DISTANCE, GENERATOR_SHA256, KNOWN_CODES, bits_from_int, get_code,
+import fedfs_sdk.runtime.codes as codes
+from fedfs_sdk.runtime.codes import (BASE_BITS, DESIGN_DISTANCE, GENERATOR_SHA256, KNOWN_CODES, bits_from_int, get_code,
                              generator_sha256, make_codeword, random_codewords, to_pm1)
 from fedfs_sdk.errors import CodeError, InputError
 
@@ -130,7 +130,7 @@ def test_loading_the_codes_never_imports_galois() -> None:
     import subprocess
     import sys
 
-    code = ("import sys; import fedfs_sdk.codes as c\n"
+    code = ("import sys; import fedfs_sdk.runtime.codes as c\n"
             "for n in c.KNOWN_CODES: assert c.generator_sha256(c.get_code(n).generator) == c.GENERATOR_SHA256[n]\n"
             "c.make_codeword(5, 511)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('galois', 'numba')))")

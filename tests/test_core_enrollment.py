@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from fedfs_sdk.codes import make_codeword
-from fedfs_sdk.enrollment import (Enrollment, enroll, generate_key, load_enrollment, min_warmup_images,
+from fedfs_sdk.runtime.codes import make_codeword
+from fedfs_sdk.runtime.enrollment import (Enrollment, enroll, generate_key, load_enrollment, min_warmup_images,
                                   save_enrollment, score, verify, warmup_threshold)
 from fedfs_sdk.errors import (EnrollmentError, EnrollmentExistsError, InputError,
                               InsufficientWarmupError)
-from fedfs_sdk.inference import TorchBackend
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.runtime.inference import TorchBackend
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
 
 
 # ---- FedUV warm-up rule: τ = i-th smallest, i = ⌊n(1−q)⌋ -------------------------------
@@ -71,7 +71,7 @@ def _faces(n: int, seed: int) -> list[np.ndarray]:
 
 def _embeddings_and_uv(backend: TorchBackend, images: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
     """The model's outputs computed here with torch directly (not through enroll/score)."""
-    from fedfs_sdk.preprocess import preprocess
+    from fedfs_sdk.runtime.preprocess import preprocess
 
     x = torch.from_numpy(preprocess(images, backend.input_size))
     with torch.no_grad():
@@ -118,7 +118,7 @@ def test_enroll_template_and_codeword_and_verify(backend: TorchBackend) -> None:
 def test_warmup_scores_are_leave_one_out(backend: TorchBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """The template-mode warm-up scores handed to the threshold rule are cos(x_j, template of
     the OTHER images); scoring against a template that contains x_j would inflate them."""
-    import fedfs_sdk.enrollment as enr
+    import fedfs_sdk.runtime.enrollment as enr
 
     seen: list[np.ndarray] = []
     real = enr.warmup_threshold

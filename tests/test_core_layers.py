@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
-from fedfs_sdk.backbones import GroupNormP, PReLUP, get_backbone
+from fedfs_sdk.nn.backbones import GroupNormP, PReLUP, get_backbone
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.model import FaceNet, ModelConfig
-from fedfs_sdk.profile import profile_model
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
+from fedfs_sdk.nn.profile import profile_model
 
 
 def test_groupnorm_p_equals_torch_group_norm() -> None:
@@ -97,7 +97,7 @@ def test_vmap_over_clients_matches_loop() -> None:
 def test_model_config_bounds_every_size() -> None:
     """A config also comes from checkpoint headers: bad sizes are refused before allocation."""
     from fedfs_sdk.errors import InputError
-    from fedfs_sdk.model import ModelConfig
+    from fedfs_sdk.nn.model import ModelConfig
 
     for bad in (dict(embedding_dim=-1), dict(embedding_dim=10**6), dict(code_length=128), dict(code_length=True),
                 dict(width=0), dict(input_size=4096), dict(proj_dim="8"), dict(backbone=["tiny"])):
@@ -116,7 +116,7 @@ def _old_l2_normalize(x: torch.Tensor, dim: int = -1, eps: float = 1e-12) -> tor
 
 @pytest.mark.parametrize("scale", [1e-6, 1e-2, 1.0, 1e3, 1e15])
 def test_l2_normalize_is_x_over_its_norm_at_every_scale(scale: float) -> None:
-    from fedfs_sdk.backbones.layers import l2_normalize_scaled as l2_normalize
+    from fedfs_sdk.nn.backbones.layers import l2_normalize_scaled as l2_normalize
 
     x = torch.randn(6, 127, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * scale
     want = x / x.norm(dim=-1, keepdim=True)                      # float64 reference
@@ -129,8 +129,8 @@ def test_l2_normalize_is_x_over_its_norm_at_every_scale(scale: float) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_l2_normalize_does_not_overflow_in_half_precision(dtype: torch.dtype) -> None:
     """‖x‖² = 1.3e8 ≫ fp16's 65504: the old Σx² overflowed to inf and σ returned 0."""
-    from fedfs_sdk.backbones import l2_normalize
-    from fedfs_sdk.model import scale_to_sqrt_c
+    from fedfs_sdk.nn.backbones import l2_normalize
+    from fedfs_sdk.nn.model import scale_to_sqrt_c
 
     x = torch.randn(8, 511, generator=torch.Generator().manual_seed(2)) * 500
     want = x / x.norm(dim=-1, keepdim=True)
@@ -144,7 +144,7 @@ def test_l2_normalize_does_not_overflow_in_half_precision(dtype: torch.dtype) ->
 
 
 def test_l2_normalize_keeps_zero_at_zero() -> None:
-    from fedfs_sdk.backbones.layers import l2_normalize, l2_normalize_scaled
+    from fedfs_sdk.nn.backbones.layers import l2_normalize, l2_normalize_scaled
 
     assert torch.equal(l2_normalize_scaled(torch.zeros(2, 5)), torch.zeros(2, 5))   # exactly 0/tiny: no NaN
     assert torch.equal(l2_normalize(torch.zeros(2, 5)), torch.zeros(2, 5))
@@ -153,7 +153,7 @@ def test_l2_normalize_keeps_zero_at_zero() -> None:
 @pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
 def test_l2_normalize_gradcheck(scale: float) -> None:
     """The detached mean magnitude leaves the gradient of x/‖x‖ exact (finite differences)."""
-    from fedfs_sdk.backbones.layers import l2_normalize_scaled as l2_normalize
+    from fedfs_sdk.nn.backbones.layers import l2_normalize_scaled as l2_normalize
 
     x = (torch.randn(3, 9, dtype=torch.float64) * scale).requires_grad_(True)
     assert torch.autograd.gradcheck(lambda t: l2_normalize(t), (x,), eps=1e-6 * scale, atol=1e-5)
@@ -164,7 +164,7 @@ def test_l2_normalize_gradcheck(scale: float) -> None:
 
 
 def test_l2_normalize_scaled_form_is_what_traced_graphs_and_half_precision_get() -> None:
-    from fedfs_sdk.backbones.layers import l2_normalize
+    from fedfs_sdk.nn.backbones.layers import l2_normalize
 
     class Sigma(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +183,7 @@ def test_l2_normalize_onnx_does_not_overflow_in_float32(tmp_path) -> None:
     import numpy as np
     import onnxruntime as ort
 
-    from fedfs_sdk.backbones import l2_normalize
+    from fedfs_sdk.nn.backbones import l2_normalize
 
     class Sigma(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

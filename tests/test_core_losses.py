@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.losses import (FedFSLossConfig, adaptive_soft_labels, combine, f_insub, f_reg, f_total,
+from fedfs_sdk.training.losses import (FedFSLossConfig, adaptive_soft_labels, combine, f_insub, f_reg, f_total,
                               feduv_neg_loss, feduv_pos_loss, insub_logits, resolve_k, uv_score)
-from fedfs_sdk.model import scale_to_sqrt_c
+from fedfs_sdk.nn.model import scale_to_sqrt_c
 
 
 
@@ -250,7 +250,7 @@ def test_mask_equals_dropping_padded_samples() -> None:
 def test_padding_does_not_change_soft_labels_or_k(top_k: float) -> None:
     """The batched simulator pads a client's batch and passes a mask: α over the real rows
     must be the unpadded α — in particular K < 1 is a ratio of the *real* batch."""
-    from fedfs_sdk.losses.fedfs import adaptive_soft_labels
+    from fedfs_sdk.training.losses.fedfs import adaptive_soft_labels
 
     g = torch.Generator().manual_seed(3)
     z, v = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g)

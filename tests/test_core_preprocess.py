@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from fedfs_sdk.errors import ImageDecodeError, ImageNotFoundError, InputError, NoFaceError
-import fedfs_sdk.preprocess as pre
-from fedfs_sdk.preprocess import image_header_size, list_images, load_image, preprocess
+import fedfs_sdk.runtime.preprocess as pre
+from fedfs_sdk.runtime.preprocess import image_header_size, list_images, load_image, preprocess
 
 
 def test_normalization_constants_and_layout() -> None:

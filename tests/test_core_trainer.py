@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedfs_sdk.codes import make_codeword
+from fedfs_sdk.runtime.codes import make_codeword
 from fedfs_sdk.errors import FedFSError, InputError, TrainingError
-from fedfs_sdk.model import FaceNet, ModelConfig
-from fedfs_sdk.objective import ObjectiveConfig, local_objective
-from fedfs_sdk.trainer import LocalTrainer, TrainConfig, initial_global_weights
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
+from fedfs_sdk.training.objective import ObjectiveConfig, local_objective
+from fedfs_sdk.training.trainer import LocalTrainer, TrainConfig, initial_global_weights
 
 XI = None
 
@@ -161,7 +161,7 @@ def test_train_config_is_validated(kwargs: dict, match: str) -> None:
 
 
 def test_objective_settings_are_validated() -> None:
-    from fedfs_sdk.losses.fedfs import FedFSLossConfig
+    from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
 
     for bad, match in (({"uv_weight": -1.0}, "uv_weight must be a finite number ≥ 0"),
                        ({"uv_weight": float("nan")}, "uv_weight must be finite"),
@@ -194,7 +194,7 @@ def test_neg_codewords_are_validated(neg, match: str) -> None:
 
 
 def test_non_finite_weights_and_loss_are_fedfs_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    import fedfs_sdk.trainer as trainer_mod
+    import fedfs_sdk.training.trainer as trainer_mod
 
     _, mc, w, x, v = _setup("feduv")
     nan_w = dict(w)

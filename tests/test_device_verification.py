@@ -12,20 +12,20 @@ import torch
 
 from conftest_export import TINY, checkpoints, full_export
 from conftest_server import start_server, write_images
-from fedfs_sdk.checkpoint import load_verifier, model_id_of, save_verifier
-from fedfs_sdk.agent import DeviceAgent
-from fedfs_sdk.device_config import DeviceConfig
-from fedfs_sdk.server_client import ServerClient
-from fedfs_sdk.device_runtime import DUAL_ONNX_FILE, verifier_model
-from fedfs_sdk.device_state import DeviceState
-from fedfs_sdk.dual_verifier import save_dual_verifier
-from fedfs_sdk.enrollment import verify
+from fedfs_sdk.nn.checkpoint import load_verifier, model_id_of, save_verifier
+from fedfs_sdk.federation.agent import DeviceAgent
+from fedfs_sdk.federation.device_config import DeviceConfig
+from fedfs_sdk.federation.server_client import ServerClient
+from fedfs_sdk.federation.device_runtime import DUAL_ONNX_FILE, verifier_model
+from fedfs_sdk.federation.device_state import DeviceState
+from fedfs_sdk.nn.dual_verifier import save_dual_verifier
+from fedfs_sdk.runtime.enrollment import verify
 from fedfs_sdk.errors import CheckpointError, InputError
-from fedfs_sdk.methods import DEFAULT_LR, DEFAULT_VERIFICATION, PAPER_LR, check_verification
-from fedfs_sdk.model import DualVerifierNet, FaceNet, personal_config
-from fedfs_sdk.onnx_backend import OnnxBackend
-from fedfs_sdk.ort_device import dual_verifier_weights
-from fedfs_sdk.preprocess import list_images, preprocess
+from fedfs_sdk.training.methods import DEFAULT_LR, DEFAULT_VERIFICATION, PAPER_LR, check_verification
+from fedfs_sdk.nn.model import DualVerifierNet, FaceNet, personal_config
+from fedfs_sdk.runtime.onnx_backend import OnnxBackend
+from fedfs_sdk.training.ort_device import dual_verifier_weights
+from fedfs_sdk.runtime.preprocess import list_images, preprocess
 
 
 def test_method_defaults_are_one_source_for_simulator_and_device() -> None:
@@ -104,7 +104,7 @@ def test_dual_verifier_file_is_the_concatenation_of_both_head_space_directions(t
     assert float(pair) == pytest.approx(float(0.5 * (cos(q[:1], q[1:2]) + cos(r[:1], r[1:2]))), abs=1e-5)
 
     # a file whose recorded id is not its weights' is refused
-    from fedfs_sdk.checkpoint import read_checkpoint, save_checkpoint
+    from fedfs_sdk.nn.checkpoint import read_checkpoint, save_checkpoint
     state, cfg, meta = read_checkpoint(path)
     net2, _ = load_verifier(path)
     with torch.no_grad():
@@ -139,8 +139,8 @@ def test_onnx_dual_verifier_matches_torch_and_carries_the_same_model_id() -> Non
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_torch_device_enrolls_with_the_default_and_with_the_paper_reading(tmp_path) -> None:
-    from fedfs_sdk.inference import TorchBackend
-    from fedfs_sdk.wire import decode_weights
+    from fedfs_sdk.runtime.inference import TorchBackend
+    from fedfs_sdk.federation.wire import decode_weights
 
     ck = checkpoints()
     srv = start_server(tmp_path / "server", "--init-model", str(ck["global"]), "--xi", str(ck["xi"]),

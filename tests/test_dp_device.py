@@ -1,5 +1,5 @@
 """Device-side DP clipping: in a DP round the device clips ``w_c − w`` to the round's ``C``
-before encoding its upload (fedfs_sdk.device_runtime.clip_upload, used by both the torch and
+before encoding its upload (fedfs_sdk.federation.device_runtime.clip_upload, used by both the torch and
 the ONNX Runtime runtimes); checked on what real ``fedfs device`` processes sent to a real
 server (their --audit-dir copies of the request bodies)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest_server import ROOT, audited_uploads, read_safetensors, start_server, subprocess_env, write_images
-from fedfs_sdk.device_runtime import clip_upload, dp_clip_norm
+from fedfs_sdk.federation.device_runtime import clip_upload, dp_clip_norm
 from fedfs_sdk.errors import InputError
 
 pytestmark = pytest.mark.timeout(300)

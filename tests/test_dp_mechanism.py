@@ -1,5 +1,5 @@
 """User-level DP-FedAvg: the accountant against reference values, clipping by hand, and the
-noise scale checked statistically (fedfs_sdk.dp, server_agg.dp)."""
+noise scale checked statistically (fedfs_sdk.federation.dp, server_agg.dp)."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from fedfs_sdk.dp import DpParams, clip_delta, clip_flat_update, user_weight
+from fedfs_sdk.federation.dp import DpParams, clip_delta, clip_flat_update, user_weight
 from fedfs_sdk.errors import InputError
 from server_agg.dp import DpFedAvg, Ledger, calibrate_noise, default_delta, epsilon
 

@@ -14,7 +14,7 @@ import torch
 from scipy import stats
 
 from conftest_server import read_safetensors, start_server
-from fedfs_sdk.wire import decode_weights, encode_update
+from fedfs_sdk.federation.wire import decode_weights, encode_update
 from server_agg.dp import epsilon
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 import torch
 
-from fedfs_sdk.codes import make_codeword
-from fedfs_sdk.enrollment import (_MAGIC, _NONCE, _VERSION, OUTLIER_MARGIN, WARMUP_TOLERANCE, Enrollment, _aesgcm,
+from fedfs_sdk.runtime.codes import make_codeword
+from fedfs_sdk.runtime.enrollment import (_MAGIC, _NONCE, _VERSION, OUTLIER_MARGIN, WARMUP_TOLERANCE, Enrollment, _aesgcm,
                                   enroll, generate_key, load_enrollment, mad_outliers, min_warmup_images, save_enrollment,
                                   score, verify, warmup_threshold)
 from fedfs_sdk.errors import InputError, InsufficientWarmupError
-from fedfs_sdk.inference import TorchBackend
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
-from fedfs_sdk.preprocess import preprocess
+from fedfs_sdk.runtime.inference import TorchBackend
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.runtime.preprocess import preprocess
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ def test_enrollment_without_the_outlier_record_loads(backend: TorchBackend, tmp_
 # ---- command line ----------------------------------------------------------------------------
 
 def test_cli_enroll_prints_dropped_files_and_rule(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from fedfs_sdk.checkpoint import save_verifier
+    from fedfs_sdk.nn.checkpoint import save_verifier
     from fedfs_sdk.cli.main import main
 
     torch.manual_seed(0)
@@ -253,7 +253,7 @@ def test_device_config_outlier_rule_is_checked_and_passed_to_the_cli() -> None:
     import argparse
 
     from fedfs_sdk.cli import device as device_cli
-    from fedfs_sdk.device_config import DeviceConfig
+    from fedfs_sdk.federation.device_config import DeviceConfig
     assert DeviceConfig().outliers == "mad" and DeviceConfig(outliers="none").outliers == "none"
     with pytest.raises(InputError, match="outliers"):
         DeviceConfig(outliers="median")

@@ -20,10 +20,10 @@ from export.onnx_inference import read_metadata
 from export import pipeline
 from export.pipeline import ExportOptions, run_export
 from export.quantize import compare_int8, quantize_int8
-from fedfs_sdk.checkpoint import load_verifier, model_id_of, save_checkpoint
+from fedfs_sdk.nn.checkpoint import load_verifier, model_id_of, save_checkpoint
 from fedfs_sdk.errors import CheckpointError
 from fedfs_sdk.cli.main import main
-from fedfs_sdk.model import FaceNet, ModelConfig
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
 
 def test_manifest_lists_every_file_with_its_hash() -> None:

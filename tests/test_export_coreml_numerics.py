@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-import fedfs_sdk.model as model_mod
+import fedfs_sdk.nn.model as model_mod
 from export.coreml import CoreMLNumericsError, check_coreml_numerics, export_coreml, validate_coreml
 from export.coreml_reference import CoreMLReference
 from export.parity import decide, disagreements, owner_codeword
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
 
 from conftest_export import faces
 

@@ -12,15 +12,15 @@ import torch
 
 from conftest_export import TOL, TINY, TMP, checkpoints, faces, full_export, run_device_script, tiny_weights, xi_model
 from export.ort_training import train_config_of
-from fedfs_sdk.codes import make_codeword
-from fedfs_sdk.enrollment import score
-from fedfs_sdk.enrollment import enroll as torch_enroll
-from fedfs_sdk.inference import TorchBackend
-from fedfs_sdk.model import FaceNet, VerifierNet
-from fedfs_sdk.ort_device import UPDATE_FORMAT
-from fedfs_sdk.trainer import LocalTrainer
-from fedfs_sdk.wire import UPDATE_FORMAT as WIRE_UPDATE_FORMAT
-from fedfs_sdk.wire import decode_update
+from fedfs_sdk.runtime.codes import make_codeword
+from fedfs_sdk.runtime.enrollment import score
+from fedfs_sdk.runtime.enrollment import enroll as torch_enroll
+from fedfs_sdk.runtime.inference import TorchBackend
+from fedfs_sdk.nn.model import FaceNet, VerifierNet
+from fedfs_sdk.training.ort_device import UPDATE_FORMAT
+from fedfs_sdk.training.trainer import LocalTrainer
+from fedfs_sdk.federation.wire import UPDATE_FORMAT as WIRE_UPDATE_FORMAT
+from fedfs_sdk.federation.wire import decode_update
 
 
 
@@ -38,9 +38,9 @@ def test_enroll_and_verify_with_onnx_backend_without_torch() -> None:
     code = f"""
 import json
 import numpy as np
-from fedfs_sdk.codes import make_codeword
-from fedfs_sdk.enrollment import enroll, generate_key, load_enrollment, save_enrollment, verify
-from fedfs_sdk.onnx_backend import OnnxBackend
+from fedfs_sdk.runtime.codes import make_codeword
+from fedfs_sdk.runtime.enrollment import enroll, generate_key, load_enrollment, save_enrollment, verify
+from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
 d = np.load({str(data)!r})
 backend = OnnxBackend({str(out / 'onnx/verifier.onnx')!r})
@@ -61,7 +61,7 @@ print(json.dumps({{"model_id": e.model_id, "tau": e.threshold, "scores": [r.scor
     model = FaceNet(TINY)
     model.load_state_dict(tiny_weights())
     torch_backend = TorchBackend(VerifierNet(model.backbone, model.uv_head), manifest["model_id"])
-    from fedfs_sdk.preprocess import preprocess
+    from fedfs_sdk.runtime.preprocess import preprocess
     owner_pre = preprocess(list(_uint8(owner)), 32)
     other_pre = preprocess(list(_uint8(other)), 32)
     ref = torch_enroll(torch_backend, owner_pre[:10], q=0.9, codeword=codeword, outliers="none")
@@ -102,10 +102,10 @@ def test_artifact_only_devices_take_part_in_a_round() -> None:
 import json
 from pathlib import Path
 import numpy as np
-from fedfs_sdk.codes import make_codeword
-from fedfs_sdk.enrollment import enroll
-from fedfs_sdk.onnx_backend import OnnxBackend
-from fedfs_sdk.ort_device import (OrtDeviceTrainer, decode_model, encode_update, save_weights,
+from fedfs_sdk.runtime.codes import make_codeword
+from fedfs_sdk.runtime.enrollment import enroll
+from fedfs_sdk.runtime.onnx_backend import OnnxBackend
+from fedfs_sdk.training.ort_device import (OrtDeviceTrainer, decode_model, encode_update, save_weights,
                                   verifier_weights)
 
 weights, header = decode_model(Path({str(model_path)!r}).read_bytes())
@@ -172,9 +172,9 @@ def test_device_modules_keep_torch_out_even_where_it_is_installed() -> None:
     code = f"""
 import sys
 sys.path.insert(0, {str(ROOT)!r})
-from fedfs_sdk.onnx_backend import OnnxBackend
-from fedfs_sdk.ort_device import OrtDeviceTrainer
-import fedfs_sdk.enrollment, fedfs_sdk.preprocess
+from fedfs_sdk.runtime.onnx_backend import OnnxBackend
+from fedfs_sdk.training.ort_device import OrtDeviceTrainer
+import fedfs_sdk.runtime.enrollment, fedfs_sdk.runtime.preprocess
 OnnxBackend({str(out / 'onnx/verifier.onnx')!r})
 OrtDeviceTrainer({str(out / 'ort-training/feduv')!r})
 import importlib.util

@@ -15,14 +15,14 @@ import pytest
 from conftest_export import NO_TORCH_PRELUDE, TINY, TOL, checkpoints, full_export, tiny_weights, xi_model
 from conftest_server import (ROOT, assert_published_fedavg, audited_uploads, start_server, subprocess_env,
                              write_images)
-from fedfs_sdk.device_runtime import ort_settings_for, round_seed
-from fedfs_sdk.device_state import DeviceState
+from fedfs_sdk.federation.device_runtime import ort_settings_for, round_seed
+from fedfs_sdk.federation.device_state import DeviceState
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.methods import DEFAULT_LR
-from fedfs_sdk.ort_device import TrainingArtifact
-from fedfs_sdk.preprocess import list_images, preprocess
-from fedfs_sdk.trainer import LocalTrainer
-from fedfs_sdk.wire import train_config_from_json
+from fedfs_sdk.training.methods import DEFAULT_LR
+from fedfs_sdk.training.ort_device import TrainingArtifact
+from fedfs_sdk.runtime.preprocess import list_images, preprocess
+from fedfs_sdk.training.trainer import LocalTrainer
+from fedfs_sdk.federation.wire import train_config_from_json
 
 TRAIN = {"local_epochs": 1, "batch_size": 64}   # batch ≥ |D_c|: the shuffle order cannot matter
 
@@ -107,7 +107,7 @@ def test_artifact_only_devices_run_rounds_over_http(tmp_path) -> None:
         r = subprocess.run([sys.executable, "-c", NO_TORCH_PRELUDE.format(root=str(ROOT)) + DEVICE_MAIN.format(argv=argv)],
                            cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
         assert r.returncode in (0, 1) and r.stdout.count("ACCEPT") >= 3, r.stdout + r.stderr
-        from fedfs_sdk.onnx_backend import OnnxBackend
+        from fedfs_sdk.runtime.onnx_backend import OnnxBackend
         assert OnnxBackend(state0 / "verifier.onnx").outputs == ("embedding",)       # unit(W q') ⊕ unit(W r')
         assert OnnxBackend(state0 / "verifier.onnx").embedding_dim == 2 * 127
         argv[2], argv[-1] = str(out / "onnx" / "verifier.onnx"), str(list_images(tmp_path / "img0")[0])

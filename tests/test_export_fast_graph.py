@@ -18,10 +18,10 @@ from export.inference_graph import inference_twin
 from export.onnx_inference import export_onnx, onnx_vs_torch
 from export.quantize import Int8NumericsError, fp32_convs, quantize_int8, split_calibration
 from export.score_bounds import decision_flip_rate, score_change_bound
-from fedfs_sdk.backbones.layers import ChannelAffine, GroupNormP, PReLUP
-from fedfs_sdk.checkpoint import model_id_of
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
-from fedfs_sdk.onnx_backend import OnnxBackend
+from fedfs_sdk.nn.backbones.layers import ChannelAffine, GroupNormP, PReLUP
+from fedfs_sdk.nn.checkpoint import model_id_of
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
 from conftest_export import faces
 

@@ -8,10 +8,10 @@ import torch
 
 from conftest_export import TMP, faces
 from export.onnx_inference import export_onnx, onnx_vs_torch, read_metadata
-from fedfs_sdk.checkpoint import model_id_of
+from fedfs_sdk.nn.checkpoint import model_id_of
 from fedfs_sdk.errors import CheckpointError, InputError
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
-from fedfs_sdk.onnx_backend import OnnxBackend, weights_id
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.runtime.onnx_backend import OnnxBackend, weights_id
 
 
 def _verifier(cfg: ModelConfig, seed: int = 0) -> VerifierNet:

@@ -20,13 +20,13 @@ from conftest_export import TOL, TINY, TMP, faces, full_export, tiny_weights, xi
 from export.ort_training import build_artifacts, export_training_artifacts, train_config_of
 from export.pipeline import method_dir
 from export.training_graphs import FedFSStep, insub_from_labels, soft_labels_graph
-from fedfs_sdk.codes import make_codeword, random_codewords
+from fedfs_sdk.runtime.codes import make_codeword, random_codewords
 from fedfs_sdk.errors import CheckpointError, InputError
-from fedfs_sdk.losses.fedfs import FedFSLossConfig, adaptive_soft_labels, combine, f_reg
-from fedfs_sdk.model import FaceNet, personal_config
-from fedfs_sdk.objective import ObjectiveConfig, local_objective
-from fedfs_sdk.ort_device import OrtDeviceTrainer
-from fedfs_sdk.trainer import DEFAULT_HEAD_LR, DEFAULT_LR, LocalTrainer, TrainConfig
+from fedfs_sdk.training.losses.fedfs import FedFSLossConfig, adaptive_soft_labels, combine, f_reg
+from fedfs_sdk.nn.model import FaceNet, personal_config
+from fedfs_sdk.training.objective import ObjectiveConfig, local_objective
+from fedfs_sdk.training.ort_device import OrtDeviceTrainer
+from fedfs_sdk.training.trainer import DEFAULT_HEAD_LR, DEFAULT_LR, LocalTrainer, TrainConfig
 
 LR = 0.05
 CODEWORD = make_codeword(11, 127, rng=np.random.default_rng(0))[0]
@@ -236,7 +236,7 @@ def test_mobilefacenet_trains_on_device_like_torch() -> None:
     the kink in ORT than in torch (observed: 1 of 24,576 activations, |x| < 1e-6), which
     takes the other sub-gradient branch; group norm then spreads that small difference.
     """
-    from fedfs_sdk.model import ModelConfig
+    from fedfs_sdk.nn.model import ModelConfig
 
     cfg = ModelConfig("mobilefacenet", input_size=32, code_length=127)
     torch.manual_seed(2)

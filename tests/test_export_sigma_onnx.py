@@ -10,7 +10,7 @@ import torch
 from export.onnx_inference import export_onnx
 from export.parity import decide, disagreements, owner_codeword
 from export.quantize import quantize_int8
-from fedfs_sdk.onnx_backend import OnnxBackend
+from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
 from conftest_export import faces
 from test_export_coreml_numerics import C, data, huge_head_verifier

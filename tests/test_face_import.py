@@ -1,4 +1,4 @@
-"""Bring your own face model (fedfs_sdk.face_import): an insightface-style ONNX exported by the
+"""Bring your own face model (fedfs_sdk.nn.face_import): an insightface-style ONNX exported by the
 test itself imports back with embeddings within 1e-5; a torch state dict maps by name or by
 shape order; a BatchNorm MobileFaceNet (BN kept in the graph, BN folded into the convs by the
 exporter, or a state dict with running statistics) imports onto ``mobilefacenet-affine``
@@ -17,12 +17,12 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-from fedfs_sdk.backbones.layers import GroupNormP, PReLUP
-from fedfs_sdk.checkpoint import load_checkpoint
+from fedfs_sdk.nn.backbones.layers import GroupNormP, PReLUP
+from fedfs_sdk.nn.checkpoint import load_checkpoint
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.face_import import (import_onnx, import_state_dict, map_onto, read_state_dict,
+from fedfs_sdk.nn.face_import import (import_onnx, import_state_dict, map_onto, read_state_dict,
                                    save_imported)
-from fedfs_sdk.model import FaceNet, ModelConfig
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
 
 def _trained_like(seed: int = 0) -> FaceNet:
@@ -173,7 +173,7 @@ def test_batchnorm_graph_imports_onto_the_affine_variant(bn_net: nn.Module, keep
 
 def test_bn_folding_is_hand_checkable() -> None:
     # conv with bias 4, then BatchNorm(γ=2, β=1, μ=3, σ²=15, ε=1)
-    from fedfs_sdk.face_import import fold_batchnorm
+    from fedfs_sdk.nn.face_import import fold_batchnorm
 
     sd = {"c.weight": torch.ones(1, 1, 1, 1), "c.bias": torch.tensor([4.0]),
           "n.weight": torch.tensor([2.0]), "n.bias": torch.tensor([1.0]),
@@ -238,9 +238,9 @@ def test_linear_embedding_with_bias_and_other_eps_imports(tmp_path: Path) -> Non
 
 def _fedfs_step_runs_from(xi: FaceNet) -> None:
     """ξ frozen, ϕ's backbone starts from ξ's weights; one FedFS local step on 2 images moves ϕ."""
-    from fedfs_sdk.trainer import LocalTrainer, TrainConfig, initial_global_weights
+    from fedfs_sdk.training.trainer import LocalTrainer, TrainConfig, initial_global_weights
 
-    from fedfs_sdk.losses.fedfs import FedFSLossConfig
+    from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
 
     cfg = replace(xi.config, proj_dim=FedFSLossConfig().projection_dim(xi.config.embedding_dim))
     w0 = initial_global_weights(cfg, xi)
@@ -374,8 +374,8 @@ def test_import_model_command_writes_a_checkpoint_and_names_missing_keys(tmp_pat
 
 
 def test_channel_affine_and_the_affine_backbone() -> None:
-    from fedfs_sdk.backbones import get_backbone
-    from fedfs_sdk.backbones.layers import ChannelAffine
+    from fedfs_sdk.nn.backbones import get_backbone
+    from fedfs_sdk.nn.backbones.layers import ChannelAffine
 
     aff = ChannelAffine(2)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""insightface's recognizer imports (fedfs_sdk.face_import onto backbone ``insightface-mbf``).
+"""insightface's recognizer imports (fedfs_sdk.nn.face_import onto backbone ``insightface-mbf``).
 
 The test re-builds arcface_torch's "mbf" MobileFaceNet (``get_mbf``: blocks (1, 4, 6, 2),
 scale 2, BatchNorm, PReLU, ``Linear(512, 512, bias=False)`` + BatchNorm1d — what buffalo_s /
@@ -22,10 +22,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedfs_sdk.checkpoint import load_checkpoint
+from fedfs_sdk.nn.checkpoint import load_checkpoint
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.face_import import import_onnx, import_state_dict, save_imported
-from fedfs_sdk.model import FaceNet
+from fedfs_sdk.nn.face_import import import_onnx, import_state_dict, save_imported
+from fedfs_sdk.nn.model import FaceNet
 
 # ---------------------------------------------------------------- the reference (arcface_torch layout)
 
@@ -183,7 +183,7 @@ def test_reference_has_arcface_torch_names_and_shapes(ref: ArcfaceMBF) -> None:
     assert sd["features.layers.2.weight"].shape == (512, 512) and "features.layers.2.bias" not in sd
     assert sd["features.layers.3.running_mean"].shape == (512,)
     # fedfs' re-implementation has the same parameters, BatchNorm statistics aside
-    from fedfs_sdk.backbones import get_backbone
+    from fedfs_sdk.nn.backbones import get_backbone
 
     fedfs = get_backbone("insightface-mbf")
     n_params = sum(p.numel() for p in fedfs.parameters())
@@ -213,7 +213,7 @@ def test_onnx_imports_onto_insightface_mbf_within_1e4(ref: ArcfaceMBF, how: str,
 @torch.no_grad()
 def test_arcface_torch_state_dict_imports(ref: ArcfaceMBF, tmp_path: Path) -> None:
     torch.save(ref.state_dict(), tmp_path / "backbone.pth")          # arcface_torch's checkpoint layout
-    from fedfs_sdk.face_import import read_state_dict
+    from fedfs_sdk.nn.face_import import read_state_dict
 
     model, rep = import_state_dict(read_state_dict(tmp_path / "backbone.pth"))
     assert model.config.backbone == "insightface-mbf" and model.config.embedding_dim == 512
@@ -299,7 +299,7 @@ def test_sface_is_refused_naming_what_differs(tmp_path: Path) -> None:
 
 
 def test_iresnet_is_named() -> None:
-    from fedfs_sdk.face_import import _foreign_hint
+    from fedfs_sdk.nn.face_import import _foreign_hint
 
     shapes = [(64, 3, 3, 3), (64,), (64, 64, 3, 3), (512, 512 * 7 * 7), (512,)]
     hint = _foreign_hint([(f"t{i}", torch.zeros(1).expand(*s)) for i, s in enumerate(shapes)])
@@ -320,8 +320,8 @@ def imported_xi(ref: ArcfaceMBF, tmp_path_factory: pytest.TempPathFactory) -> tu
 def test_imported_mbf_is_xi_and_phi_trains_from_it(imported_xi: tuple[FaceNet, Path], ref: ArcfaceMBF) -> None:
     """ξ frozen = the imported model; ϕ starts from its weights; 3 FedFS local steps on 6 images:
     the loss is finite, ϕ moves, ξ does not."""
-    from fedfs_sdk.losses.fedfs import FedFSLossConfig
-    from fedfs_sdk.trainer import LocalTrainer, TrainConfig, initial_global_weights
+    from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
+    from fedfs_sdk.training.trainer import LocalTrainer, TrainConfig, initial_global_weights
 
     xi, _ = imported_xi
     before = {k: v.clone() for k, v in xi.state_dict().items()}
@@ -342,7 +342,7 @@ def test_imported_mbf_exports_for_inference(imported_xi: tuple[FaceNet, Path], t
     """The verifier ONNX of the imported model (export.onnx_inference, fused BatchNormalization/
     PRelu graph) embeds like the torch model, in ONNX Runtime."""
     from export.onnx_inference import export_onnx
-    from fedfs_sdk.model import VerifierNet
+    from fedfs_sdk.nn.model import VerifierNet
 
     xi, _ = imported_xi
     verifier = VerifierNet(xi.backbone).eval()

@@ -14,8 +14,8 @@ from conftest_flower import TINY, TRAIN, build_federation
 from fedfs_flower.node import local_step, weights_digest
 from fedfs_flower.project import pyproject_text
 from fedfs_flower.settings import NodeSettings, ServerSettings
-from fedfs_sdk.checkpoint import read_checkpoint
-from fedfs_sdk.device_state import DeviceState
+from fedfs_sdk.nn.checkpoint import read_checkpoint
+from fedfs_sdk.federation.device_state import DeviceState
 from fedfs_sdk.errors import InputError
 from server_agg.aggregate import fedavg
 

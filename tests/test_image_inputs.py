@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedfs_sdk import preprocess as pp
-from fedfs_sdk.enrollment import enroll, score
+from fedfs_sdk.runtime import preprocess as pp
+from fedfs_sdk.runtime.enrollment import enroll, score
 from fedfs_sdk.errors import FedFSError, ImageDecodeError, InputError
-from fedfs_sdk.inference import TorchBackend
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
-from fedfs_sdk.preprocess import ALPHA_BACKGROUND, MIN_IMAGE_SIDE, check_image, load_image, preprocess
+from fedfs_sdk.runtime.inference import TorchBackend
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.runtime.preprocess import ALPHA_BACKGROUND, MIN_IMAGE_SIDE, check_image, load_image, preprocess
 
 
 def _jpeg(h: int = 96, w: int = 80, seed: int = 0) -> bytes:
@@ -127,7 +127,7 @@ def test_opaque_png_keeps_its_colours() -> None:
 
 
 def test_face_mode_key_says_what_detection_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fedfs_sdk import align
+    from fedfs_sdk.runtime import align
 
     assert pp.face_mode_key(False) == "none" and pp.face_mode_key("haar") == "haar"
     monkeypatch.setattr(align, "_dlib", lambda: None)

@@ -11,7 +11,7 @@ from device_sim.datasets import SynthDataset
 from device_sim.evaluate import EvalConfig
 from device_sim.pretrain import PretrainConfig, embed_images, train_xi
 from device_sim.synthfaces import SynthFaces
-from fedfs_sdk.model import FaceNet, ModelConfig
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
 
 def test_cost_of_a_plain_conv_net_is_counted_by_hand() -> None:

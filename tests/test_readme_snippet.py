@@ -23,8 +23,8 @@ def app_snippet() -> str:
 
 
 def test_readme_snippet_runs_as_written(tmp_path: Path, monkeypatch, capsys) -> None:
-    from fedfs_sdk.checkpoint import save_verifier
-    from fedfs_sdk.model import FaceNet, ModelConfig
+    from fedfs_sdk.nn.checkpoint import save_verifier
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
     cfg = ModelConfig(backbone="tiny", width=4, embedding_dim=16, input_size=32)
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """The device agents in secure-aggregation rounds over real HTTP: ``fedfs serve
 --secure-aggregation`` in a subprocess and three device processes running
-:class:`~fedfs_sdk.agent.DeviceAgent` — with the torch runtime, and with the ORT training
+:class:`~fedfs_sdk.federation.agent.DeviceAgent` — with the torch runtime, and with the ORT training
 artifacts in processes that cannot import torch.
 
 Each device process also writes the plain update its runtime produced to a test folder (a
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from conftest_server import ROOT, read_safetensors, start_server, subprocess_env, write_images
-from fedfs_sdk.secagg.http_device import flatten_update
+from fedfs_sdk.federation.secagg.http_device import flatten_update
 from no_torch import NO_TORCH
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -34,12 +34,12 @@ DEVICE = """
 import sys
 from pathlib import Path
 sys.path.insert(0, {root!r})
-from fedfs_sdk.agent import DeviceAgent
-from fedfs_sdk.device_config import DeviceConfig
-from fedfs_sdk.device_runtime import OrtRuntime, TorchRuntime
-from fedfs_sdk.server_client import ServerClient
-from fedfs_sdk.device_state import DeviceState
-from fedfs_sdk.preprocess import list_images
+from fedfs_sdk.federation.agent import DeviceAgent
+from fedfs_sdk.federation.device_config import DeviceConfig
+from fedfs_sdk.federation.device_runtime import OrtRuntime, TorchRuntime
+from fedfs_sdk.federation.server_client import ServerClient
+from fedfs_sdk.federation.device_state import DeviceState
+from fedfs_sdk.runtime.preprocess import list_images
 
 art = {artifacts!r}
 Base = OrtRuntime if art else TorchRuntime
@@ -141,10 +141,10 @@ def test_ort_devices_without_torch_run_secure_rounds(tmp_path):
 def test_device_requiring_secure_aggregation_refuses_a_plain_round(tmp_path):
     """A server without --secure-aggregation offers a plain round; a device configured with
     ``require_secure_aggregation`` trains nothing and sends no update, and says why."""
-    from fedfs_sdk.agent import DeviceAgent
-    from fedfs_sdk.device_config import DeviceConfig
-    from fedfs_sdk.server_client import ServerClient
-    from fedfs_sdk.device_state import DeviceState
+    from fedfs_sdk.federation.agent import DeviceAgent
+    from fedfs_sdk.federation.device_config import DeviceConfig
+    from fedfs_sdk.federation.server_client import ServerClient
+    from fedfs_sdk.federation.device_state import DeviceState
     from fedfs_sdk.errors import ProtocolError
 
     srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--code-length", "127", "--rounds", "1",

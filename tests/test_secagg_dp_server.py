@@ -21,10 +21,10 @@ import pytest
 from scipy import stats
 
 from conftest_server import read_safetensors, start_server
-from fedfs_sdk.ort_device import encode_update
-from fedfs_sdk.secagg import FixedPoint, from_json
-from fedfs_sdk.secagg.http_device import DP_INPUT, SecAggRoundLost, SecAggSession
-from fedfs_sdk.server_client import RetryPolicy, ServerClient
+from fedfs_sdk.training.ort_device import encode_update
+from fedfs_sdk.federation.secagg import FixedPoint, from_json
+from fedfs_sdk.federation.secagg.http_device import DP_INPUT, SecAggRoundLost, SecAggSession
+from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient
 from server_agg.dp import epsilon
 
 pytestmark = pytest.mark.timeout(240)

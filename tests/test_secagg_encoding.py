@@ -1,9 +1,9 @@
-"""Fixed-point encoding into Z_{2^64} (fedfs_sdk.secagg.encoding): values, clipping, headroom, error."""
+"""Fixed-point encoding into Z_{2^64} (fedfs_sdk.federation.secagg.encoding): values, clipping, headroom, error."""
 import numpy as np
 import pytest
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.secagg import FixedPoint, RoundFailedError
+from fedfs_sdk.federation.secagg import FixedPoint, RoundFailedError
 
 
 def test_hand_computed_words():

@@ -5,9 +5,9 @@ import copy
 import numpy as np
 import pytest
 
-from fedfs_sdk.secagg import (BadMessageError, IntegrityError, RefusedError, ReplayError, RoundFailedError,
+from fedfs_sdk.federation.secagg import (BadMessageError, IntegrityError, RefusedError, ReplayError, RoundFailedError,
                               SecAggDevice, SecAggParams, SecAggServer, UnknownDeviceError, from_json, to_json)
-from fedfs_sdk.secagg import keys
+from fedfs_sdk.federation.secagg import keys
 
 DIM = 20
 N = 6

@@ -1,9 +1,9 @@
-"""The server's round state survives a restart at every step (fedfs_sdk.secagg.persist):
+"""The server's round state survives a restart at every step (fedfs_sdk.federation.secagg.persist):
 a server rebuilt from its JSON snapshot after each message finishes the round correctly."""
 import numpy as np
 import pytest
 
-from fedfs_sdk.secagg import (BadMessageError, ReplayError, SecAggDevice, SecAggParams, SecAggServer, from_json,
+from fedfs_sdk.federation.secagg import (BadMessageError, ReplayError, SecAggDevice, SecAggParams, SecAggServer, from_json,
                               restore, snapshot, to_json)
 
 DIM = 30

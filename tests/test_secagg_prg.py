@@ -1,10 +1,10 @@
-"""The mask PRG (fedfs_sdk.secagg.prg) is the AES-256-CTR keystream of the seed, and masks cancel."""
+"""The mask PRG (fedfs_sdk.federation.secagg.prg) is the AES-256-CTR keystream of the seed, and masks cancel."""
 import numpy as np
 import pytest
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.secagg.prg import add_mask, expand
+from fedfs_sdk.federation.secagg.prg import add_mask, expand
 
 
 def test_known_answer_against_the_cipher():

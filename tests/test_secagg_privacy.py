@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from device_sim.secagg_sim import gaussian_updates, run_round
-from fedfs_sdk.secagg import RefusedError, ReplayError, SecAggDevice, SecAggParams, SecAggServer, shamir
-from fedfs_sdk.secagg.prg import expand
+from fedfs_sdk.federation.secagg import RefusedError, ReplayError, SecAggDevice, SecAggParams, SecAggServer, shamir
+from fedfs_sdk.federation.secagg.prg import expand
 
 DIM = 4000
 N = 8

@@ -1,10 +1,10 @@
-"""Secure aggregation end to end in-process (fedfs_sdk.secagg + device_sim.secagg_sim):
+"""Secure aggregation end to end in-process (fedfs_sdk.federation.secagg + device_sim.secagg_sim):
 the unmasked sum is the weighted FedAvg of the survivors, with dropouts up to n − t."""
 import numpy as np
 import pytest
 
 from device_sim.secagg_sim import gaussian_updates, run_round
-from fedfs_sdk.secagg import RoundFailedError, SecAggParams, default_threshold, neighbours
+from fedfs_sdk.federation.secagg import RoundFailedError, SecAggParams, default_threshold, neighbours
 
 N = 10
 T = default_threshold(N)          # 7: tolerates N − T = 3 dropouts

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedfs_sdk.secagg import SecAggDevice, from_json, to_json
+from fedfs_sdk.federation.secagg import SecAggDevice, from_json, to_json
 from server_agg.secagg_rounds import SecAggRound
 
 FIELDS = {"dim": 6, "threshold": None, "neighbours": None, "clip": 4.0, "scale_bits": 20, "max_devices": 3,

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from conftest_server import ADMIN, read_safetensors, start_server
-from fedfs_sdk.server_client import RetryPolicy, ServerClient
-from fedfs_sdk.ort_device import encode_update
-from fedfs_sdk.secagg import FixedPoint, from_json, to_json
-from fedfs_sdk.secagg.http_device import SecAggSession, flatten_update
+from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient
+from fedfs_sdk.training.ort_device import encode_update
+from fedfs_sdk.federation.secagg import FixedPoint, from_json, to_json
+from fedfs_sdk.federation.secagg.http_device import SecAggSession, flatten_update
 
 pytestmark = pytest.mark.timeout(180)
 

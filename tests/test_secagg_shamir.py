@@ -1,4 +1,4 @@
-"""Shamir sharing over GF(2^31 − 1) (fedfs_sdk.secagg.shamir): t shares reconstruct, t − 1 do not."""
+"""Shamir sharing over GF(2^31 − 1) (fedfs_sdk.federation.secagg.shamir): t shares reconstruct, t − 1 do not."""
 import itertools
 import os
 import random
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.secagg import shamir
+from fedfs_sdk.federation.secagg import shamir
 
 
 def _pack(*vals):

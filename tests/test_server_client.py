@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from conftest_server import write_images
-from fedfs_sdk.agent import DeviceAgent
-from fedfs_sdk.device_config import DeviceConfig
-from fedfs_sdk.server_client import RetryPolicy, ServerClient, ServerError
-from fedfs_sdk.codes import make_codeword
-from fedfs_sdk.device_state import DeviceKeyError, DeviceState, DeviceStateError
+from fedfs_sdk.federation.agent import DeviceAgent
+from fedfs_sdk.federation.device_config import DeviceConfig
+from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient, ServerError
+from fedfs_sdk.runtime.codes import make_codeword
+from fedfs_sdk.federation.device_state import DeviceKeyError, DeviceState, DeviceStateError
 from fedfs_sdk.errors import CodeError, InputError, ProtocolError
-from fedfs_sdk.wire import sha256_hex
+from fedfs_sdk.federation.wire import sha256_hex
 
 
 def client_with(handler, attempts: int = 4) -> tuple[ServerClient, list[float]]:
@@ -298,7 +298,7 @@ def test_agent_refuses_a_state_of_another_server(tmp_path):
 def test_retry_after_hint_must_be_a_finite_non_negative_number():
     import httpx
 
-    from fedfs_sdk.server_client import _retry_after
+    from fedfs_sdk.federation.server_client import _retry_after
 
     def hint(v):
         return _retry_after(httpx.Response(503, headers={"Retry-After": v}))
@@ -441,9 +441,9 @@ def test_device_config_is_validated():
 def test_local_training_is_seeded_per_round_and_deterministic(tmp_path):
     import torch
 
-    from fedfs_sdk.checkpoint import save_checkpoint
-    from fedfs_sdk.device_runtime import TorchRuntime, round_seed
-    from fedfs_sdk.model import FaceNet, ModelConfig
+    from fedfs_sdk.nn.checkpoint import save_checkpoint
+    from fedfs_sdk.federation.device_runtime import TorchRuntime, round_seed
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
     assert round_seed(0, 1) == round_seed(0, 1) != round_seed(0, 2) and round_seed(1, 1) != round_seed(0, 1)
     cfg = ModelConfig(backbone="tiny", code_length=127)
@@ -482,8 +482,8 @@ def fedfs_server(tmp_path_factory):
     import torch
 
     from conftest_server import start_server
-    from fedfs_sdk.checkpoint import save_checkpoint
-    from fedfs_sdk.model import FaceNet, ModelConfig
+    from fedfs_sdk.nn.checkpoint import save_checkpoint
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
     d = tmp_path_factory.mktemp("fedfs-server")
     xi_cfg = ModelConfig(backbone="tiny")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import httpx
 
-from fedfs_sdk.server_client import RetryPolicy, ServerClient, ServerError, is_transient
-from fedfs_sdk.wire_format import sha256_hex
+from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient, ServerError, is_transient
+from fedfs_sdk.federation.wire_format import sha256_hex
 
 
 def test_a_408_upload_is_sent_again_and_counts_as_transient():

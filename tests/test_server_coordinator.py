@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fedfs_sdk.errors import CheckpointError, InputError
-from fedfs_sdk.model import FaceNet, ModelConfig
-from fedfs_sdk.wire import MODEL_FORMAT, decode_weights, encode_update, encode_weights, sha256_hex, update_norm
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
+from fedfs_sdk.federation.wire import MODEL_FORMAT, decode_weights, encode_update, encode_weights, sha256_hex, update_norm
 from server_agg.auth import hash_token
 from server_agg.errors import Conflict, Forbidden, Gone, Unauthorized, Unprocessable
 from server_agg.rounds import Coordinator

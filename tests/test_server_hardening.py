@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest_server import ADMIN, start_server
-from fedfs_sdk.wire import decode_weights, encode_update, encode_weights
+from fedfs_sdk.federation.wire import decode_weights, encode_update, encode_weights
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest_server import start_server
-from fedfs_sdk.wire import decode_weights, encode_update
+from fedfs_sdk.federation.wire import decode_weights, encode_update
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from conftest_server import start_server, write_images
-from fedfs_sdk.checkpoint import save_checkpoint
-from fedfs_sdk.agent import DeviceAgent
-from fedfs_sdk.device_config import DeviceConfig
-from fedfs_sdk.server_client import RetryPolicy, ServerClient
-from fedfs_sdk.device_state import DeviceState
-from fedfs_sdk.model import FaceNet, ModelConfig, personal_config
-from fedfs_sdk.preprocess import preprocess
-from fedfs_sdk.wire import decode_weights
+from fedfs_sdk.nn.checkpoint import save_checkpoint
+from fedfs_sdk.federation.agent import DeviceAgent
+from fedfs_sdk.federation.device_config import DeviceConfig
+from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient
+from fedfs_sdk.federation.device_state import DeviceState
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, personal_config
+from fedfs_sdk.runtime.preprocess import preprocess
+from fedfs_sdk.federation.wire import decode_weights
 
 pytestmark = pytest.mark.timeout(180)
 

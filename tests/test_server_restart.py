@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from conftest_server import read_safetensors, start_server, weighted_average
-from fedfs_sdk.server_client import RetryPolicy, ServerClient
-from fedfs_sdk.wire import decode_weights, encode_update
+from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient
+from fedfs_sdk.federation.wire import decode_weights, encode_update
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest_server import ADMIN, ROOT, free_port, start_server, subprocess_env
-from fedfs_sdk.model import FaceNet, ModelConfig
-from fedfs_sdk.wire import MODEL_FORMAT, encode_weights
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
+from fedfs_sdk.federation.wire import MODEL_FORMAT, encode_weights
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.wire import (check_finite, check_layout, clip_update, decode_update, decode_weights, encode_update,
+from fedfs_sdk.federation.wire import (check_finite, check_layout, clip_update, decode_update, decode_weights, encode_update,
                             encode_weights, read_header, train_config_from_json, update_norm)
 from server_agg.config import RoundPolicy
 

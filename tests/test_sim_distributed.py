@@ -22,7 +22,7 @@ import torch
 from device_sim.client_store import ClientStore
 from device_sim.federation import check_distributable
 from device_sim.methods import parse_method
-from fedfs_sdk.checkpoint import read_safetensors
+from fedfs_sdk.nn.checkpoint import read_safetensors
 from fedfs_sdk.errors import InputError
 
 ROOT = Path(__file__).resolve().parents[1]

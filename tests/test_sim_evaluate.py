@@ -15,8 +15,8 @@ from device_sim.methods import parse_method
 from device_sim.population import Population
 from device_sim.splits import make_splits
 from device_sim.synthfaces import SynthFaces
-from fedfs_sdk.enrollment import enroll
-from fedfs_sdk.inference import TorchBackend
+from fedfs_sdk.runtime.enrollment import enroll
+from fedfs_sdk.runtime.inference import TorchBackend
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import torch
 from conftest_sim import RandomClients, make_tasks, max_diff, setup_method, xi  # noqa: F401
 from device_sim.executors import (BatchedExecutor, LocalConfig, SequentialExecutor, client_batches, make_executor)
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.trainer import LocalTrainer, TrainConfig
+from fedfs_sdk.training.trainer import LocalTrainer, TrainConfig
 
 SPECS = ["fedfs", "feduv", "fedfs+feduv:paper", "feduv:c=255,neg=all,neg_samples=3"]
 # (the paper preset: the device trainer implements its lr; the default differs in lr and verifier only)
@@ -24,7 +24,7 @@ def data() -> RandomClients:
                                              ("fedfs+feduv:norm_init=none", None)])
 def test_sequential_equals_local_trainer(spec: str, device_lr, xi, data) -> None:
     """The simulator's local step is the device's; with ``device_lr=None`` the device's own
-    default lr (fedfs_sdk.methods.DEFAULT_LR) must be the preset's."""
+    default lr (fedfs_sdk.training.methods.DEFAULT_LR) must be the preset's."""
     m = setup_method(spec, xi)
     plan, tasks = make_tasks(m, data, [1])
     res = SequentialExecutor().train(m, plan, tasks, LocalConfig(batch_size=4))   # both default to DEFAULT_HEAD_LR

@@ -135,7 +135,7 @@ def test_resume_refuses_other_data_split_or_xi(xi, data, tmp_path) -> None:
     from device_sim.population import Population
     from device_sim.splits import make_splits
     from device_sim.synthfaces import SynthFaces
-    from fedfs_sdk.checkpoint import read_safetensors, write_safetensors_atomic
+    from fedfs_sdk.nn.checkpoint import read_safetensors, write_safetensors_atomic
 
     ck = _saved(fed("feduv", xi, data), tmp_path / "a.safetensors")
     fed("feduv", xi, data).load(ck)                                         # same everything: fine
@@ -162,7 +162,7 @@ def test_resume_refuses_other_data_split_or_xi(xi, data, tmp_path) -> None:
 
 
 def test_first_participation_starts_theta_c_from_the_current_global(xi, data) -> None:
-    from fedfs_sdk.trainer import LocalTrainer, TrainConfig
+    from fedfs_sdk.training.trainer import LocalTrainer, TrainConfig
 
     lc = LocalConfig(batch_size=4, lr=0.05)
     for seed in range(20):                                   # a seed where some client joins in round 2

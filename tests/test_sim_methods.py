@@ -7,7 +7,7 @@ import torch
 
 from conftest_sim import setup_method, xi  # noqa: F401
 from device_sim.methods import REGISTRY, parse_method, register
-from fedfs_sdk.codes import DESIGN_DISTANCE
+from fedfs_sdk.runtime.codes import DESIGN_DISTANCE
 from fedfs_sdk.errors import InputError
 
 

@@ -10,7 +10,7 @@ import torch
 from device_sim.datasets import SynthDataset
 from device_sim.pretrain import MarginHead, PretrainConfig, cache_key, data_key, load_xi, pretrain_cached
 from device_sim.synthfaces import SynthFaces
-from fedfs_sdk.checkpoint import read_checkpoint
+from fedfs_sdk.nn.checkpoint import read_checkpoint
 from fedfs_sdk.errors import InputError
 
 CFG = PretrainConfig(width=4, embedding_dim=16, epochs=3, batch_size=16)

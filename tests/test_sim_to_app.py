@@ -15,7 +15,7 @@ from device_sim import cli_simulate
 from device_sim.federation import latest_checkpoint
 from device_sim.sim_export import export_federation_model
 from device_sim.synthfaces import SynthFaces, write_image_folder
-from fedfs_sdk.checkpoint import load_checkpoint, load_verifier
+from fedfs_sdk.nn.checkpoint import load_checkpoint, load_verifier
 from fedfs_sdk.cli.main import main
 
 SIM = ["--clients", "4", "--new-users", "1", "--public", "6", "--train-per-client", "6", "--test-per-client", "2",
@@ -106,9 +106,9 @@ def test_verify_finds_the_device_verifier_next_to_its_enrollment(tmp_path, capsy
     """``fedfs device --enroll`` writes STATE/verifier.safetensors and STATE/enrollment.fedfs
     (meta without a model path): ``fedfs verify`` needs no --model."""
     from fedfs_sdk import enroll, generate_key, save_enrollment
-    from fedfs_sdk.checkpoint import save_verifier
-    from fedfs_sdk.inference import TorchBackend
-    from fedfs_sdk.model import FaceNet, ModelConfig
+    from fedfs_sdk.nn.checkpoint import save_verifier
+    from fedfs_sdk.runtime.inference import TorchBackend
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
     cfg = ModelConfig(backbone="tiny", width=4, embedding_dim=16, input_size=32)
     torch.manual_seed(0)
@@ -166,8 +166,8 @@ def test_default_fedfs_feduv_client_exports_its_dual_verifier(tmp_path, capsys) 
     dual verifier as ONNX; enrolling with it and with the simulation checkpoint itself gives the
     same model id and the same scores."""
     from device_sim.report import slug
-    from fedfs_sdk.dual_verifier import load_dual_verifier
-    from fedfs_sdk.onnx_backend import OnnxBackend
+    from fedfs_sdk.nn.dual_verifier import load_dual_verifier
+    from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
     p = argparse.ArgumentParser()
     cli_simulate.add_arguments(p)

@@ -8,7 +8,7 @@ import torch
 from device_sim.synth_domains import DOMAINS, SynthDomain, get_domain
 from device_sim.synthfaces import SynthFaces, hash_uniforms
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.preprocess import preprocess
+from fedfs_sdk.runtime.preprocess import preprocess
 
 
 @pytest.fixture(scope="module")

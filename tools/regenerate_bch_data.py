@@ -1,6 +1,6 @@
 """Rebuild ``fedfs_sdk/data/bch_generators.npz`` with galois and check the pinned hashes.
 
-The SDK never builds BCH codes at run time (:mod:`fedfs_sdk.codes` loads this file); run
+The SDK never builds BCH codes at run time (:mod:`fedfs_sdk.runtime.codes` loads this file); run
 this only to regenerate or audit the data::
 
     python tools/regenerate_bch_data.py           # rebuild, refuse if a hash differs, write
@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fedfs_sdk import codes  # noqa: E402
+from fedfs_sdk.runtime import codes  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
 
 Weights = dict[str, torch.Tensor]
 Params = dict[str, Weights]
@@ -197,7 +197,7 @@ class FederatedMethod(ABC):
 
     def default_head_lr(self) -> float | None:
         """Learning rate of a randomly started head when ``LocalConfig.head_lr`` is None
-        (``fedfs_sdk.trainer.TrainConfig``'s 0.1; ``None`` would mean the base lr)."""
+        (``fedfs_sdk.training.trainer.TrainConfig``'s 0.1; ``None`` would mean the base lr)."""
         return 0.1
 
     def default_local_epochs(self) -> int:

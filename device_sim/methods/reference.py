@@ -22,9 +22,9 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-from fedfs_sdk.backbones.layers import l2_normalize
+from fedfs_sdk.nn.backbones.layers import l2_normalize
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.losses.common import masked_mean
+from fedfs_sdk.training.losses.common import masked_mean
 
 from .base import (ClientState, FederatedMethod, Params, SimContext, VerifierSpec, Weights, backbone_weights, frozen,
                    verifier_net)

@@ -1,7 +1,7 @@
 """The project's methods on top of ``fedfs_sdk``: pretrained-only, FedFS, FedUV, FedFS+FedUV.
 
 All three trained methods evaluate exactly the device objective of
-:func:`fedfs_sdk.objective.local_objective` (the function the phone's trainer and the ONNX
+:func:`fedfs_sdk.training.objective.local_objective` (the function the phone's trainer and the ONNX
 training graphs use), called functionally on the executor's parameters.
 
 Verification (see ``docs/simulation.md``):
@@ -22,13 +22,13 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from fedfs_sdk.codes import KNOWN_CODES, make_codeword, random_codewords
+from fedfs_sdk.runtime.codes import KNOWN_CODES, make_codeword, random_codewords
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.losses.fedfs import FedFSLossConfig
-from fedfs_sdk.model import DualVerifierNet, FaceNet, ModelConfig, personal_config
-from fedfs_sdk.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
-from fedfs_sdk.methods import DEFAULT_UV_WEIGHT, DEFAULT_VERIFICATION, PAPER_LR
-from fedfs_sdk.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initial_global_weights
+from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
+from fedfs_sdk.nn.model import DualVerifierNet, FaceNet, ModelConfig, personal_config
+from fedfs_sdk.training.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
+from fedfs_sdk.training.methods import DEFAULT_UV_WEIGHT, DEFAULT_VERIFICATION, PAPER_LR
+from fedfs_sdk.training.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initial_global_weights
 
 from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, VerifierSpec, Weights,
                    backbone_weights, frozen, verifier_net)
@@ -49,7 +49,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 5e-3, 2 epochs, Eq. 5 dot-product soft scores; FedUV lr 0.1, codeword scoring). ``default``:
 the best configuration measured on the cross-domain benchmark (docs/personalization.md
 gives the search and its commands); its lr and verification are the device's defaults
-(:mod:`fedfs_sdk.methods`), so the simulator and a phone run the same thing. Keys: ``score``,
+(:mod:`fedfs_sdk.training.methods`), so the simulator and a phone run the same thing. Keys: ``score``,
 ``verify``, ``lr``, ``epochs``, ``uv_weight``, ``norm_init`` and ``loss`` (FedFS loss fields)."""
 
 
@@ -230,7 +230,7 @@ class SDKMethod(FederatedMethod):
 
     def default_head_lr(self) -> float | None:
         """The FedUV head's own rate, the same default a device uses
-        (:data:`fedfs_sdk.trainer.DEFAULT_HEAD_LR`, measured there)."""
+        (:data:`fedfs_sdk.training.trainer.DEFAULT_HEAD_LR`, measured there)."""
         return DEFAULT_HEAD_LR
 
     def min_batch(self) -> int:

@@ -8,7 +8,7 @@ from ..errors import InputError
 
 
 def load_backend(model_path: str, device: str = "cpu", client: int | None = None):
-    """An :class:`~fedfs_sdk.inference.InferenceBackend` for a ``.onnx`` file (ONNX
+    """An :class:`~fedfs_sdk.runtime.inference.InferenceBackend` for a ``.onnx`` file (ONNX
     Runtime, no torch), a fedfs ``.safetensors`` checkpoint (torch), or a simulation
     checkpoint (``fedfs-federation/1`` from ``fedfs simulate --checkpoint-every``): its
     global model, or client ``client``'s verifier (:mod:`device_sim.sim_export`)."""
@@ -18,10 +18,10 @@ def load_backend(model_path: str, device: str = "cpu", client: int | None = None
     if p.suffix == ".onnx":
         if client is not None:
             raise InputError("--client picks a client of a simulation checkpoint; an .onnx model has none")
-        from ..onnx_backend import OnnxBackend
+        from ..runtime.onnx_backend import OnnxBackend
         return OnnxBackend(str(p))
-    from ..checkpoint import load_verifier
-    from ..inference import TorchBackend
+    from ..nn.checkpoint import load_verifier
+    from ..runtime.inference import TorchBackend
     if is_simulation_checkpoint(p):
         import tempfile
 
@@ -55,7 +55,7 @@ def is_simulation_checkpoint(path: str | os.PathLike[str]) -> bool:
 
 def read_key(path: str, create: bool) -> bytes:
     """The enrollment key (32 raw bytes) from ``path``; created with mode 0600 if asked."""
-    from ..enrollment import generate_key
+    from ..runtime.enrollment import generate_key
     from ..fileio import atomic_write_bytes
 
     p = Path(path)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..methods import SCORES, VERIFY_MODELS
+from ..training.methods import SCORES, VERIFY_MODELS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -71,13 +71,13 @@ def _printer(name: str, fields: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..agent import DeviceAgent
-    from ..device_config import DeviceConfig, check_local_inputs
-    from ..server_client import ServerClient, check_server_url
-    from ..device_runtime import OrtRuntime
-    from ..device_state import DeviceState
+    from ..federation.agent import DeviceAgent
+    from ..federation.device_config import DeviceConfig, check_local_inputs
+    from ..federation.server_client import ServerClient, check_server_url
+    from ..federation.device_runtime import OrtRuntime
+    from ..federation.device_state import DeviceState
     from ..errors import InputError
-    from ..preprocess import list_images
+    from ..runtime.preprocess import list_images
     from .common import read_key
 
     # Everything local is checked before the state folder is created and before the device

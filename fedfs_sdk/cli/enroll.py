@@ -48,7 +48,7 @@ def _codeword(state_dir: str, key: bytes | None):
     """The FedUV codeword of a device state, opened read-only (a typo creates nothing). Its
     secrets are encrypted under the device's key: the given key file's, else the state's own
     ``enrollment.key``."""
-    from ..device_state import DeviceKeyError, DeviceState
+    from ..federation.device_state import DeviceKeyError, DeviceState
 
     with DeviceState(state_dir, read_only=True, key=key) as st:
         try:
@@ -61,9 +61,9 @@ def _codeword(state_dir: str, key: bytes | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..enrollment import enroll, save_enrollment
+    from ..runtime.enrollment import enroll, save_enrollment
     from ..errors import EnrollmentExistsError
-    from ..preprocess import list_images
+    from ..runtime.preprocess import list_images
     from .common import load_backend, read_key
 
     key_path = Path(args.key_file)

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 IMPORTABLE_BACKBONES = ("mobilefacenet", "mobilefacenet-affine", "insightface-mbf")
-"""Backbones a state dict can be mapped onto (fedfs_sdk.face_import)."""
+"""Backbones a state dict can be mapped onto (fedfs_sdk.nn.face_import)."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..face_import import import_onnx, import_state_dict, read_state_dict, save_imported, state_dict_backbone
-    from ..model import ModelConfig
+    from ..nn.face_import import import_onnx, import_state_dict, read_state_dict, save_imported, state_dict_backbone
+    from ..nn.model import ModelConfig
 
     src = Path(args.source)
     if src.suffix.lower() == ".onnx":

@@ -10,9 +10,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..backbones import BACKBONES
-    from ..model import ModelConfig
-    from ..profile import profile_model
+    from ..nn.backbones import BACKBONES
+    from ..nn.model import ModelConfig
+    from ..nn.profile import profile_model
 
     names = args.backbone or list(BACKBONES)
     w = max(len("backbone"), *(len(n) for n in names)) + 2

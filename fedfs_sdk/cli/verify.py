@@ -46,9 +46,9 @@ def recorded_model(enrollment_path: str, meta: dict) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..enrollment import load_enrollment, verify
+    from ..runtime.enrollment import load_enrollment, verify
     from ..errors import InputError
-    from ..preprocess import list_images
+    from ..runtime.preprocess import list_images
     from .common import load_backend, read_key
 
     e = load_enrollment(args.enrollment, read_key(args.key_file, create=False))

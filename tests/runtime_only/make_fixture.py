@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from export.onnx_inference import export_onnx  # noqa: E402
-from fedfs_sdk.model import FaceNet, ModelConfig, VerifierNet  # noqa: E402
+from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet  # noqa: E402
 
 
 def identity_images(seed: int, n: int, size: int = 64) -> list[np.ndarray]:

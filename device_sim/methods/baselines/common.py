@@ -32,10 +32,10 @@ import numpy as np
 import torch
 from torch.func import functional_call
 
-from fedfs_sdk.backbones.layers import l2_normalize
+from fedfs_sdk.nn.backbones.layers import l2_normalize
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.losses.common import masked_mean
-from fedfs_sdk.model import FaceNet, ModelConfig
+from fedfs_sdk.training.losses.common import masked_mean
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
 from ..base import (ClientState, FederatedMethod, Params, SimContext, VerifierSpec, Weights, backbone_weights,
                     frozen, verifier_net)

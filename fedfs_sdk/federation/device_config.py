@@ -1,0 +1,126 @@
+"""What a device is told to do (:class:`DeviceConfig`) and the checks of its local inputs
+(images, ξ) that run before it registers, so a bad folder fails before the server knows it.
+Importing this module does not import torch.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .device_runtime import DeviceRuntime, OrtRuntime
+from ..errors import CheckpointError, InputError
+from ..training.methods import SCORES, VERIFY_MODELS
+from .wire_format import MODEL_FORMAT, read_header
+
+
+CHECK_INPUT_SIZE = 112
+"""Size the images are preprocessed at when checked before registration, when the model's
+input size is not known yet (MobileFaceNet's; an export folder says its own)."""
+
+
+@dataclass
+class DeviceConfig:
+    """How a device behaves.
+
+    Attributes:
+        rounds: rounds to take part in during this run (0: until the server says ``done``).
+        device: torch device for local training (``cpu``, ``cuda``).
+        artifacts: an export folder (``fedfs export --formats onnx,ort-training``): train and
+            verify with ONNX Runtime from it, as a phone does — no torch (:class:`OrtRuntime`).
+        xi_path: local ξ checkpoint for FedFS methods (else the server's ξ is downloaded).
+        wait_timeout_s: stop (with an error) after this long without progress: no task, or
+            the server unreachable / failing.
+        detect_face: crop faces with OpenCV before training / enrolling.
+        enroll: after the last round, enroll the owner with the final model.
+        q: target TPR of the enrollment warm-up (FedUV Alg. 2).
+        outliers: the enrollment's outlier rule (``mad``: drop photos scoring far below the
+            others before τ is set, :func:`fedfs_sdk.runtime.enrollment.enroll`; ``none``: keep all).
+        enrollment_key: the device key (16/24/32 bytes): encrypts the enrollment and the
+            FedUV secrets (else ``enrollment.key`` in the state).
+        registration_token: presented at registration when the server requires one.
+        score: how a FedUV model verifies, ``codeword`` (FedUV Eq. 5) or ``head-template``
+            (a cosine template of ``W g``); ``None``: the method's default
+            (:data:`fedfs_sdk.training.methods.DEFAULT_VERIFICATION`).
+        verify: which ``fedfs+feduv`` model verifies: ``personal``, ``global`` or ``both``
+            (``unit(W q') ⊕ unit(W r')``); ``None``: the method's default.
+        require_secure_aggregation: take part only in secure-aggregation rounds: a round whose
+            task has no ``secagg`` is refused (event ``round_refused``, nothing is trained or
+            sent) — the server cannot quietly turn secure aggregation off for this device.
+    """
+
+    rounds: int = 1
+    device: str = "cpu"
+    artifacts: Path | None = None
+    xi_path: Path | None = None
+    wait_timeout_s: float = 3600.0
+    detect_face: bool = False
+    enroll: bool = False
+    q: float = 0.9
+    enrollment_key: bytes | None = None
+    registration_token: str | None = None
+    outliers: str = "mad"
+    score: str | None = None
+    verify: str | None = None
+    require_secure_aggregation: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
+            raise InputError(f"rounds must be an integer ≥ 0 (0: until the server is done), got {self.rounds!r}")
+        w = self.wait_timeout_s
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+            raise InputError(f"the wait timeout must be a positive number of seconds, got {w!r}")
+        if isinstance(self.q, bool) or not isinstance(self.q, (int, float)) or not 0 < self.q < 1:
+            raise InputError(f"q (the enrollment's target TPR) must be in (0, 1), got {self.q!r}")
+        if self.enrollment_key is not None and len(self.enrollment_key) not in (16, 24, 32):
+            raise InputError(f"the enrollment key must be 16, 24 or 32 raw bytes, got {len(self.enrollment_key)}")
+        if self.outliers not in ("mad", "none"):
+            raise InputError(f"outliers (the enrollment's outlier rule) must be 'mad' or 'none', got {self.outliers!r}")
+        if self.score is not None and self.score not in SCORES:
+            raise InputError(f"score must be one of {SCORES} (or None for the method's default), got {self.score!r}")
+        if not isinstance(self.require_secure_aggregation, bool):
+            raise InputError(f"require_secure_aggregation must be True or False, got {self.require_secure_aggregation!r}")
+        if self.verify is not None and self.verify not in VERIFY_MODELS:
+            raise InputError(f"verify must be one of {VERIFY_MODELS} (or None for the method's default), "
+                             f"got {self.verify!r}")
+
+
+def check_xi_file(path: str | os.PathLike[str]) -> Path:
+    """``path`` if it is a readable fedfs checkpoint (ξ for FedFS methods), else
+    :class:`~fedfs_sdk.errors.CheckpointError` naming the problem (read without torch)."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"ξ checkpoint not found: {p}")
+    try:
+        meta = read_header(p.read_bytes())[1]
+    except OSError as e:
+        raise CheckpointError(f"ξ checkpoint {p} is unreadable: {e.strerror or e}") from None
+    except InputError as e:
+        raise CheckpointError(f"ξ checkpoint {p} is not a safetensors file: {e}") from None
+    if meta.get("format") != MODEL_FORMAT:
+        raise CheckpointError(f"ξ checkpoint {p} is not a fedfs checkpoint (format={meta.get('format')!r})")
+    return p
+
+
+def check_local_inputs(images: Sequence[Any], config: DeviceConfig,
+                       runtime: DeviceRuntime | None = None) -> dict[int, np.ndarray]:
+    """Everything a device needs locally, checked before it registers (so a bad image or a
+    wrong path never leaves a registered device that stalls every round): every image
+    decodes (and has a face with ``detect_face``), ``config.xi_path`` is a fedfs checkpoint,
+    ``config.artifacts`` is a complete export. Returns the preprocessed images by input
+    size (a cache for :class:`DeviceAgent`)."""
+    from ..runtime.preprocess import preprocess
+
+    if len(images) == 0:
+        raise InputError("a device needs at least one image")
+    size = CHECK_INPUT_SIZE
+    if config.artifacts is not None:
+        rt = runtime if isinstance(runtime, OrtRuntime) else OrtRuntime(config.artifacts)
+        size = rt.check(enroll=config.enroll)
+    if config.xi_path is not None:
+        check_xi_file(config.xi_path)
+    return {size: preprocess(list(images), size, detect_face=config.detect_face)}

@@ -1,0 +1,422 @@
+"""How a device computes its part of a round, behind one small interface.
+
+:class:`~fedfs_sdk.federation.agent.DeviceAgent` speaks the protocol (register, task, download,
+upload, enroll); a runtime turns a task and the global model's bytes into an upload body
+and, after training, gives the inference backend that enrolls the owner:
+
+* :class:`TorchRuntime` — :class:`~fedfs_sdk.training.trainer.LocalTrainer` (PyTorch, CPU or CUDA),
+  enrollment through :class:`~fedfs_sdk.runtime.inference.TorchBackend`;
+* :class:`OrtRuntime` — the phone's way: the ONNX Runtime training artifacts and the ONNX
+  verifier of an export folder (``fedfs export --formats onnx,ort-training``), through
+  :class:`~fedfs_sdk.training.ort_device.OrtDeviceTrainer` and
+  :class:`~fedfs_sdk.runtime.onnx_backend.OnnxBackend`. Nothing in this path imports torch.
+
+Both send the same thing: ``w_c`` and ``|D_c|`` as a ``fedfs-update/1`` safetensors body.
+A runtime writes nothing into the device state: the new ``θ_c`` (FedFS) travels in the
+:class:`LocalUpdate`, and the agent keeps it as a pending file until the server has
+accepted the upload, then makes it ``personal.safetensors`` (the same safetensors layout
+in either runtime, so a device may switch runtimes between rounds).
+
+Local training is seeded per round: :func:`round_seed` derives the seed of the mini-batch
+order from the server's ``train.seed`` and the round id, so rounds do not repeat one order.
+"""
+from __future__ import annotations
+
+import json
+import math
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
+
+import numpy as np
+
+from ..errors import CheckpointError, InputError, ProtocolError
+from ..training.methods import (DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, check_method,
+                      check_verification, uses_fedfs, uses_feduv)
+from .wire_format import MODEL_FORMAT, split_train_json
+
+if TYPE_CHECKING:
+    from .device_state import DeviceState
+    from ..runtime.inference import InferenceBackend
+
+
+class DeviceContext(Protocol):
+    """What a runtime reads from the device running it (:class:`~fedfs_sdk.federation.agent.DeviceAgent`):
+    its state directory, its images at a model's input size, and ξ by content hash. A protocol,
+    so the runtimes do not import the agent that drives them."""
+
+    state: "DeviceState"
+
+    def images_array(self, input_size: int) -> np.ndarray: ...
+
+    def xi_file(self, sha256: str | None) -> Path: ...
+
+
+@dataclass
+class LocalUpdate:
+    """One round's result on the device: ``body`` is all that is uploaded.
+
+    ``personal`` is the new ``θ_c`` (safetensors bytes; None for methods without one): it
+    stays on the device and replaces the stored ``θ_c`` only once the server has accepted
+    ``body``."""
+
+    body: bytes
+    num_samples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    personal: bytes | None = None
+
+
+def dp_clip_norm(task: Mapping[str, Any]) -> float | None:
+    """The clip norm ``C`` of a DP-FedAvg round (``task["dp"]["clip"]``; None: not a DP round).
+
+    The device clips its update ``w_c − w`` to ``C`` before encoding the upload, so what
+    leaves the device is already bounded (McMahan et al. 2018, Alg. 1); the server clips
+    again, since it cannot trust a device."""
+    dp = task.get("dp")
+    if not dp:
+        return None
+    from .dp import DpParams
+
+    return DpParams.from_json(dp).clip
+
+
+def clip_upload(weights: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], task: Mapping[str, Any],
+                metrics: dict[str, float]) -> Mapping[str, np.ndarray]:
+    """``weights`` with ``w_c − w`` clipped to the round's DP clip norm (unchanged outside DP);
+    the norm before clipping goes into ``metrics["dp_update_norm"]``."""
+    clip = dp_clip_norm(task)
+    if clip is None:
+        return weights
+    from .dp import clip_flat_update
+
+    out, norm, _ = clip_flat_update(weights, reference, clip)
+    metrics["dp_update_norm"] = norm
+    return out
+
+
+def round_seed(seed: int, round_id: int) -> int:
+    """The local-training seed of round ``round_id``: 32 bits drawn from
+    ``numpy.random.SeedSequence([seed, round_id])`` (``seed`` = the server's ``train.seed``),
+    so each round shuffles the mini-batches differently but reproducibly, in both runtimes."""
+    mask = (1 << 64) - 1
+    return int(np.random.SeedSequence([int(seed) & mask, int(round_id) & mask]).generate_state(1)[0])
+
+
+class DeviceRuntime(Protocol):
+    name: str
+
+    def train(self, task: Mapping[str, Any], model: bytes, agent: DeviceContext) -> LocalUpdate:
+        """Local training for ``task`` from the global model ``model`` (a fedfs checkpoint body)."""
+        ...
+
+    def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
+                 verify: str | None = None) -> "InferenceBackend":
+        """The backend the owner verifies with (global model version ``version``), by
+        ``verify`` (:data:`fedfs_sdk.training.methods.VERIFY_MODELS`; ``None``: ``θ_c`` for FedFS methods,
+        else the global model): ``personal`` → ``θ_c``'s backbone, ``global`` → the global
+        one, ``both`` → the dual verifier ``unit(W q') ⊕ unit(W r')`` (``fedfs+feduv``); plus
+        the global FedUV head for FedUV methods."""
+        ...
+
+
+def verifier_model(method: str, verify: str | None) -> str:
+    """Which model verifies: ``verify``, or by default ``θ_c`` for FedFS methods and the global
+    model otherwise (:class:`DeviceAgent` passes the method's verification default explicitly);
+    the rules are :func:`fedfs_sdk.training.methods.check_verification`'s."""
+    chosen = verify if verify is not None else ("personal" if uses_fedfs(method) else "global")
+    score = None if uses_feduv(method) else "template"
+    return check_verification(method, "head-template" if chosen == "both" else score, chosen)[1]
+
+
+def negative_codewords(task: Mapping[str, Any], code_length: int) -> np.ndarray:
+    """Random codewords for ``ℓ_neg`` (FedUV Eq. 4): a device knows no other user's codeword,
+    so it draws ``task["neg_codewords"]`` codewords of random messages (docs/methods.md)."""
+    from ..runtime.codes import random_codewords
+
+    count = max(1, int(task.get("neg_codewords") or 0))
+    return random_codewords(count, int(code_length), np.random.default_rng(secrets.randbits(128)))
+
+
+class TorchRuntime:
+    """Local training with :class:`~fedfs_sdk.training.trainer.LocalTrainer` on ``device`` (cpu, cuda)."""
+
+    name = "torch"
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+
+    @staticmethod
+    def _decode(model: bytes) -> tuple[dict[str, Any], dict[str, str]]:
+        """The global model's tensors and checkpoint header."""
+        from .wire import decode_weights
+
+        weights, meta = decode_weights(model)
+        if meta.get("format") != MODEL_FORMAT:
+            raise ProtocolError(f"the server's model is not a fedfs checkpoint (format={meta.get('format')!r})")
+        return weights, meta
+
+    def train(self, task: Mapping[str, Any], model: bytes, agent: DeviceContext) -> LocalUpdate:
+        from ..nn.checkpoint import load_checkpoint
+        from ..nn.model import ModelConfig
+        from ..training.trainer import LocalTrainer
+        from .wire import check_finite, encode_update, encode_weights, train_config_from_json
+
+        method = check_method(str(task["method"]))
+        config = ModelConfig.from_json(json.dumps(task["model_config"])).resolved()
+        train_cfg = train_config_from_json(method, task.get("train"), self.device)
+        codeword = agent.state.codeword(int(config.code_length)) if uses_feduv(method) else None
+        neg = (negative_codewords(task, int(config.code_length))
+               if uses_feduv(method) and train_cfg.objective.lambda_neg > 0 else None)
+        xi = load_checkpoint(agent.xi_file(task.get("xi_sha256")))[0] if uses_fedfs(method) else None
+        personal = None
+        if uses_fedfs(method):
+            loaded = agent.state.load_weights("personal")
+            personal = loaded[0] if loaded is not None else None
+        result = LocalTrainer(config, train_cfg, xi).train(
+            self._decode(model)[0], agent.images_array(int(config.input_size)), personal_weights=personal,
+            codeword=codeword, neg_codewords=neg, seed=round_seed(train_cfg.seed, int(task["round_id"])))
+        check_finite(result.weights, "local result")
+        metrics = dict(result.metrics)
+        upload = result.weights
+        if dp_clip_norm(task) is not None:       # DP round: clip w_c − w to C before encoding (float64)
+            import torch
+
+            ref = {k: v.detach().cpu().numpy() for k, v in self._decode(model)[0].items()}
+            clipped = clip_upload({k: v.detach().cpu().numpy() for k, v in upload.items()}, ref, task, metrics)
+            upload = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in clipped.items()}
+        body = encode_update(upload, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
+                             num_samples=result.num_samples)
+        personal_bytes = encode_weights(result.personal_weights) if result.personal_weights is not None else None
+        return LocalUpdate(body, result.num_samples, metrics, personal_bytes)   # θ_c stays on the device
+
+    def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
+                 verify: str | None = None) -> "InferenceBackend":
+        from ..nn.checkpoint import load_verifier, save_verifier
+        from ..nn.dual_verifier import save_dual_verifier
+        from ..runtime.inference import TorchBackend
+        from ..nn.model import FaceNet, ModelConfig, personal_config
+
+        chosen = verifier_model(method, verify)
+        weights, meta = self._decode(model)
+        config = ModelConfig.from_json(meta["model_config"]).resolved()
+        global_net = FaceNet(config)
+        global_net.load_state_dict(weights)
+        personal_backbone = None
+        if chosen in ("personal", "both"):
+            loaded = agent.state.load_weights("personal")
+            if loaded is None:
+                raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
+            personal = FaceNet(personal_config(config))
+            personal.load_state_dict(loaded[0])
+            personal_backbone = personal.backbone
+        head = global_net.uv_head if uses_feduv(method) else None
+        path = agent.state.file("verifier.safetensors")    # what `fedfs verify --model` takes
+        vmeta = {"global_version": int(version), "method": method, "verify": chosen}
+        if chosen == "both":
+            save_dual_verifier(path, personal_backbone, global_net.backbone, head, config, meta=vmeta)
+        else:
+            backbone = personal_backbone if chosen == "personal" else global_net.backbone
+            save_verifier(path, backbone, config, head, meta=vmeta)
+        path.chmod(0o600)
+        verifier, model_id = load_verifier(path)
+        return TorchBackend(verifier, model_id, device=self.device)
+
+
+def _differences(expected: Mapping[str, Any], given: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Keys whose values differ between two JSON objects (numbers compared with a relative tolerance)."""
+    out = []
+    for k in sorted(set(expected) | set(given)):
+        a, b = expected.get(k), given.get(k)
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            out += _differences(a, b, f"{prefix}{k}.")
+        elif isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+            if not math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0):
+                out.append(f"{prefix}{k}: artifact {a!r}, task {b!r}")
+        elif a != b:
+            out.append(f"{prefix}{k}: artifact {a!r}, task {b!r}")
+    return out
+
+
+@dataclass(frozen=True)
+class OrtTrainSettings:
+    """What an :class:`~fedfs_sdk.training.ort_device.OrtDeviceTrainer` is built with for one task."""
+
+    lr: float
+    local_epochs: int
+    batch_size: int
+    seed: int
+    lambda_neg: float
+
+
+def ort_settings_for(task: Mapping[str, Any], info: Mapping[str, Any]) -> OrtTrainSettings:
+    """Check that an ORT training artifact (its ``artifact.json``) can run ``task`` exactly as
+    the torch trainer would, and return the settings; :class:`InputError` names each
+    mismatch (the artifact bakes in the model, ξ, the objective and the head/backbone
+    learning-rate ratio — only ``lr``, epochs, batch size and seed are free)."""
+    method = check_method(str(task["method"]))
+    problems = []
+    given_cfg = task.get("model_config") or {}
+    for k, v in sorted((info.get("model_config") or {}).items()):
+        if v is not None and given_cfg.get(k) is not None and given_cfg.get(k) != v:
+            problems.append(f"model_config.{k}: artifact {v!r}, server {given_cfg.get(k)!r}")
+    if uses_fedfs(method) and info.get("xi_sha256") and task.get("xi_sha256") and info["xi_sha256"] != task["xi_sha256"]:
+        problems.append("ξ: the artifact was exported with another frozen model than the server serves "
+                        f"(sha256 {info['xi_sha256'][:12]}… vs {str(task['xi_sha256'])[:12]}…)")
+    scalars, obj, fedfs = split_train_json(task.get("train"))
+    for k in ("momentum", "weight_decay"):
+        if scalars.get(k):
+            problems.append(f"train.{k}={scalars[k]}: the ORT training artifacts run plain SGD only")
+    lr = float(scalars["lr"]) if scalars.get("lr") is not None else DEFAULT_LR[method]
+    if not lr > 0:
+        problems.append(f"train.lr must be > 0, got {lr}")
+    if uses_feduv(method) and lr > 0:
+        head_lr = float(scalars["head_lr"]) if scalars.get("head_lr") is not None else DEFAULT_HEAD_LR
+        baked = float(info["head_lr"]) / float(info["lr"])
+        if not math.isclose(head_lr / lr, baked, rel_tol=1e-6):
+            problems.append(f"head_lr/lr: the artifact bakes in {baked:g}, the task asks {head_lr / lr:g} "
+                            f"(head_lr {head_lr:g}, lr {lr:g}); export again with these --train settings")
+    # The objective: what the task says, with the defaults filling what it leaves out.
+    defaults = info.get("objective_defaults")
+    if defaults is None:
+        raise CheckpointError("artifact.json lacks objective_defaults (exported by an older fedfs): export again")
+    artifact_obj = info.get("objective") or {}
+    wanted = {**defaults, **obj, "fedfs": {**defaults.get("fedfs", {}), **fedfs}}
+    problems += [f"objective.{d}" for d in _differences(artifact_obj, wanted)]
+    if problems:
+        raise InputError(f"the {method} ORT training artifact cannot run this round as the server asks: "
+                         + "; ".join(problems))
+    return OrtTrainSettings(lr=lr, local_epochs=int(scalars.get("local_epochs") or DEFAULT_EPOCHS[method]),
+                            batch_size=int(scalars.get("batch_size") or DEFAULT_BATCH_SIZE),
+                            seed=int(scalars.get("seed") or 0),
+                            lambda_neg=float(artifact_obj.get("lambda_neg") or 0.0))
+
+
+class OrtRuntime:
+    """Local training and verification from an export folder alone (no torch).
+
+    Args:
+        export_dir: what ``fedfs export --formats onnx,ort-training`` wrote:
+            ``ort-training/<method>/`` (one artifact per method the server may ask for)
+            and ``onnx/verifier.onnx`` (for enrollment).
+        intra_op_threads: ONNX Runtime threads (None = ORT's default).
+    """
+
+    name = "ort"
+
+    def __init__(self, export_dir: str | Path, intra_op_threads: int | None = None) -> None:
+        self.root = Path(export_dir)
+        if not (self.root / "ort-training").is_dir():
+            raise CheckpointError(f"{self.root} is not a fedfs export with ORT training artifacts (no ort-training/); "
+                                  "write one with `fedfs export --formats onnx,ort-training`")
+        self.intra_op_threads = intra_op_threads
+        self._trainers: dict[tuple[str, OrtTrainSettings], Any] = {}
+
+    def check(self, enroll: bool = False) -> int:
+        """Check the export folder before the device registers: every ``ort-training/*``
+        artifact complete and readable (at least one), and ``onnx/verifier.onnx`` when the
+        device will enroll. Returns the model's input size (for preprocessing the images).
+
+        First the folder must be exactly what ``fedfs export`` wrote: every file's sha256 as
+        its ``manifest.json`` lists it, nothing missing or added (a swapped graph or edited
+        metadata would otherwise run, or fail later with a raw ONNX Runtime error)."""
+        from export.manifest import MANIFEST_NAME, verify_manifest
+
+        from ..training.ort_device import TrainingArtifact
+
+        if not (self.root / MANIFEST_NAME).is_file():
+            raise CheckpointError(f"{self.root} has no {MANIFEST_NAME}: not a complete fedfs export; "
+                                  "write one with `fedfs export --formats onnx,ort-training`")
+        try:
+            changed = verify_manifest(self.root)
+        except (ValueError, KeyError, OSError) as e:
+            raise CheckpointError(f"{self.root / MANIFEST_NAME} is unreadable ({e}); export again") from None
+        if changed:
+            raise CheckpointError(f"{self.root} differs from its {MANIFEST_NAME} (changed, missing or extra: "
+                                  f"{', '.join(changed[:5])}{' …' if len(changed) > 5 else ''}); the export was "
+                                  "modified or damaged: export again")
+        arts = [TrainingArtifact.load(p) for p in sorted((self.root / "ort-training").iterdir()) if p.is_dir()]
+        if not arts:
+            raise CheckpointError(f"{self.root / 'ort-training'} holds no ORT training artifact; "
+                                  "write one with `fedfs export --formats onnx,ort-training`")
+        if enroll and not (self.root / "onnx" / "verifier.onnx").is_file():
+            raise CheckpointError(f"{self.root} has no ONNX verifier (onnx/verifier.onnx) to enroll with; "
+                                  "export with --formats onnx,ort-training")
+        return arts[0].input_size
+
+    def _artifact(self, method: str) -> Path:
+        from ..training.ort_device import artifact_subdir
+
+        path = self.root / "ort-training" / artifact_subdir(method)
+        if not path.is_dir():
+            raise CheckpointError(f"the server trains {method!r}, but {self.root} has no ORT training artifact for it "
+                                  f"({path.relative_to(self.root)}); export with --methods {method}")
+        return path
+
+    def train(self, task: Mapping[str, Any], model: bytes, agent: DeviceContext) -> LocalUpdate:
+        from ..training.ort_device import OrtDeviceTrainer, TrainingArtifact, decode_model, encode_update
+
+        method = check_method(str(task["method"]))
+        path = self._artifact(method)
+        settings = ort_settings_for(task, TrainingArtifact.load(path).info)
+        key = (method, settings)
+        if key not in self._trainers:
+            self._trainers = {key: OrtDeviceTrainer(path, lr=settings.lr, local_epochs=settings.local_epochs,
+                                                    batch_size=settings.batch_size,
+                                                    intra_op_threads=self.intra_op_threads)}
+        trainer = self._trainers[key]
+        art = trainer.artifact
+        weights, _ = decode_model(model)
+        codeword = agent.state.codeword(art.code_length) if uses_feduv(method) else None
+        neg = negative_codewords(task, art.code_length) if uses_feduv(method) and settings.lambda_neg > 0 else None
+        personal = agent.state.load_arrays("personal") if uses_fedfs(method) else None
+        up = trainer.train(weights, agent.images_array(art.input_size), personal_weights=personal,
+                           codeword=codeword, neg_codewords=neg, seed=round_seed(settings.seed, int(task["round_id"])))
+        metrics = dict(up.metrics)
+        upload = clip_upload(up.weights, weights, task, metrics)   # DP round: w_c − w clipped to C (float64)
+        body = encode_update(upload, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
+                             num_samples=up.num_samples)
+        personal_bytes = None
+        if up.personal_weights is not None:
+            from safetensors.numpy import save
+
+            personal_bytes = save({k: np.ascontiguousarray(v) for k, v in up.personal_weights.items()})
+        return LocalUpdate(body, up.num_samples, metrics, personal_bytes)   # θ_c stays on the device
+
+    def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
+                 verify: str | None = None) -> "InferenceBackend":
+        from ..runtime.onnx_backend import OnnxBackend, with_weights
+        from ..training.ort_device import decode_model, dual_verifier_weights, verifier_weights
+
+        chosen = verifier_model(method, verify)
+        rel = DUAL_ONNX_FILE if chosen == "both" else "onnx/verifier.onnx"
+        onnx = self.root / rel
+        if not onnx.is_file():
+            raise CheckpointError(f"{self.root} has no ONNX verifier {rel} to enroll with (verify={chosen}); "
+                                  "export with --formats onnx,ort-training"
+                                  + (" --methods fedfs+feduv" if chosen == "both" else ""))
+        weights, _ = decode_model(model)
+        personal = None
+        if chosen in ("personal", "both"):
+            personal = agent.state.load_arrays("personal")
+            if personal is None:
+                raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
+        # The device's own verifier (θ_c's and/or w's backbone + W), kept in the state (0600) like
+        # the torch runtime's verifier.safetensors: what `fedfs verify --model` takes, with no torch.
+        chosen_weights = (dual_verifier_weights(weights, personal) if chosen == "both"
+                          else verifier_weights(weights, personal if chosen == "personal" else None))
+        model_bytes, _ = with_weights(onnx, chosen_weights)
+        path = agent.state.save_file("verifier.onnx", model_bytes)
+        backend = OnnxBackend(path, intra_op_threads=self.intra_op_threads)
+        if uses_feduv(method) and chosen != "both" and "uv" not in backend.outputs:
+            raise CheckpointError(f"{onnx} has no FedUV head output, but the server trains {method!r}")
+        return backend
+
+
+DUAL_ONNX_FILE = "onnx/verifier-dual.onnx"
+"""The ``verify=both`` verifier graph of an export folder (``fedfs+feduv`` artifacts)."""
+
+
+__all__ = ["DeviceRuntime", "LocalUpdate", "TorchRuntime", "OrtRuntime", "DUAL_ONNX_FILE", "verifier_model",
+           "OrtTrainSettings", "ort_settings_for",
+           "negative_codewords", "round_seed", "dp_clip_norm", "clip_upload"]

