@@ -225,17 +225,22 @@ def run_flower(a: argparse.Namespace, env: dict[str, str], tmp: Path) -> dict[st
 
 # ---- main ------------------------------------------------------------------------------
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload every engine runs alike (this script and benchmarks/peer_frameworks.py)."""
     p.add_argument("--method", default="fedfs", choices=["fedfs", "feduv", "fedfs+feduv"])
     p.add_argument("--clients", type=int, default=1000)
     p.add_argument("--participation", type=float, default=0.1)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--images", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=10)
-    p.add_argument("--threads", type=int, default=1, help="torch threads of fedfs's simulator")
     p.add_argument("--backbone", default="tiny", choices=["tiny", "mobilefacenet", "feduv_cnn"])
     p.add_argument("--image-size", type=int, default=None, help="input side (default: 32 tiny, 112 otherwise)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_workload_arguments(p)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of fedfs's simulator")
     p.add_argument("--pretrain-epochs", type=int, default=None,
                    help="ξ pre-training epochs of fedfs simulate (untimed; default: its own)")
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="Ray CPUs = Flower actors (1 thread each)")

@@ -59,7 +59,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer_flower import run_measured  # noqa: E402  (process-tree wall time and peak RSS)
+from peer_flower import add_workload_arguments, run_measured  # noqa: E402  (wall time, peak RSS)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -142,14 +142,7 @@ def model_distance(ref: tuple[str, str], other: tuple[str, str], w0: dict, param
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--method", default="fedfs", choices=["fedfs", "feduv", "fedfs+feduv"])
-    p.add_argument("--clients", type=int, default=1000)
-    p.add_argument("--participation", type=float, default=0.1)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--images", type=int, default=20)
-    p.add_argument("--batch-size", type=int, default=10)
-    p.add_argument("--backbone", default="tiny", choices=["tiny", "mobilefacenet", "feduv_cnn"])
-    p.add_argument("--image-size", type=int, default=None, help="input side (default: 32 tiny, 112 otherwise)")
+    add_workload_arguments(p)
     p.add_argument("--fedfs", nargs="*", default=["1x1", "2x1", "2x1t"],
                    help="fedfs simulate variants PROCESSESxTHREADS: --workers P --threads T; a trailing 't' "
                         "launches the P processes with torchrun (--distributed) instead (empty: none)")
