@@ -104,6 +104,17 @@ def flat(weights: dict[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([np.asarray(weights[k], dtype=np.float64).ravel() for k in sorted(weights)])
 
 
+def started_devices(srv, seed: int) -> tuple[list[Dev], np.random.Generator]:
+    """N registered devices, round 1 open, each holding its round-1 update (and the rng that drew them)."""
+    devs = [Dev(srv.url) for _ in range(N)]
+    wait_open(srv, 1)
+    rng = np.random.default_rng(seed)
+    ref = model(srv, 1)
+    for d in devs:
+        d.start(1, ref, rng)
+    return devs, rng
+
+
 def run_round(srv, devs: list[Dev], rnd: int, rng, drop_after_share: int = 0, drop_after_mask: int = 0,
               on_masked=None) -> dict:
     ref = model(srv, 1)
@@ -181,12 +192,7 @@ def test_masked_vectors_hide_each_update(tmp_path):
     that device's n·w (read from the wire via the device's own masked message)."""
     srv = start_server(tmp_path / "server", *SERVER_ARGS, "--rounds", "1")
     try:
-        devs = [Dev(srv.url) for _ in range(N)]
-        wait_open(srv, 1)
-        rng = np.random.default_rng(1)
-        ref = model(srv, 1)
-        for d in devs:
-            d.start(1, ref, rng)
+        devs, _ = started_devices(srv, seed=1)
         for d in devs:
             d.session.advertise()
         for d in devs:
@@ -346,12 +352,7 @@ def test_garbage_masked_vector_fails_the_round_never_a_wrong_sum(tmp_path):
 
     srv = start_server(tmp_path / "server", *SERVER_ARGS, "--rounds", "1")
     try:
-        devs = [Dev(srv.url) for _ in range(N)]
-        wait_open(srv, 1)
-        ref = model(srv, 1)
-        rng = np.random.default_rng(7)
-        for d in devs:
-            d.start(1, ref, rng)
+        devs, _ = started_devices(srv, seed=7)
         for d in devs:
             d.session.advertise()
         for d in devs:
@@ -382,12 +383,7 @@ def test_sigkill_in_each_phase_resumes_from_saved_state(tmp_path, kill_in):
     steps = [("advertise", lambda d: d.session.advertise()), ("share_keys", lambda d: d.session.share_keys()),
              ("masked", lambda d: d.mask()), ("unmask", lambda d: d.session.unmask())]
     try:
-        devs = [Dev(srv.url) for _ in range(N)]
-        wait_open(srv, 1)
-        rng = np.random.default_rng(4)
-        ref = model(srv, 1)
-        for d in devs:
-            d.start(1, ref, rng)
+        devs, _ = started_devices(srv, seed=4)
         for phase, act in steps:
             for i, d in enumerate(devs):
                 if phase == kill_in and i == 3:
@@ -409,12 +405,8 @@ def test_unreadable_saved_state_fails_the_round_cleanly(tmp_path):
     srv = start_server(state, *args)
     port = int(srv.url.rsplit(":", 1)[1])
     try:
-        devs = [Dev(srv.url) for _ in range(N)]
-        wait_open(srv, 1)
-        rng = np.random.default_rng(5)
-        ref = model(srv, 1)
+        devs, rng = started_devices(srv, seed=5)
         for d in devs:
-            d.start(1, ref, rng)
             d.session.advertise()
         srv.kill()
         (state / "secagg" / "r000001.json").write_bytes(b'{"format": "fedfs-secagg-round/1", "round_id": 1}')
