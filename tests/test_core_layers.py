@@ -6,13 +6,22 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call, vmap
 
-from fedfs_sdk.nn.backbones import GroupNormP, PReLUP, get_backbone
+from fedfs_sdk.nn.backbones import GroupNormP, PReLUP, get_backbone, layers
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.nn.model import FaceNet, ModelConfig
 from fedfs_sdk.nn.profile import profile_model
 
 
-def test_groupnorm_p_equals_torch_group_norm() -> None:
+def forward(layer: torch.nn.Module, x: torch.Tensor, path: str) -> torch.Tensor:
+    """``layer(x)`` eagerly (native kernels) or through a traced graph (the primitives every
+    runtime differentiates, as in the ONNX / ORT training / Core ML exports)."""
+    if path == "eager":
+        return layer(x)
+    return torch.jit.trace(layer, (x,), check_trace=False)(x)
+
+
+@pytest.mark.parametrize("path", ["eager", "traced"])
+def test_groupnorm_p_equals_torch_group_norm(path: str) -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 8, 5, 5, generator=g)
     layer = GroupNormP(4, 8)
@@ -20,27 +29,44 @@ def test_groupnorm_p_equals_torch_group_norm() -> None:
         layer.weight.copy_(torch.randn(8, generator=g))
         layer.bias.copy_(torch.randn(8, generator=g))
     ref = F.group_norm(x, 4, layer.weight, layer.bias, eps=layer.eps)
-    assert torch.allclose(layer(x), ref, atol=1e-5)
+    assert torch.allclose(forward(layer, x, path), ref, atol=1e-5)
 
 
-def test_groupnorm_p_is_per_sample() -> None:
+@pytest.mark.parametrize("path", ["eager", "traced"])
+def test_groupnorm_p_is_per_sample(path: str) -> None:
     """A sample's output does not depend on the rest of the batch (unlike BatchNorm)."""
     x = torch.randn(4, 8, 3, 3)
     layer = GroupNormP(2, 8)
-    assert torch.allclose(layer(x)[:1], layer(x[:1]), atol=1e-6)
+    assert torch.allclose(forward(layer, x, path)[:1], forward(layer, x[:1], path), atol=1e-6)
 
 
-def test_prelu_p_equals_torch_prelu() -> None:
+@pytest.mark.parametrize("path", ["eager", "traced"])
+def test_prelu_p_equals_torch_prelu(path: str) -> None:
     x = torch.randn(2, 6, 4, 4)
     layer = PReLUP(6, init=0.1)
     with torch.no_grad():
         layer.weight.copy_(torch.linspace(-0.5, 0.5, 6))
-    assert torch.allclose(layer(x), F.prelu(x, layer.weight))
+    assert torch.allclose(forward(layer, x, path), F.prelu(x, layer.weight), atol=1e-6)
 
 
+@pytest.mark.parametrize(("layer", "native"), [(GroupNormP(2, 4), "group_norm"), (PReLUP(4), "prelu")])
+def test_traced_graphs_hold_primitives_and_eager_uses_the_native_kernel(layer: torch.nn.Module, native: str) -> None:
+    """Traced (what every export sees): no native op, which ORT training could not differentiate.
+    Eager: the native op (the fast path of device training and the simulator)."""
+    x = torch.randn(2, 4, 3, 3)
+    assert f"aten::{native}" not in str(torch.jit.trace(layer, (x,), check_trace=False).graph)
+    with torch.autograd.profiler.profile() as prof:
+        layer(x)
+    assert any(native in e.name for e in prof.function_events), [e.name for e in prof.function_events]
+
+
+@pytest.mark.parametrize("path", ["native", "primitives"])
 @pytest.mark.parametrize("layer", [GroupNormP(2, 4), PReLUP(4)])
-def test_custom_layers_gradcheck(layer: torch.nn.Module) -> None:
-    """autograd vs central finite differences, inputs and parameters (float64)."""
+def test_custom_layers_gradcheck(layer: torch.nn.Module, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """autograd vs central finite differences, inputs and parameters (float64), through the
+    native kernels and through the primitives a traced graph holds (what ORT differentiates)."""
+    if path == "primitives":
+        monkeypatch.setattr(layers, "tracing", lambda: True)
     layer = layer.double()
     x = torch.randn(2, 4, 3, 3, dtype=torch.float64, requires_grad=True)
     params = tuple(p for p in layer.parameters())

@@ -11,13 +11,26 @@ Why not ``nn.GroupNorm`` / ``nn.PReLU`` / ``nn.BatchNorm2d``:
 :class:`GroupNormP` normalizes each sample by itself (mean/variance over channel groups),
 so it behaves identically in torch training and eval, under vmap and in ORT on-device
 training, and exports to ReduceMean/Sub/Mul/Sqrt/Div which ORT can differentiate.
+
+The primitives are for traced graphs only (:func:`tracing`). Eager torch — the device's
+trainer, the simulator's executors — calls the native ``F.group_norm`` / ``F.prelu``: the same
+functions up to float rounding, and a MobileFaceNet training step 1.7× faster at one thread
+(0.83/0.72/0.78 s → 0.42/0.45/0.44 s, batch 10, interleaved).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+
+def tracing() -> bool:
+    """True while a graph is being traced for a runtime (ONNX / ORT training export, Core ML's
+    ``torch.jit.trace``): the layers below then emit the primitives every target differentiates
+    and runs in any precision; eager torch uses the native kernels."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()
 
 
 class GroupNormP(nn.Module):
@@ -38,6 +51,10 @@ class GroupNormP(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not tracing():
+            # eager torch (device training, the simulator, vmap): the native kernel — 1.7× faster
+            # for a MobileFaceNet training step at 1 thread, equal up to float rounding (tested)
+            return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
         n = x.shape[0]
         g = x.reshape(n, self.num_groups, -1)
         mean = g.mean(dim=-1, keepdim=True)
@@ -90,6 +107,8 @@ class PReLUP(nn.Module):
         self.weight = nn.Parameter(torch.full((num_channels,), float(init)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not tracing():
+            return F.prelu(x, self.weight)        # eager: the native kernel, same function
         shape = (1, -1) + (1,) * (x.dim() - 2)
         a = self.weight.reshape(shape)
         return torch.relu(x) - a * torch.relu(-x)
@@ -108,7 +127,7 @@ def l2_normalize(x: torch.Tensor, dim: int = -1, eps: float = 1e-12) -> torch.Te
       whatever precision a runtime later picks): :func:`l2_normalize_scaled`, equal in exact
       arithmetic and overflow-proof in any precision.
     """
-    if x.dtype in (torch.float32, torch.float64) and not (torch.jit.is_tracing() or torch.onnx.is_in_onnx_export()):
+    if x.dtype in (torch.float32, torch.float64) and not tracing():
         return x / torch.sqrt((x * x).sum(dim=dim, keepdim=True) + eps)
     return l2_normalize_scaled(x, dim, eps)
 
