@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fedfs_sdk.nn.checkpoint import atomic_write_bytes
+from fedfs_sdk.fileio import atomic_write_bytes
 from fedfs_sdk.errors import InputError
 
 from . import cli_distributed, distributed, dp_sim

@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from fedfs_sdk.nn.checkpoint import atomic_write_bytes
+from fedfs_sdk.fileio import atomic_write_bytes
 from fedfs_sdk.runtime.enrollment import min_warmup_images
 
 from .metrics import paired_delta

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
+
 from fedfs_sdk.errors import InputError
 
 OPSET = 17
@@ -138,3 +140,18 @@ def captured_native_stderr() -> Iterator[list[str]]:
             os.close(saved)
             tmp.seek(0)
             sink.append(tmp.read().decode("utf-8", "replace"))
+
+
+def synthetic_faces(input_size: int, identities: int, per_identity: int, seed: int,
+                    first_identity: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``per_identity`` SynthFaces images of each of ``identities`` identities from
+    ``first_identity`` on: float32 ``[N,3,S,S]`` in the input contract (``(x − 127.5)/127.5``)
+    and their identity labels — the stand-in faces of the export checks (int8 calibration and
+    evaluation, Core ML numerics) when the user gives no folder."""
+    try:
+        from device_sim.synthfaces import SynthFaces
+    except ImportError as e:  # pragma: no cover - device_sim ships with the repo
+        raise InputError("no images given and device_sim.synthfaces is unavailable; pass a folder of faces") from e
+    ids = np.repeat(np.arange(first_identity, first_identity + identities), per_identity)
+    imgs = SynthFaces(seed=seed, image_size=input_size).render(ids, np.tile(np.arange(per_identity), identities))
+    return imgs.numpy().astype(np.float32), ids

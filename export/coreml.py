@@ -42,7 +42,7 @@ import torch
 
 from fedfs_sdk.errors import InputError
 
-from .common import ExportError
+from .common import ExportError, synthetic_faces
 from .onnx_inference import OUTPUT_EMBEDDING, OUTPUT_UV, verifier_outputs
 from .score_bounds import GUARANTEE, score_change_bound
 
@@ -139,11 +139,8 @@ def export_coreml(verifier: torch.nn.Module, path: str | os.PathLike[str], *, pr
 def synthetic_check_pixels(input_size: int, identities: int = 8, per_identity: int = 2,
                            seed: int = 20_240_617) -> np.ndarray:
     """SynthFaces RGB pixel values ``[N, 3, S, S]`` (0–255) for the numerics check."""
-    from device_sim.synthfaces import SynthFaces
-
-    faces = SynthFaces(seed=seed, image_size=input_size)
-    x = faces.render(np.repeat(np.arange(identities), per_identity), np.tile(np.arange(per_identity), identities))
-    return (x.numpy().astype(np.float32) * 127.5 + 127.5).astype(np.float32)
+    x, _ = synthetic_faces(input_size, identities, per_identity, seed)
+    return (x * 127.5 + 127.5).astype(np.float32)
 
 
 def check_coreml_numerics(path: str | os.PathLike[str], verifier: torch.nn.Module,

@@ -34,7 +34,7 @@ import onnx
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.runtime.onnx_backend import int8_model_id
 
-from .common import ExportError
+from .common import ExportError, synthetic_faces
 from .onnx_inference import OUTPUT_EMBEDDING, read_metadata, set_metadata
 from .score_bounds import GUARANTEE, decision_flip_rate, score_change_bounds
 
@@ -64,14 +64,7 @@ def synthetic_calibration(input_size: int, identities: int = 16, per_identity: i
     """Calibration faces from SynthFaces (float32 ``[N,3,S,S]``, the input contract).
 
     For a deployed model prefer real aligned faces (``--calibration DIR``)."""
-    try:
-        from device_sim.synthfaces import SynthFaces
-    except ImportError as e:  # pragma: no cover - device_sim ships with the repo
-        raise InputError("no calibration images given and device_sim.synthfaces is unavailable; "
-                         "pass --calibration DIR") from e
-    faces = SynthFaces(seed=seed, image_size=input_size)
-    ids = np.repeat(np.arange(identities), per_identity)
-    return faces.render(ids, np.tile(np.arange(per_identity), identities)).numpy().astype(np.float32)
+    return synthetic_faces(input_size, identities, per_identity, seed)[0]
 
 
 def folder_calibration(folder: str | os.PathLike[str], input_size: int, limit: int = 256) -> np.ndarray:
@@ -214,9 +207,4 @@ def compare_int8(fp32_path: str | os.PathLike[str], int8_path: str | os.PathLike
 def synthetic_eval_set(input_size: int, identities: int = 40, per_identity: int = 6,
                        seed: int = 7) -> tuple[np.ndarray, np.ndarray]:
     """A SynthFaces verification set (identities disjoint from the calibration set's)."""
-    from device_sim.synthfaces import SynthFaces
-
-    faces = SynthFaces(seed=seed, image_size=input_size)
-    ids = np.repeat(np.arange(10_000, 10_000 + identities), per_identity)
-    imgs = faces.render(ids, np.tile(np.arange(per_identity), identities)).numpy().astype(np.float32)
-    return imgs, ids
+    return synthetic_faces(input_size, identities, per_identity, seed, first_identity=10_000)

@@ -9,14 +9,14 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
-from ..fileio import atomic_write_bytes, fsync_directory, fsync_file  # noqa: F401  (atomic_write_bytes re-exported)
+from ..fileio import fsync_directory, fsync_file
 from .model import FaceNet, ModelConfig
 
 FORMAT = "fedfs-checkpoint/1"
@@ -58,9 +58,7 @@ def read_safetensors(path: str | os.PathLike[str], fmt: str,
         tensors = load_file(str(p))
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"not a readable {what}: {p} ({e})") from e
-    if header.get("format") != fmt:
-        raise CheckpointError(f"{p} is not a {what} (format={header.get('format')!r})"
-                              + simulation_hint(header.get("format"), fmt))
+    check_format(header, fmt, what, p)
     return tensors, header
 
 
@@ -68,12 +66,16 @@ SIMULATION_FORMAT = "fedfs-federation/1"
 """A ``fedfs simulate`` checkpoint (``device_sim.federation``): the whole federation, not one model."""
 
 
-def simulation_hint(found: str | None, wanted: str) -> str:
-    """What to do with a simulation checkpoint given where one model was expected."""
-    if found != SIMULATION_FORMAT or wanted == SIMULATION_FORMAT:
-        return ""
-    return ("; it is a `fedfs simulate` checkpoint (the whole federation): `fedfs export --checkpoint` and "
+def check_format(header: Mapping[str, Any], wanted: str, what: str, name: Any) -> None:
+    """:class:`CheckpointError` unless ``header`` is of format ``wanted``; a simulation checkpoint
+    where one model was expected says what takes it."""
+    found = header.get("format")
+    if found == wanted:
+        return
+    hint = ("" if found != SIMULATION_FORMAT else
+            "; it is a `fedfs simulate` checkpoint (the whole federation): `fedfs export --checkpoint` and "
             "`fedfs enroll --model` take it — its global model, or `--client N` for a client's verifier")
+    raise CheckpointError(f"{name} is not a {what} (format={found!r}){hint}")
 
 
 def save_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module, config: ModelConfig,
@@ -140,9 +142,7 @@ def checkpoint_from_bytes(data: bytes, name: str | os.PathLike[str] = "<bytes>")
         state = load_bytes(bytes(data))
     except (InputError, SafetensorError, ValueError) as e:
         raise CheckpointError(f"not a readable fedfs checkpoint: {name} ({e})") from e
-    if header.get("format") != FORMAT:
-        raise CheckpointError(f"{name} is not a fedfs checkpoint (format={header.get('format')!r})"
-                              + simulation_hint(header.get("format"), FORMAT))
+    check_format(header, FORMAT, "fedfs checkpoint", name)
     config, meta = _config_and_meta(header, name)
     try:
         model = FaceNet(config)

@@ -75,11 +75,21 @@ def flatten_update(body: bytes, layout_sha256: str | None = None) -> tuple[np.nd
     from ..wire_format import parse_update_metadata, read_header
 
     meta = parse_update_metadata(read_header(body)[1])
-    arrays = load(body)
-    if layout_sha256 is not None and layout_digest({k: a.shape for k, a in arrays.items()}) != layout_sha256:
-        raise InputError("the trained update's tensors differ from the round's model layout (layout_sha256)")
-    vec = np.concatenate([np.asarray(arrays[k], dtype=np.float64).ravel() for k in sorted(arrays)])
+    vec, _ = flatten_arrays(load(body), layout_sha256, "the trained update")
     return vec, meta.num_samples
+
+
+def flatten_arrays(arrays: Mapping[str, np.ndarray], layout_sha256: str | None,
+                   what: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(one float64 vector, which of its entries are floating)`` of ``arrays``, tensors sorted
+    by name — the secure layout both sides share; with ``layout_sha256`` it must be the round's."""
+    if layout_sha256 is not None and layout_digest({k: a.shape for k, a in arrays.items()}) != layout_sha256:
+        raise InputError(f"{what}'s tensors differ from the round's model layout (layout_sha256)")
+    keys = sorted(arrays)
+    vec = np.concatenate([np.asarray(arrays[k], dtype=np.float64).ravel() for k in keys])
+    floating = np.concatenate([np.full(np.asarray(arrays[k]).size, np.issubdtype(np.asarray(arrays[k]).dtype,
+                                                                                   np.floating)) for k in keys])
+    return vec, floating
 
 
 def dp_of_task(task: Mapping[str, Any]) -> Any:
@@ -119,16 +129,9 @@ def dp_input(w: np.ndarray, n: int, reference: bytes, dp: Any, layout_sha256: st
 
     from ..dp import clip_delta
 
-    ref = load(reference)
-    if layout_sha256 is not None and layout_digest({k: a.shape for k, a in ref.items()}) != layout_sha256:
-        raise InputError("the reference model's tensors differ from the round's model layout (layout_sha256)")
-    keys = sorted(ref)
-    sizes = [int(np.asarray(ref[k]).size) for k in keys]
-    if sum(sizes) != w.size:
-        raise InputError(f"the global model has {sum(sizes)} values, the update {w.size}")
-    flat_ref = np.concatenate([np.asarray(ref[k], dtype=np.float64).ravel() for k in keys])
-    floating = np.concatenate([np.full(s, np.issubdtype(np.asarray(ref[k]).dtype, np.floating))
-                               for k, s in zip(keys, sizes)])
+    flat_ref, floating = flatten_arrays(load(reference), layout_sha256, "the reference model")
+    if flat_ref.size != w.size:
+        raise InputError(f"the global model has {flat_ref.size} values, the update {w.size}")
     delta = np.where(floating, np.asarray(w, dtype=np.float64) - flat_ref, 0.0)
     clipped, _, _ = clip_delta(delta, dp.clip)
     weight = min(int(n), int(dp.weight_cap))
