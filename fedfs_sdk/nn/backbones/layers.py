@@ -15,7 +15,7 @@ training, and exports to ReduceMean/Sub/Mul/Sqrt/Div which ORT can differentiate
 The primitives are for traced graphs only (:func:`tracing`). Eager torch — the device's
 trainer, the simulator's executors — calls the native ``F.group_norm`` / ``F.prelu``: the same
 functions up to float rounding, and a MobileFaceNet training step 1.7× faster at one thread
-(0.83/0.72/0.78 s → 0.42/0.45/0.44 s, batch 10, interleaved).
+(``benchmarks/norm_kernels.py``; figures in docs/simulation.md).
 """
 from __future__ import annotations
 
