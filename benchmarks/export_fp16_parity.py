@@ -10,8 +10,9 @@ other identities (SynthFaces). Backends: torch fp32 (reference), Core ML fp16 (t
 ``.mlpackage`` run by ``export.coreml_reference``), ONNX fp32 and ONNX int8 (ONNX Runtime),
 and the pre-fix σ formula in Core ML fp16 — which ``export_coreml`` refuses (shown).
 
-The backbone is random-init (no face model can be downloaded; a CPU pretrain of MobileFaceNet
-is out of scope here). So that scores separate as after FedUV training, ``W`` is fitted by
+The backbone is random-init unless ``--backbone-checkpoint`` names a trained one (no face
+model can be downloaded here; ``fedfs pretrain`` trains MobileFaceNet on SynthFaces in ~10 min
+on one core, docs/export.md). So that scores separate as after FedUV training, ``W`` is fitted by
 ridge regression to FedUV's targets on the frozen embeddings — the owner's training images →
 the owner's codeword ``v``, ``--train-identities`` other identities → their own random
 codewords (FedUV's ℓ_pos/ℓ_neg pull ``σ(W g)`` to ``v``) — on images disjoint from the
@@ -40,6 +41,7 @@ from export.coreml_reference import CoreMLReference
 from export.onnx_inference import export_onnx
 from export.parity import decide, disagreements
 from export.quantize import Int8NumericsError, quantize_int8, synthetic_calibration
+from fedfs_sdk.nn.checkpoint import load_checkpoint
 from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
 from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
@@ -58,9 +60,21 @@ def main() -> None:
     ap.add_argument("--head-norm2", type=float, default=1e6, help="minimum ‖W g‖² over all images")
     ap.add_argument("--train-identities", type=int, default=60)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backbone-checkpoint", metavar="XI.safetensors",
+                    help="a trained backbone (e.g. `fedfs pretrain --backbone mobilefacenet --image-size 112 "
+                         "--out XI.safetensors`, SynthFaces universe 0 — disjoint from the images here, universe "
+                         "seed+1); default: random init")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     m = FaceNet(ModelConfig(args.backbone, code_length=args.code_length)).eval()
+    source = "random-init backbone"
+    if args.backbone_checkpoint:
+        xi = load_checkpoint(args.backbone_checkpoint)[0]
+        if xi.config.backbone != args.backbone or xi.input_size != m.input_size:
+            raise SystemExit(f"{args.backbone_checkpoint} holds {xi.config.backbone}@{xi.input_size}, "
+                             f"not {args.backbone}@{m.input_size}")
+        m.backbone.load_state_dict(xi.backbone.state_dict())
+        source = f"backbone {Path(args.backbone_checkpoint).name}"
     s = m.input_size
     faces = SynthFaces(seed=args.seed + 1, image_size=s)
     n_own = args.warmup + args.genuine
@@ -83,7 +97,7 @@ def main() -> None:
         m.uv_head.weight.mul_(float((args.head_norm2 / (wg * wg).sum(1).min()).sqrt()))
         wg = m.backbone(x) @ m.uv_head.weight.t()
     n2 = (wg * wg).sum(1)
-    print(f"{args.backbone} fedfs+feduv verifier, c={args.code_length}, {s}x{s}: ‖W g‖² min {float(n2.min()):.3g}, "
+    print(f"{args.backbone} fedfs+feduv verifier ({source}), c={args.code_length}, {s}x{s}: ‖W g‖² min {float(n2.min()):.3g}, "
           f"median {float(n2.median()):.3g} (fp16 max 65504); {args.warmup} warm-up + {args.genuine} genuine "
           f"+ {args.impostors} impostor images ({args.impostors // 2 + args.impostors % 2} identities)")
     verifier = VerifierNet(m.backbone, m.uv_head).eval()

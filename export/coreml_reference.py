@@ -142,6 +142,22 @@ def _cast(a: dict[str, Any]) -> Any:
     return _raw(a["x"]).to(dtypes[str(a["dtype"])])
 
 
+def _batch_norm(a: dict[str, Any]) -> Any:
+    """MIL ``batch_norm`` (channel axis 1): ``(x − mean)/sqrt(variance + ε)·γ + β``.
+
+    coremltools' ``fuse_elementwise_to_batchnorm`` pass turns the per-channel ``mul`` + ``add``
+    of a trained group norm's affine into this op (an untrained one, γ = 1 and β = 0, is
+    removed as identity instead), so every trained model's program has ~50 of them."""
+    x = _t(a["x"])
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    y = (x - _t(a["mean"]).reshape(shape)) / (_t(a["variance"]).reshape(shape) + _eps(a, 1e-5)).sqrt()
+    if a.get("gamma") is not None:
+        y = y * _t(a["gamma"]).reshape(shape)
+    if a.get("beta") is not None:
+        y = y + _t(a["beta"]).reshape(shape)
+    return y
+
+
 def _eps(a: dict[str, Any], default: float) -> float:
     return float(a["epsilon"]) if a.get("epsilon") is not None else default
 
@@ -172,6 +188,7 @@ OPS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "linear": _linear,
     "matmul": _matmul,
     "avg_pool": _avg_pool,
+    "batch_norm": _batch_norm,
     "reshape": _reshape,
     "transpose": lambda a: _raw(a["x"]).permute(_ints(a["perm"])),
     "squeeze": lambda a: (_raw(a["x"]).squeeze() if a.get("axes") is None

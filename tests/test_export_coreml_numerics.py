@@ -18,6 +18,7 @@ import fedfs_sdk.nn.model as model_mod
 from export.coreml import CoreMLNumericsError, check_coreml_numerics, export_coreml, validate_coreml
 from export.coreml_reference import CoreMLReference
 from export.parity import decide, disagreements, owner_codeword
+from fedfs_sdk.nn.backbones.layers import GroupNormP, PReLUP
 from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
 
 from conftest_export import faces
@@ -30,12 +31,28 @@ def _old_l2_normalize(x: torch.Tensor, dim: int = -1, eps: float = 1e-12) -> tor
     return x / torch.sqrt((x * x).sum(dim=dim, keepdim=True) + eps)
 
 
+def trained_like_norms(model: torch.nn.Module) -> int:
+    """Give every norm a trained model's affine (γ ≠ 1, β ≠ 0) and every PReLU its own slopes:
+    with the init values (γ = 1, β = 0) coremltools drops the affine as identity, and a
+    trained model's program (MIL ``batch_norm`` ops) would go untested."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, GroupNormP):
+            mod.weight.uniform_(0.5, 1.5)
+            mod.bias.normal_(0.0, 0.2)
+            n += 1
+        elif isinstance(mod, PReLUP):
+            mod.weight.uniform_(0.05, 0.4)
+    return n
+
+
 @functools.lru_cache(maxsize=None)
 def huge_head_verifier() -> VerifierNet:
     torch.manual_seed(5)
     m = FaceNet(ModelConfig("tiny", proj_dim=32, code_length=C)).eval()
     x, _ = data()
     with torch.no_grad():
+        trained_like_norms(m)
         wg = m.backbone(torch.from_numpy(x)) @ m.uv_head.weight.t()
         m.uv_head.weight.mul_(float((4e6 / (wg * wg).sum(1).min()).sqrt()))   # every image ≥ 4e6
     return VerifierNet(m.backbone, m.uv_head).eval()
@@ -123,6 +140,19 @@ def test_reference_of_the_fp32_program_equals_torch(tmpdir_module: str) -> None:
     assert np.abs(got["uv"] - uv.numpy()).max() < 1e-4
     one = ref.run(pixels(x[2:3]))                   # a batch evaluates like single images
     assert np.abs(one["uv"] - got["uv"][2:3]).max() < 1e-5
+
+
+def test_trained_norms_convert_to_batch_norm_ops_the_reference_runs(tmpdir_module: str) -> None:
+    """A trained model's norm affine becomes MIL ``batch_norm`` (coremltools fuses the
+    per-channel mul + add); the reference ran none before, so every trained model's Core ML
+    export failed its own numerics check. Numerics: test_reference_of_the_fp32_program_equals_torch."""
+    import coremltools as ct
+
+    spec = ct.utils.load_spec(exported("fp16", tmpdir_module))
+    ops = [op.type for f in spec.mlProgram.functions.values()
+           for blk in f.block_specializations.values() for op in blk.operations]
+    norms = sum(isinstance(m, GroupNormP) for m in huge_head_verifier().modules())
+    assert norms > 0 and ops.count("batch_norm") >= norms - 1
 
 
 def test_reference_stores_in_the_programs_precision(tmpdir_module: str) -> None:
