@@ -4,6 +4,8 @@ Both run the same command body on every rank inside one torch.distributed proces
 (:mod:`device_sim.distributed`); rank 0 prints, evaluates and writes ``--out``, the other
 ranks train their share of each round and stay silent. Each rank uses
 ``cores // processes-on-this-machine`` torch threads unless ``--threads`` is given.
+``--rank-split`` picks how a round's participants are given to ranks
+(:mod:`device_sim.rank_split`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from fedfs_sdk.errors import FedFSError, InputError
 from . import distributed
 from .federation import check_distributable
 from .methods import parse_method
+from .rank_split import SPLITS
 
 Body = Callable[[argparse.Namespace], int]
 
@@ -29,6 +32,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="train with N local processes (the --distributed mechanism on 127.0.0.1), each with "
                         "cores/N torch threads (unless --threads); default 1: 2 workers were not faster than 1 "
                         "on a busy shared 2-core CPU (docs/simulation.md)")
+    p.add_argument("--rank-split", choices=SPLITS, default="balanced",
+                   help="with --distributed / --workers: 'balanced' (default) gives each round's participants "
+                        "to ranks so their training images are balanced, borrowing a client's private weights "
+                        "from its home rank (client mod ranks) for the round; 'home' trains every client on "
+                        "its home rank (uneven splits: the round waits for the busiest rank)")
 
 
 def run_distributed(args: argparse.Namespace, body: Body) -> int:
@@ -69,6 +77,7 @@ def _worker(args: argparse.Namespace, body: Body) -> None:
 
 
 def _rank_main(args: argparse.Namespace, body: Body) -> int:
+    distributed.set_rank_split(getattr(args, "rank_split", "balanced"))
     ctx = distributed.init_from_env(args.device)
     if args.threads is None:
         args.threads = distributed.threads_per_worker(ctx.local_world_size)

@@ -164,19 +164,35 @@ class ClientStore:
         return np.flatnonzero(self.rows >= 0)
 
     def get(self, ids: Sequence[int] | np.ndarray, device: str | torch.device = "cpu",
-            fresh_flat: torch.Tensor | None = None) -> Params:
+            fresh_flat: torch.Tensor | None = None,
+            borrowed: Mapping[int, torch.Tensor | None] | None = None) -> Params:
         """Stacked float32 weights ``{group: {name: [K, ...]}}`` of ``ids`` on ``device``.
 
         Clients without a row (never trained) get ``fresh_flat`` — the private weights a
         client starts from on its first participation (flattened by :meth:`flatten_one`),
         e.g. derived from the current global model as a device does — or ``θ_0`` (the
         template) without it. It is one model shared by every such client: no row or memory
-        per client."""
+        per client.
+
+        ``borrowed``: clients this store does not hold (a distributed trainer rank borrowing
+        them from their home rank's shard), each with its row as :meth:`export_rows` gave it
+        (decoded exactly as this store decodes its own rows), or None for a client that has
+        no row anywhere (it gets ``fresh_flat``). They take precedence over this store's rows."""
         a = self._check_ids(ids)
         dev = torch.device(device)
         base = self._template if fresh_flat is None else fresh_flat
         flat = base.to(dev).unsqueeze(0).repeat(len(a), 1)
-        rows = self.rows[a]
+        rows = self.rows[a].copy()
+        lent: list[int] = []
+        if borrowed:
+            for i, c in enumerate(a.tolist()):
+                if c in borrowed:
+                    rows[i] = -1                    # never this store's (possibly stale) row
+                    if borrowed[c] is not None:
+                        lent.append(i)
+        if lent:
+            raw = torch.stack([borrowed[int(a[i])] for i in lent])  # type: ignore[index, misc]
+            flat[torch.tensor(lent, device=dev)] = self.decode_rows(raw, dev)
         have = np.flatnonzero(rows >= 0)
         if have.size:
             r = torch.from_numpy(rows[have]).to(self._data.device)
@@ -190,6 +206,21 @@ class ClientStore:
             pos = torch.from_numpy(have).to(dev)
             flat[pos] = stored + self._template.to(dev).unsqueeze(0) if self.encoding == "delta" else stored
         return self._unflatten(flat)
+
+    def decode_rows(self, raw: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Flat float32 ``[K, P]`` weights of rows kept as stored (:meth:`export_rows`,
+        :meth:`encode_rows`): the same operations :meth:`get` applies to its own rows."""
+        stored = raw.to(torch.device(device)).float()
+        return stored + self._template.to(stored.device).unsqueeze(0) if self.encoding == "delta" else stored
+
+    def encode_rows(self, stacked: Mapping[str, Mapping[str, torch.Tensor]], k: int) -> torch.Tensor:
+        """``[K, ...]`` weights as the rows :meth:`put` would store (storage dtype and
+        encoding, on the CPU) without storing them: what a distributed trainer rank sends
+        back to a borrowed client's home rank, which :meth:`import_rows` them bit for bit."""
+        return self._encode(self._flatten(stacked, k)).to("cpu", DTYPES[self.dtype]).contiguous()
+
+    def _encode(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat - self._template.to(flat.device).unsqueeze(0) if self.encoding == "delta" else flat
 
     def get_one(self, client: int, device: str | torch.device = "cpu") -> Params | None:
         """One client's weights, or None if it never trained."""
@@ -209,8 +240,7 @@ class ClientStore:
             self._ensure_capacity(self.used + new.size)
             self.rows[new] = np.arange(self.used, self.used + new.size)
             self.used += int(new.size)
-        if self.encoding == "delta":
-            flat = flat - self._template.to(flat.device).unsqueeze(0)
+        flat = self._encode(flat)
         r = torch.from_numpy(self.rows[a]).to(self._data.device)
         self._data[r] = flat.to(self._data.device, DTYPES[self.dtype])
 

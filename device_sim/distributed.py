@@ -6,9 +6,26 @@ distributed simulation, DESIGN.md "Codebases worth learning from"):
 
 * every rank holds the same global model, samples the same participants (the sampler is
   seeded, not rank-local) and configures the round identically;
-* rank ``r`` trains the participants it *owns* — client ``c`` belongs to rank ``c mod W``
-  for the whole run, so its private weights ``θ_c`` stay in that rank's client-store shard
-  and never move between rounds — with the existing executors;
+* client ``c``'s *home* rank is ``c mod W`` for the whole run: its private weights ``θ_c``
+  are kept in that rank's client-store shard (checkpoints, ``collect_private`` and the
+  ``.rank<r>`` disk shards rely on it);
+* every rank computes the same assignment of the round's participants to *trainer* ranks
+  (:func:`device_sim.rank_split.assign_participants`: ``--rank-split balanced``, the
+  default, balances the clients' training images across ranks, moving a client off its
+  home rank only when that narrows the gap between the busiest and the idlest rank;
+  ``--rank-split home`` trains every client on its home rank, the first design, whose
+  uneven splits made a round wait for the slowest rank);
+* a client trained off its home rank *borrows* ``θ_c``: before training, each home rank
+  sends the stored rows of its clients trained elsewhere (those with a row; every rank
+  knows which clients have one, so the trainer gives the others the fresh weights as its
+  own clients) to their trainers, point to point (:func:`exchange_rows`: ``batch_isend_irecv``
+  of pre-allocated buffers, the rows' bytes in the store's dtype and encoding); after
+  training, the trainer encodes the updated rows as the home store would
+  (:meth:`~device_sim.client_store.ClientStore.encode_rows`) and sends them back, and the
+  home rank stores them. Borrowed rows live only in a per-round buffer of the trainer,
+  never in its store shard, so each rank's memory stays O(its home clients). Per-client
+  constants (FedUV codewords) are regenerated from ``(seed, client)`` on any rank; a
+  method whose server reads per-client uploads (``method.receive``) is refused;
 * each rank folds its chunks into float64 sums ``Σ n_c·w_c`` and ``Σ n_c`` and the ranks
   combine them with **one all-reduce** per round (:class:`DistributedFedAvg`), so every
   rank ends the round with the same FedAvg (FedFS Eq. 1) result;
@@ -47,9 +64,10 @@ Weights = dict[str, torch.Tensor]
 TIMEOUT = datetime.timedelta(hours=6)
 """Collective timeout: rank 0 pre-trains ξ and evaluates while the others wait."""
 
-_objects: dict[str, Any] = {"group": None}
-"""With NCCL, a gloo group for the object collectives (ξ, metric sums, store shards), so
-pickled host data is not staged through GPU memory; None with gloo (the default group)."""
+_objects: dict[str, Any] = {"group": None, "rank_split": "balanced"}
+"""``group``: with NCCL, a gloo group for the object collectives (ξ, metric sums, store
+shards), so pickled host data is not staged through GPU memory; None with gloo (the default
+group). ``rank_split``: this process's ``--rank-split`` (:func:`set_rank_split`)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,8 @@ class DistContext:
     local_rank: int
     local_world_size: int
     backend: str
+    rank_split: str = "balanced"
+    """How a round's participants are given to trainer ranks (:mod:`device_sim.rank_split`)."""
 
     @property
     def is_main(self) -> bool:
@@ -72,7 +92,8 @@ class DistContext:
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     def owned(self, clients: np.ndarray) -> np.ndarray:
-        """The clients of ``clients`` this rank trains and stores (``c mod W == rank``)."""
+        """The clients of ``clients`` whose ``θ_c`` this rank stores: its home clients
+        (``c mod W == rank``)."""
         clients = np.asarray(clients)
         return clients[clients % self.world_size == self.rank]
 
@@ -96,7 +117,18 @@ def current() -> DistContext | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return DistContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())),
-                       int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), dist.get_backend())
+                       int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), dist.get_backend(),
+                       _objects["rank_split"])
+
+
+def set_rank_split(split: str) -> None:
+    """The ``--rank-split`` every :func:`current` context of this process carries (every rank
+    must set the same one: the assignment is computed, not agreed by messages)."""
+    from .rank_split import SPLITS
+
+    if split not in SPLITS:
+        raise InputError(f"--rank-split must be one of {', '.join(SPLITS)}, got {split!r}")
+    _objects["rank_split"] = split
 
 
 def init_from_env(device: str) -> DistContext:
@@ -116,6 +148,8 @@ def init_from_env(device: str) -> DistContext:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=TIMEOUT)
         _objects["group"] = dist.new_group(backend="gloo", timeout=TIMEOUT) if cuda else None
+        if cuda:    # NCCL: batch_isend_irecv (exchange_rows) must not be the group's first call
+            dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())))
     ctx = current()
     assert ctx is not None
     return ctx
@@ -193,6 +227,35 @@ def gather_to_main(obj: Any, ctx: DistContext) -> list[Any] | None:
     return out
 
 
+def exchange_rows(sends: Mapping[int, torch.Tensor], counts: Mapping[int, int], width: int, dtype: torch.dtype,
+                  ctx: DistContext) -> dict[int, torch.Tensor]:
+    """Point-to-point exchange of client-store rows between ranks, bit for bit.
+
+    ``sends[dst]``: ``[k, width]`` rows of ``dtype`` for rank ``dst``; ``counts[src]``: how
+    many rows this rank receives from ``src`` (every rank computes it, so the buffers are
+    pre-allocated and no sizes are exchanged). Returns ``{src: [counts[src], width]}`` on the
+    CPU. Rows travel as their raw bytes (``uint8`` views: any storage dtype, bf16 included,
+    on gloo and NCCL) in one ``batch_isend_irecv``; pairs with nothing to send post nothing,
+    which both ends know. A collective in effect: every rank calls it at the same point."""
+    dev = ctx.comm_device
+    ops: list[dist.P2POp] = []
+    bufs: dict[int, torch.Tensor] = {}
+    for src, k in sorted(counts.items()):
+        if k and width and src != ctx.rank:
+            bufs[src] = torch.empty((int(k), width), dtype=dtype, device=dev)
+            ops.append(dist.P2POp(dist.irecv, bufs[src].view(torch.uint8), src))
+    for dst, rows in sorted(sends.items()):
+        if rows.numel() and dst != ctx.rank:
+            if tuple(rows.shape[1:]) != (width,) or rows.dtype != dtype:
+                raise InputError(f"rows for rank {dst} are {list(rows.shape)} {rows.dtype}, "
+                                 f"expected [k, {width}] {dtype}")
+            ops.append(dist.P2POp(dist.isend, rows.to(dev).contiguous().view(torch.uint8), dst))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return {src: b.cpu() for src, b in bufs.items()}
+
+
 def barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -226,4 +289,5 @@ def spawn_workers(fn: Callable[..., Any], args: tuple, workers: int) -> None:
 
 
 __all__ = ["DistContext", "DistributedFedAvg", "current", "init_from_env", "shutdown", "all_gather",
-           "broadcast", "gather_to_main", "barrier", "spawn_workers", "threads_per_worker", "cpu_cores"]
+           "broadcast", "exchange_rows", "set_rank_split", "gather_to_main", "barrier", "spawn_workers",
+           "threads_per_worker", "cpu_cores"]

@@ -17,10 +17,12 @@ result does not depend on the executor, the chunking or on what ran before — a
 from a checkpoint reproduces the next round bit for bit (tested).
 
 Given a :class:`~device_sim.distributed.DistContext` (``fedfs simulate --distributed`` /
-``--workers N``), every rank runs this loop, trains only the participants it owns and
-stores only their ``θ_c``, and the ranks combine their float64 FedAvg sums with one
-all-reduce per round (:mod:`device_sim.distributed`, which states the bound on the
-difference from a one-process run).
+``--workers N``), every rank runs this loop, trains the participants the round's
+assignment gives it (:mod:`device_sim.rank_split`), borrowing the ``θ_c`` of those whose
+home shard is on another rank for the round, stores only its home clients' ``θ_c``, and
+the ranks combine their float64 FedAvg sums with one all-reduce per round
+(:mod:`device_sim.distributed`, which states the bound on the difference from a
+one-process run).
 """
 from __future__ import annotations
 
@@ -40,10 +42,12 @@ from fedfs_sdk.nn.checkpoint import model_id_of, read_safetensors, write_safeten
 from fedfs_sdk.errors import CheckpointError, InputError
 from server_agg.aggregate import StreamingFedAvg, fedavg_stacked
 
+from .borrowing import lend_rows, return_rows, store_chunk
 from .client_store import ClientStore
 from .distributed import DistContext, DistributedFedAvg, all_gather, gather_to_main
 from .executors import ClientTask, LocalConfig, make_executor, unstack
 from .methods.base import FederatedMethod, Params, SimContext, Weights
+from .rank_split import assign_participants
 
 CHECKPOINT_FORMAT = "fedfs-federation/1"
 
@@ -119,6 +123,9 @@ class RoundRecord:
     """Participants that applied at least one local step; ``metrics`` average over them only
     (a client with too few images for a batch trains nothing and reports no loss). Empty
     ``metrics`` when none did. ``None`` in histories written before it was recorded."""
+    borrowed: int | None = None
+    """Distributed runs: participants trained on a rank other than their home rank
+    (``--rank-split balanced``); None in one process."""
 
 
 IDENTITY_PARTS = {
@@ -185,8 +192,13 @@ class Federation:
         self.sampler = np.random.default_rng([config.seed, 0x5A4D])
         self.history: list[RoundRecord] = []
         self._states: dict[int, Any] = {}
+        # Clients with a stored θ_c row (they trained before, or came with a checkpoint): the
+        # same on every rank, so a trainer knows which borrowed clients arrive with a row.
+        self._has_row = np.zeros(data.num_clients, dtype=bool)
         self._xi_fingerprint: str | None = None               # computed on the first save/load
         self._data_fingerprint: dict[str, str] | None = None   # computed on the first save/load
+        self.borrowed_clients = 0
+        """Distributed: clients this rank trained off their home rank, over the run."""
         self.dp = None   # device_sim.dp_sim.SimDp: user-level DP-FedAvg (fedfs simulate --dp-*), set by the caller
 
     @property
@@ -228,8 +240,17 @@ class Federation:
         cfg, method, ex = self.config, self.method, self.executor
         participants = self.sample_participants() if self.dp is None else self.dp.sample(self.sampler)
         plan = method.configure_round(r, participants)
-        # Distributed: every rank sampled the same participants; this one trains those it owns.
-        mine = participants if self.dist is None else self.dist.owned(participants)
+        # Distributed: every rank sampled the same participants and computes the same
+        # assignment; this one trains its share, borrowing θ_c of clients homed elsewhere.
+        mine, trainer, borrowed = participants, None, {}
+        if self.dist is not None:
+            trainer = assign_participants(participants, self._loads(participants), self.dist.world_size,
+                                          self.dist.rank_split)
+            mine = participants[trainer == self.dist.rank]
+            if self.store is not None:
+                borrowed = lend_rows(self.store, self._has_row, participants, trainer, self.dist)
+                self.borrowed_clients += len(borrowed)
+        returned: dict[int, torch.Tensor] = {}    # borrowed clients' trained rows, encoded for their home
         acc = StreamingFedAvg(self.global_weights) if self.dist is None else \
             DistributedFedAvg(self.global_weights, self.dist)
         if self.dp is not None:     # DP-FedAvg: clipped, weighted, noised sum (device_sim.dp_sim)
@@ -248,7 +269,8 @@ class Federation:
         start = 0
         while start < len(mine):
             chunk = mine[start:start + ex.chunk_size]
-            private = self.store.get(chunk, ex.device, fresh_flat=fresh_flat) if self.store is not None else {}
+            private = self.store.get(chunk, ex.device, fresh_flat=fresh_flat, borrowed=borrowed) \
+                if self.store is not None else {}
             tasks = []
             for i, c in enumerate(chunk.tolist()):
                 params: Params = {"global": global_dev, **unstack(private, i)}
@@ -263,7 +285,8 @@ class Federation:
             else:
                 acc.add(fedavg_stacked(res.params["global"], res.num_samples, reference=chunk_ref), n_chunk)
             if self.store is not None:
-                self.store.put(res.clients, {g: res.params[g] for g in method.private_groups})
+                store_chunk(self.store, res.clients, {g: res.params[g] for g in method.private_groups},
+                            borrowed, returned)
             took = res.client_steps > 0
             stepped += int(took.sum())
             for k, v in res.metrics.items():    # metrics are on the CPU
@@ -271,6 +294,10 @@ class Federation:
             total_samples += n_chunk
             start += len(chunk)
             # executor chunk size may be calibrated by the first call (CUDA)
+        if trainer is not None and self.store is not None and self.dist is not None:
+            return_rows(self.store, participants, trainer, returned, self.dist)
+        if self.store is not None:
+            self._has_row[participants] = True
         aggregated = acc.result()          # distributed: the round's one all-reduce
         if self.dist is not None:
             # a round's metric sums from every rank, added in rank order (small Python floats)
@@ -284,10 +311,21 @@ class Federation:
         self.global_weights = {k: v.detach().to("cpu") for k, v in method.server_update(aggregated, plan).items()}
         self.round = r
         dt = time.perf_counter() - t0
+        moved = None if trainer is None or self.dist is None else \
+            int((trainer != participants % self.dist.world_size).sum())
         rec = RoundRecord(r, int(len(participants)), total_samples, dt, len(participants) / max(dt, 1e-9),
-                          {k: v / stepped for k, v in sums.items()} if stepped else {}, None, stepped)
+                          {k: v / stepped for k, v in sums.items()} if stepped else {}, None, stepped, moved)
         self.history.append(rec)
         return rec
+
+    # ---- distributed ---------------------------------------------------------------------
+    def _loads(self, participants: np.ndarray) -> np.ndarray | None:
+        """Each participant's work for the rank assignment: its training images where the
+        data report them (``num_train``), else None (one unit per client)."""
+        count = getattr(self.data, "num_train", None)
+        if not callable(count):
+            return None
+        return np.array([max(int(count(int(c))), 1) for c in participants], dtype=np.float64)
 
     def run(self, rounds: int | None = None,
             on_round: Callable[["Federation", RoundRecord], None] | None = None) -> list[RoundRecord]:
@@ -368,6 +406,7 @@ class Federation:
         self.method.load_server_state({k[len("server/"):]: v for k, v in tensors.items() if k.startswith("server/")})
         if self.store is not None:
             self.store.load_state_tensors({k[len("store/"):]: v for k, v in tensors.items() if k.startswith("store/")})
+            self._has_row = self.store.rows >= 0
         torch.set_rng_state(tensors["rng/torch"])
         self.sampler.bit_generator.state = json.loads(meta["sampler"])
         self.round = int(meta["round"])
