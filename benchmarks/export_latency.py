@@ -33,7 +33,7 @@ from export.onnx_inference import export_onnx
 from export.quantize import (INT8_MAX_FLIP_RATE, compare_int8, quantize_int8, synthetic_calibration,
                              synthetic_eval_set)
 from fedfs_sdk.nn.checkpoint import load_checkpoint, save_checkpoint
-from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
+from fedfs_sdk.nn.model import FaceNet, FedUVHead, ModelConfig, VerifierNet
 from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
 
@@ -152,7 +152,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["tiny", "mobilefacenet"])
     ap.add_argument("--checkpoint", nargs="*", default=[], metavar="NAME=PATH",
-                    help="use these weights for a model (e.g. mobilefacenet=ckpt.safetensors)")
+                    help="use these weights for a model (e.g. mobilefacenet=ckpt.safetensors; a ξ from "
+                         "`fedfs pretrain` gets a random FedUV head, c = 127)")
     ap.add_argument("--pretrain-steps", type=int, default=400, help="CosFace steps for tiny without a checkpoint")
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--coreml", action="store_true", help="also report the Core ML fp16 package size")
@@ -163,8 +164,10 @@ def main() -> None:
         for name in a.models:
             if name in given:
                 model, source = load_checkpoint(given[name])[0], Path(given[name]).name
-                if model.uv_head is None:
-                    raise SystemExit(f"{given[name]} has no FedUV head")
+                if model.uv_head is None:       # a ξ (`fedfs pretrain`): a random FedUV head, as on round 1
+                    torch.manual_seed(0)
+                    model.uv_head = FedUVHead(int(model.config.embedding_dim), 127)
+                    source += " + random FedUV head"
             elif name == "tiny":
                 model, source = pretrained_tiny(a.pretrain_steps), f"CosFace {a.pretrain_steps} steps, SynthFaces"
             else:
