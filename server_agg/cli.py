@@ -127,6 +127,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("connection limits (what a slow or hostile client may hold)")
     g.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="a connection must send a complete request head within this time (else it is closed)")
+    g.add_argument("--http-parser", choices=("auto", "httptools", "h11"), default="auto",
+                   help="HTTP/1.1 parser: httptools (C; installed by the server extra) or h11 (pure Python, "
+                        "slower under connection bursts); auto: httptools where installed")
     g.add_argument("--body-timeout", type=float, default=120.0, metavar="SECONDS",
                    help="a request body must be complete within this time (else 408 and the connection is closed)")
     g.add_argument("--keep-alive-timeout", type=float, default=5.0, metavar="SECONDS",
@@ -306,7 +309,7 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
 
     from .app import create_app
     from .auth import load_admin_token
-    from .transport import deadline_protocol
+    from .transport import deadline_protocol, http_parser
     from .rounds import Coordinator
 
     coord = Coordinator(layout, keep_updates=args.keep_updates, poll_interval_s=args.poll_interval)
@@ -332,8 +335,11 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
                          body_timeout_s=args.body_timeout, decode_workers=args.decode_workers,
                          receive_workers=args.receive_workers)
         port = sock.getsockname()[1]
+        parser = http_parser() if args.http_parser == "auto" else args.http_parser
+        if parser == "httptools" and http_parser() != "httptools":
+            raise SystemExit("--http-parser httptools: httptools is not installed (pip install 'fedfs[server]')")
         log.info("serving", extra={"fields": {"url": f"http://{args.host}:{port}", "state": str(layout.root),
-                                              "pid": os.getpid(),
+                                              "pid": os.getpid(), "http_parser": parser,
                                               "model_version": coord.model.version if coord.model else None,
                                               "policy": coord.policy.to_json()}})
         # A thread holding the GIL keeps it up to the switch interval (5 ms by default) each
@@ -341,7 +347,7 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
         # while decode threads run Python code (measured in benchmarks/server_http_load.py).
         sys.setswitchinterval(0.001)
         config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.log_level,
-                                timeout_graceful_shutdown=5, http=deadline_protocol(args.header_timeout),
+                                timeout_graceful_shutdown=5, http=deadline_protocol(args.header_timeout, parser),
                                 timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
                                 limit_concurrency=args.limit_concurrency)
         server = uvicorn.Server(config)

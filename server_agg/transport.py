@@ -1,13 +1,14 @@
 """What an untrusted connection may cost the server: bounded, deadline-limited request bodies
 and a deadline on request heads.
 
-uvicorn bounds a request head's size (h11) and closes idle keep-alive connections
-(``timeout_keep_alive``), but a connection that sends nothing, a partial head or a partial
-body is kept open forever. Two pieces close that gap:
+uvicorn closes idle keep-alive connections (``timeout_keep_alive``), but a connection that
+sends nothing, a partial head or a partial body is kept open forever, and its httptools
+parser does not bound a head's size (h11 does). Two pieces close that gap:
 
-* :func:`deadline_protocol` — an h11 protocol class whose connections must deliver a
-  complete request head within ``header_timeout_s`` (from connect, or from the first byte
-  of a later request on a kept-alive connection), else they are closed.
+* :func:`deadline_protocol` — uvicorn's protocol class (httptools, or h11 without it) whose
+  connections must deliver a complete request head of at most 16 KiB within
+  ``header_timeout_s`` (from connect, or from the first byte of a later request on a
+  kept-alive connection), else they are closed.
 * :func:`receive_body` — the app reads a body itself, from the ASGI channel, into a sink
   (a spool file or a small buffer), refusing it once it passes its limit (413), once its
   deadline passes (408), or when the client goes away mid-body (no 500: the client is gone).
@@ -101,17 +102,47 @@ async def receive_body(request: Request, limit: int, timeout_s: float, sink: _Si
             return size
 
 
-def deadline_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol with a request-head deadline (pass as ``uvicorn.Config(http=…)``).
+MAX_HEAD_BYTES = 16 << 10
+"""Largest request head (request line + headers) a connection may send: h11's own default
+bound, kept when the parser is httptools (which has none)."""
+
+_HEAD_TOO_LARGE = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: text/plain\r\n"
+                   b"connection: close\r\ncontent-length: 31\r\n\r\nrequest head larger than 16 KiB\n")
+
+
+def http_parser() -> str:
+    """``"httptools"`` (C, llhttp) where it is installed — the ``server`` extra installs it —
+    else ``"h11"`` (pure Python). Profiled under a burst of 200 uploads (py-spy on the
+    server), h11's header validation was the event loop's largest single cost, ~1 ms per
+    request head on a loaded core, and `/health` waited behind it (docs/protocol.md)."""
+    try:
+        import httptools  # noqa: F401
+    except ImportError:
+        return "h11"
+    return "httptools"
+
+
+def deadline_protocol(header_timeout_s: float, parser: str | None = None,
+                      max_head_bytes: int = MAX_HEAD_BYTES) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (``parser``: :func:`http_parser` by default) with a request-head
+    deadline and size bound (pass as ``uvicorn.Config(http=…)``).
 
     The deadline starts when the connection opens and again when the first byte of a new
     request arrives on a kept-alive connection; once the head is complete the request's
-    route owns the connection (its body has :func:`receive_body`'s deadline).
+    route owns the connection (its body has :func:`receive_body`'s deadline). A head that
+    grows past ``max_head_bytes`` before it is complete gets a 431 and the connection closes.
     """
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+    parser = parser or http_parser()
+    if parser == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    elif parser == "h11":
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+    else:
+        raise ValueError(f"parser must be 'httptools' or 'h11', got {parser!r}")
 
-    class DeadlineH11Protocol(H11Protocol):
+    class DeadlineProtocol(base):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0
 
         def _idle(self) -> bool:
             """No request head has been completed since the last response."""
@@ -138,16 +169,26 @@ def deadline_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
         def data_received(self, data: bytes) -> None:
             if self._head_timer is None and self._idle():
                 self._arm()                  # a new request starts on a kept-alive connection
+                self._head_bytes = 0
             super().data_received(data)
             if not self._idle():
                 self._disarm()               # its head is complete
+                self._head_bytes = 0
+                return
+            # counted after parsing: a chunk that completes the head may carry body bytes too
+            self._head_bytes += len(data)
+            if self._head_bytes > max_head_bytes and not self.transport.is_closing():
+                self._disarm()
+                self.transport.write(_HEAD_TOO_LARGE)
+                self.transport.close()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
-    return DeadlineH11Protocol
+    DeadlineProtocol.__name__ = DeadlineProtocol.__qualname__ = f"Deadline{base.__name__}"
+    return DeadlineProtocol
 
 
 __all__ = ["RequestTimeout", "ClientGone", "media_type", "require_media_type", "declared_length",
-           "receive_body", "deadline_protocol"]
+           "receive_body", "deadline_protocol", "http_parser", "MAX_HEAD_BYTES"]
