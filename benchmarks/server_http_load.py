@@ -70,8 +70,10 @@ def probe_loop(port: int) -> None:
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     while not stop.is_set():
         t = time.perf_counter()
+        connected = t
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                connected = time.perf_counter()
                 s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
                 data = b""
                 while chunk := s.recv(4096):
@@ -79,7 +81,10 @@ def probe_loop(port: int) -> None:
             ok = data.startswith(b"HTTP/1.1 200")
         except OSError:
             ok = False
-        print(f"{1000 * (time.perf_counter() - t):.3f}@{time.time():.3f}" if ok else "err", flush=True)
+        # latency@end time@connect share (ms): a slow connect is the kernel's accept queue /
+        # loopback, not the server's request handling
+        print(f"{1000 * (time.perf_counter() - t):.3f}@{time.time():.3f}@{1000 * (connected - t):.3f}" if ok else "err",
+              flush=True)
         time.sleep(0.05)
 
 
@@ -88,7 +93,7 @@ class HealthProbe:
     latency, not the GIL of this (busy, many-connection) client process."""
 
     def __init__(self, port: int) -> None:
-        self.port, self.ms, self.errors, self.at = port, [], 0, []
+        self.port, self.ms, self.errors, self.at, self.connect_ms = port, [], 0, [], []
 
     def __enter__(self) -> "HealthProbe":
         self._p = subprocess.Popen([sys.executable, __file__, "--_probe", str(self.port)], stdin=subprocess.PIPE,
@@ -101,9 +106,10 @@ class HealthProbe:
             if line == "err":
                 self.errors += 1
             else:
-                ms, at = line.split("@")
+                ms, at, conn = line.split("@")
                 self.ms.append(float(ms))
                 self.at.append(float(at))
+                self.connect_ms.append(float(conn))
 
     def summary(self) -> str:
         if not self.ms:
@@ -166,6 +172,10 @@ def main() -> int:
     ap.add_argument("--body-timeout", type=float, default=5.0)
     ap.add_argument("--server-args", default="", help="more fedfs serve flags (space-separated)")
     ap.add_argument("--keep-log", type=Path, help="copy the server's log here")
+    ap.add_argument("--client-nice", type=int, default=0, metavar="N",
+                    help="lower this load generator's CPU priority by N once the server and the /health "
+                         "probe run (both keep theirs): on a small machine the 200 uploading clients share "
+                         "the server's cores, which no real deployment does")
     ap.add_argument("--_probe", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._probe:
@@ -199,6 +209,7 @@ def main() -> int:
 
                 # ---- 1. concurrent uploads
                 statuses: list[int] = []
+                started: list[float] = []
 
                 async def upload_all() -> float:
                     limits = httpx.Limits(max_connections=args.devices + 8, max_keepalive_connections=0)
@@ -209,10 +220,13 @@ def main() -> int:
                                                       "Content-Type": "application/octet-stream"})
                             statuses.append(r.status_code)
                         t0 = time.perf_counter()
+                        started.append(time.time())
                         await asyncio.gather(*(one(t) for t in tokens))
                         return time.perf_counter() - t0
 
                 with RssSampler(proc.pid) as rs, HealthProbe(port) as hp:
+                    if args.client_nice:
+                        os.nice(args.client_nice)       # after the probe started: it keeps its priority
                     wall = asyncio.run(upload_all())
                 time.sleep(0.5)
                 after = rss_mb(proc.pid)
@@ -224,7 +238,9 @@ def main() -> int:
                       f"after {after:.0f} MB (+{after - idle:.0f} MB)")
                 print(f"  /health meanwhile   : {hp.summary()}")
                 if os.environ.get("FEDFS_BENCH_DEBUG"):
-                    print("  slow probes (end time, ms):", [(round(a, 3), round(m)) for m, a in zip(hp.ms, hp.at) if m > 50])
+                    print("  slow probes (s after the uploads started, ms, of which connecting):",
+                          [(round(a - m / 1000 - started[0], 2), round(m), round(c)) for m, a, c
+                           in zip(hp.ms, hp.at, hp.connect_ms) if m > 20])
 
                 with httpx.Client(base_url=url, timeout=60) as c:      # an open round for phases 2–3
                     rid2 = c.post("/v1/admin/rounds", headers=admin).json()["round_id"]

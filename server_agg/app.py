@@ -215,9 +215,17 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
         """Receive the body into a spool file, then run ``work(*args, body)`` on one of the
         ``decode_workers`` threads."""
         require_media_type(request, MEDIA_TYPE)
-        with tempfile.TemporaryFile(dir=coord.layout.root, prefix=".spool-") as f:
-            async with receive_slots:         # the body deadline starts when its turn comes
+        # The spool file is opened once the body's turn comes: a burst of uploads then holds
+        # receive_workers files, not one per waiting connection (py-spy: opening 200 at once
+        # was a visible share of the event loop's burst work).
+        async with receive_slots:             # the body deadline starts when its turn comes
+            f = tempfile.TemporaryFile(dir=coord.layout.root, prefix=".spool-")
+            try:
                 await receive_body(request, limit, body_timeout_s, f)
+            except BaseException:
+                f.close()
+                raise
+        with f:
             def _run() -> Any:
                 f.seek(0)
                 return work(*args, f.read())
