@@ -225,6 +225,11 @@ def run_flower(a: argparse.Namespace, env: dict[str, str], tmp: Path) -> dict[st
 
 # ---- main ------------------------------------------------------------------------------
 
+def spread(values: list[float], fmt: str) -> str:
+    """``median [min–max]`` of the repeats, as the peer tables print a cell."""
+    return f"{median(values):{fmt}} [{min(values):{fmt}}–{max(values):{fmt}}]"
+
+
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     """The workload every engine runs alike (this script and benchmarks/peer_frameworks.py)."""
     p.add_argument("--method", default="fedfs", choices=["fedfs", "feduv", "fedfs+feduv"])
@@ -288,8 +293,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, rs in res.items():
         def col(k: str, fmt: str = ".1f") -> str:
-            v = [r[k] for r in rs]
-            return f"{median(v):{fmt}} [{min(v):{fmt}}–{max(v):{fmt}}]"
+            return spread([r[k] for r in rs], fmt)
         print(f"| {name} | {col('updates_per_s')} | {col('warm_updates_per_s')} | {col('wall_s')} | "
               f"{col('peak_rss_mb', '.0f')} |")
 

@@ -59,7 +59,7 @@ from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from peer_flower import add_workload_arguments, run_measured  # noqa: E402  (wall time, peak RSS)
+from peer_flower import add_workload_arguments, run_measured, spread  # noqa: E402  (wall time, peak RSS)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -229,8 +229,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, rs in res.items():
         def col(k: str, fmt: str = ".2f") -> str:
-            v = [r[k] for r in rs]
-            return f"{median(v):{fmt}} [{min(v):{fmt}}–{max(v):{fmt}}]"
+            return spread([r[k] for r in rs], fmt)
         print(f"| {name} | {col('updates_per_s')} | {col('warm_updates_per_s')} | {col('wall_s', '.1f')} | "
               f"{col('peak_rss_mb', '.0f')} | {max(r.get('sessions', 0) for r in rs)} | "
               f"{median(r['diff'] for r in rs):.2g} |")

@@ -77,7 +77,6 @@ def _worker(args: argparse.Namespace, body: Body) -> None:
 
 
 def _rank_main(args: argparse.Namespace, body: Body) -> int:
-    distributed.set_rank_split(getattr(args, "rank_split", "balanced"))
     ctx = distributed.init_from_env(args.device)
     if args.threads is None:
         args.threads = distributed.threads_per_worker(ctx.local_world_size)

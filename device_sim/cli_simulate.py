@@ -107,7 +107,8 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
     method = parse_method(spec)
     cfg = federation_config(args)
     ckdir = out / "checkpoints" / slug(method.label)
-    fed = Federation(method, pop, xi, cfg, store_path=ckdir / "store.mmap", dist=distributed.current())
+    dist = distributed.current(getattr(args, "rank_split", "balanced"))
+    fed = Federation(method, pop, xi, cfg, store_path=ckdir / "store.mmap", dist=dist)
     fed.dp = dp_sim.from_args(args, pop.num_clients) if method.trains else None
     if fed.dp is not None:
         dp_sim.check_dp_method(method)

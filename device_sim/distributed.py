@@ -64,10 +64,9 @@ Weights = dict[str, torch.Tensor]
 TIMEOUT = datetime.timedelta(hours=6)
 """Collective timeout: rank 0 pre-trains ξ and evaluates while the others wait."""
 
-_objects: dict[str, Any] = {"group": None, "rank_split": "balanced"}
-"""``group``: with NCCL, a gloo group for the object collectives (ξ, metric sums, store
-shards), so pickled host data is not staged through GPU memory; None with gloo (the default
-group). ``rank_split``: this process's ``--rank-split`` (:func:`set_rank_split`)."""
+_objects: dict[str, Any] = {"group": None}
+"""With NCCL, a gloo group for the object collectives (ξ, metric sums, store shards), so
+pickled host data is not staged through GPU memory; None with gloo (the default group)."""
 
 
 @dataclass(frozen=True)
@@ -112,23 +111,15 @@ def threads_per_worker(workers: int) -> int:
     return max(1, cpu_cores() // max(1, workers))
 
 
-def current() -> DistContext | None:
-    """The context of an initialized process group (None outside a distributed run)."""
+def current(rank_split: str = "balanced") -> DistContext | None:
+    """The context of an initialized process group (None outside a distributed run), with the
+    run's ``--rank-split`` (every rank passes the same one: the assignment is computed, not
+    agreed by messages)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return DistContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank())),
                        int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), dist.get_backend(),
-                       _objects["rank_split"])
-
-
-def set_rank_split(split: str) -> None:
-    """The ``--rank-split`` every :func:`current` context of this process carries (every rank
-    must set the same one: the assignment is computed, not agreed by messages)."""
-    from .rank_split import SPLITS
-
-    if split not in SPLITS:
-        raise InputError(f"--rank-split must be one of {', '.join(SPLITS)}, got {split!r}")
-    _objects["rank_split"] = split
+                       rank_split)
 
 
 def init_from_env(device: str) -> DistContext:
@@ -289,5 +280,5 @@ def spawn_workers(fn: Callable[..., Any], args: tuple, workers: int) -> None:
 
 
 __all__ = ["DistContext", "DistributedFedAvg", "current", "init_from_env", "shutdown", "all_gather",
-           "broadcast", "exchange_rows", "set_rank_split", "gather_to_main", "barrier", "spawn_workers",
+           "broadcast", "exchange_rows", "gather_to_main", "barrier", "spawn_workers",
            "threads_per_worker", "cpu_cores"]

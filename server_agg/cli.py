@@ -264,6 +264,7 @@ def run(args: argparse.Namespace) -> int:
     from .logs import setup_logging
     from .rounds import validate_xi
     from .store import Layout, StateLock
+    from .transport import http_parser
 
     setup_logging(args.log_level)
     for flag in ("header_timeout", "body_timeout", "keep_alive_timeout", "limit_concurrency", "decode_workers",
@@ -271,6 +272,11 @@ def run(args: argparse.Namespace) -> int:
         v = getattr(args, flag)
         if not v > 0 or v != v or v == float("inf"):
             raise InputError(f"--{flag.replace('_', '-')} must be a positive finite number, got {v}")
+    installed = http_parser()
+    if args.http_parser == "httptools" and installed != "httptools":
+        raise InputError("--http-parser httptools: httptools is not installed (pip install 'fedfs[server]')")
+    if args.http_parser == "auto":
+        args.http_parser = installed             # _serve builds the protocol and logs this one
     xi = None
     if args.xi is not None:
         if not args.xi.is_file():
@@ -309,7 +315,7 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
 
     from .app import create_app
     from .auth import load_admin_token
-    from .transport import deadline_protocol, http_parser
+    from .transport import deadline_protocol
     from .rounds import Coordinator
 
     coord = Coordinator(layout, keep_updates=args.keep_updates, poll_interval_s=args.poll_interval)
@@ -335,11 +341,8 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
                          body_timeout_s=args.body_timeout, decode_workers=args.decode_workers,
                          receive_workers=args.receive_workers)
         port = sock.getsockname()[1]
-        parser = http_parser() if args.http_parser == "auto" else args.http_parser
-        if parser == "httptools" and http_parser() != "httptools":
-            raise SystemExit("--http-parser httptools: httptools is not installed (pip install 'fedfs[server]')")
         log.info("serving", extra={"fields": {"url": f"http://{args.host}:{port}", "state": str(layout.root),
-                                              "pid": os.getpid(), "http_parser": parser,
+                                              "pid": os.getpid(), "http_parser": args.http_parser,
                                               "model_version": coord.model.version if coord.model else None,
                                               "policy": coord.policy.to_json()}})
         # A thread holding the GIL keeps it up to the switch interval (5 ms by default) each
@@ -347,7 +350,7 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
         # while decode threads run Python code (measured in benchmarks/server_http_load.py).
         sys.setswitchinterval(0.001)
         config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.log_level,
-                                timeout_graceful_shutdown=5, http=deadline_protocol(args.header_timeout, parser),
+                                timeout_graceful_shutdown=5, http=deadline_protocol(args.header_timeout, args.http_parser),
                                 timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
                                 limit_concurrency=args.limit_concurrency)
         server = uvicorn.Server(config)

@@ -147,3 +147,25 @@ def assert_published_fedavg(srv: "ServerProc", uploads: dict[int, list[tuple[dic
             for k in expected:
                 np.testing.assert_allclose(published[k], expected[k].astype(np.float32), rtol=0, atol=atol, err_msg=k)
             assert json.loads(meta["meta"])["num_updates"] == len(ups)
+
+
+def wait_round(srv: "ServerProc", rnd: int, timeout: float = 30.0) -> dict:
+    """Round ``rnd``'s status once it is no longer open (done or failed)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        with srv.admin() as c:
+            st = c.get(f"/v1/rounds/{rnd}")
+        if st.status_code == 200 and st.json()["state"] != "open":
+            return st.json()
+        time.sleep(0.1)
+    raise AssertionError(f"round {rnd} did not end in {timeout} s")
+
+
+def wait_open(srv: "ServerProc", rnd: int, timeout: float = 30.0) -> None:
+    """Until ``/health`` names ``rnd`` as the open round."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if httpx.get(srv.url + "/health").json()["round_id"] == rnd:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"round {rnd} did not open in {timeout} s")

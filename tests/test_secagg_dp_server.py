@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest_server import read_safetensors, start_server
+from conftest_server import read_safetensors, start_server, wait_open, wait_round
 from fedfs_sdk.training.ort_device import encode_update
 from fedfs_sdk.federation.secagg import FixedPoint, from_json
 from fedfs_sdk.federation.secagg.http_device import DP_INPUT, SecAggRoundLost, SecAggSession
@@ -111,21 +111,6 @@ class Dev:
             self.client.request = orig  # type: ignore[method-assign]
 
 
-def _wait(srv, rnd: int, state: str | None = None, timeout: float = 60.0) -> dict:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if state is None:
-            if httpx.get(srv.url + "/health").json()["round_id"] == rnd:
-                return {}
-        else:
-            with srv.admin() as c:
-                st = c.get(f"/v1/rounds/{rnd}")
-            if st.status_code == 200 and st.json()["state"] != "open":
-                return st.json()
-        time.sleep(0.1)
-    raise AssertionError(f"round {rnd} did not {'end' if state else 'open'} in {timeout} s")
-
-
 def _state_blobs(root) -> list[bytes]:
     return [p.read_bytes() for p in root.rglob("*") if p.is_file()]
 
@@ -145,7 +130,7 @@ def _server(state, sigma: float, *extra: str):
 def _secure_round(srv, state, devs: list[Dev], rnd: int, rng) -> tuple[dict, dict, dict, dict]:
     """Run round ``rnd`` with every device and check (1): the masked vectors received and every
     file of the server's state hold no device's update. Returns ``(w, published, meta, info)``."""
-    _wait(srv, rnd)
+    wait_open(srv, rnd, timeout=60.0)
     ref_bytes, ref, _ = _model(srv, rnd)
     for d in devs:
         d.prepare(rnd, ref_bytes, ref, rng)
@@ -173,7 +158,7 @@ def _secure_round(srv, state, devs: list[Dev], rnd: int, rng) -> tuple[dict, dic
             assert not any(needle in b for b in blobs)
     for d in devs:
         d.session.unmask()
-    info = _wait(srv, rnd, state="done")
+    info = wait_round(srv, rnd, timeout=60.0)
     assert info["state"] == "closed" and info["result_version"] == rnd + 1, info
     assert info["secure_aggregation"]["survivors"] == N
     assert not list((state / "secagg").glob(f"r{rnd:06d}.*"))  # the protocol state goes with the round
@@ -346,7 +331,7 @@ def test_secure_dp_round_survives_sigkill_and_a_dropout_after_masking(tmp_path):
     port = int(srv.url.rsplit(":", 1)[1])
     try:
         devs = [Dev(srv.url, i) for i in range(N)]
-        _wait(srv, 1)
+        wait_open(srv, 1, timeout=60.0)
         ref_bytes, ref, _ = _model(srv, 1)
         rng = np.random.default_rng(11)
         for d in devs:
@@ -363,7 +348,7 @@ def test_secure_dp_round_survives_sigkill_and_a_dropout_after_masking(tmp_path):
         devs[3].mask()
         for d in devs[:3]:                                   # devs[3] drops after masking
             d.session.unmask()
-        info = _wait(srv, 1, state="done")
+        info = wait_round(srv, 1, timeout=60.0)
         assert info["state"] == "closed", info
         assert info["secure_aggregation"]["dropped"].get("unmask") == 1
         _, pub, meta = _model(srv, 2)
@@ -394,7 +379,7 @@ def test_distributed_noise_each_device_adds_its_share_and_too_few_inputs_fail_be
     try:
         devs = [Dev(srv.url, i) for i in range(n5)]
         rng = np.random.default_rng(5)
-        _wait(srv, 1)
+        wait_open(srv, 1, timeout=60.0)
         ref_bytes, ref, _ = _model(srv, 1)
         for d in devs:
             d.prepare(1, ref_bytes, ref, rng, samples)
@@ -409,7 +394,7 @@ def test_distributed_noise_each_device_adds_its_share_and_too_few_inputs_fail_be
             d.mask()
         for d in devs:
             d.session.unmask()
-        info = _wait(srv, 1, state="done")
+        info = wait_round(srv, 1, timeout=60.0)
         assert info["state"] == "closed", info
         _, pub, meta = _model(srv, 2)
         fl = _floating(ref)
@@ -424,7 +409,7 @@ def test_distributed_noise_each_device_adds_its_share_and_too_few_inputs_fail_be
         assert dp["noise"] == "distributed" and dp["noise_min_inputs"] == m
         assert dp["epsilon"] == pytest.approx(epsilon([(1.0, SIGMA, 1)], DELTA))   # accounted at σ (the minimum)
 
-        _wait(srv, 2)
+        wait_open(srv, 2, timeout=60.0)
         ref_bytes, ref, _ = _model(srv, 2)
         for d in devs:
             d.prepare(2, ref_bytes, ref, rng, samples)
@@ -434,7 +419,7 @@ def test_distributed_noise_each_device_adds_its_share_and_too_few_inputs_fail_be
             d.session.share_keys()
         for d in devs[:3]:
             d.mask()
-        info = _wait(srv, 2, state="done")
+        info = wait_round(srv, 2, timeout=60.0)
         assert info["state"] == "failed" and "needs 4" in info["reason"] and "nothing was unmasked" in info["reason"]
         with pytest.raises(SecAggRoundLost):
             devs[0].session.unmask()                      # no unmask request was ever made

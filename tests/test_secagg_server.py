@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest_server import ADMIN, read_safetensors, start_server
+from conftest_server import ADMIN, read_safetensors, start_server, wait_open, wait_round
 from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient
 from fedfs_sdk.training.ort_device import encode_update
 from fedfs_sdk.federation.secagg import FixedPoint, from_json, to_json
@@ -72,26 +72,6 @@ class Dev:
 def model(srv, version: int) -> dict[str, np.ndarray]:
     with srv.admin() as c:
         return read_safetensors(c.get(f"/v1/models/{version}").content)[0]
-
-
-def wait_round(srv, rnd: int, timeout: float = 30.0) -> dict:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        with srv.admin() as c:
-            st = c.get(f"/v1/rounds/{rnd}")
-        if st.status_code == 200 and st.json()["state"] != "open":
-            return st.json()
-        time.sleep(0.1)
-    raise AssertionError(f"round {rnd} did not end in {timeout} s")
-
-
-def wait_open(srv, rnd: int, timeout: float = 30.0) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if httpx.get(srv.url + "/health").json()["round_id"] == rnd:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"round {rnd} did not open")
 
 
 def expected_mean(devs: list[Dev]) -> np.ndarray:
