@@ -4,7 +4,9 @@ The pixel grid is inverse-mapped to each image's face coordinates and ~30 layers
 hair, ears, face, fringe, beard, eyes, brows, nose, mouth, mask, glasses, hat, occluder) are
 composited with in-place ``lerp_`` as soft signed-distance shapes; then illumination, blur,
 sensor noise, the domain's colour processing and JPEG-like compression. No per-image Python
-loop and no reduction across images: the same image comes out of any batch.
+loop and no reduction across images: the same image comes out of any batch. Which optional
+layers a chunk needs is decided from the numpy parameters, never from a device tensor, so
+a CUDA chunk is launched without waiting for the GPU.
 """
 from __future__ import annotations
 
@@ -24,6 +26,36 @@ if TYPE_CHECKING:
 
 __all__ = ["paint"]
 
+_CONSTANTS: dict[tuple, torch.Tensor] = {}     # constant colours per device (no copy per chunk)
+
+
+class _DeviceParams:
+    """Every per-image parameter of a chunk on the device in one host→device copy.
+
+    One copy instead of ~300: on CUDA each copy from pageable memory waits for the GPU, which
+    would make rendering a chain of round trips. Each parameter keeps its own contiguous
+    segment (row-major ``[N]`` or ``[N, 3]``), so every op sees the same layout as a tensor
+    of its own and the pixels are unchanged.
+    """
+
+    def __init__(self, groups: tuple[dict[str, np.ndarray], ...], dev: torch.device) -> None:
+        self.dev, self.where, arrays, off = dev, {}, [], 0
+        for group in groups:
+            for v in group.values():
+                a = np.asarray(v, dtype=np.float32).reshape(-1)
+                self.where[id(v)] = (off, a.size)
+                arrays.append(a)
+                off += a.size
+        host = torch.from_numpy(np.concatenate(arrays))
+        self.buf = host.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else host
+
+    def __call__(self, v: np.ndarray) -> torch.Tensor:
+        hit = self.where.get(id(v))
+        if hit is None:             # not one of the chunk's parameter arrays
+            return torch.as_tensor(np.asarray(v, dtype=np.float32).reshape(-1), device=self.dev)
+        off, n = hit
+        return self.buf[off:off + n]
+
 
 def paint(faces: "SynthFaces", ids: np.ndarray, idx: np.ndarray, dev: torch.device) -> torch.Tensor:
     """Render one chunk: float32 ``[N, 3, S, S]`` in (roughly) [0, 1], before quantization."""
@@ -33,15 +65,19 @@ def paint(faces: "SynthFaces", ids: np.ndarray, idx: np.ndarray, dev: torch.devi
     sp = style_params(hash_uniforms([DOMAIN_STYLE, faces.seed, ids, idx], STYLE_COLUMNS), dom)
     lp = look_params(faces.seed, ids, mp["look"], ip["beardy"], ip["glassy"])
     n = ids.size
+    P = _DeviceParams((ip, mp, sp, lp), dev)
 
     def T(a: np.ndarray) -> torch.Tensor:   # per-image scalar → [N,1,1,1]
-        return torch.as_tensor(np.asarray(a, dtype=np.float32), device=dev).view(-1, 1, 1, 1)
+        return P(a).view(-1, 1, 1, 1)
 
     def C(a: np.ndarray) -> torch.Tensor:   # per-image colour → [N,3,1,1]
-        return torch.as_tensor(np.asarray(a, dtype=np.float32), device=dev).view(-1, 3, 1, 1)
+        return P(a).view(-1, 3, 1, 1)
 
     def K(*rgb: float) -> torch.Tensor:     # constant colour → [1,3,1,1]
-        return torch.tensor(rgb, dtype=torch.float32, device=dev).view(1, 3, 1, 1)
+        key = (rgb, str(dev))
+        if key not in _CONSTANTS:
+            _CONSTANTS[key] = torch.tensor(rgb, dtype=torch.float32, device=dev).view(1, 3, 1, 1)
+        return _CONSTANTS[key]
 
     lin = (torch.arange(S, device=dev, dtype=torch.float32) + 0.5) / S * 2 - 1
     X, Y = lin.view(1, 1, 1, S), lin.view(1, 1, S, 1)
@@ -211,7 +247,7 @@ def paint(faces: "SynthFaces", ids: np.ndarray, idx: np.ndarray, dev: torch.devi
 
     # --- glasses (look) ---------------------------------------------------------------
     gm = T(lp["glasses"])
-    if bool((gm > 0).any()):
+    if np.any(lp["glasses"] > 0):
         gcol, gp = C(lp["glasses_color"]), T(lp["glasses_p"])
         gmu, _ = mirrored(ex, 0.45)
         rr = ((gmu / (ew * 1.55)).abs() ** gp + ((v - ecy) / (ew * 1.2)).abs() ** gp) ** (1 / gp)
@@ -224,7 +260,7 @@ def paint(faces: "SynthFaces", ids: np.ndarray, idx: np.ndarray, dev: torch.devi
 
     # --- hat (image) --------------------------------------------------------------------
     hat = T(mp["hat"])
-    if bool((hat > 0).any()):
+    if np.any(mp["hat"] > 0):
         hat_v = fy(T(mp["hat_h"]), 0.1) * (fb / 0.62)
         dh = torch.maximum(ellipse(u - fcx, v + 0.05, face_w * 1.12, fb * 1.08), v - hat_v)
         img.lerp_(C(mp["hat_color"]), soft(dh, aa) * hat)
@@ -233,7 +269,7 @@ def paint(faces: "SynthFaces", ids: np.ndarray, idx: np.ndarray, dev: torch.devi
 
     # --- occluder (image coordinates) ---------------------------------------------------
     occ = T(mp["occ"])
-    if bool((occ > 0).any()):
+    if np.any(mp["occ"] > 0):
         odu, odv = rotate(X - T(mp["occ_x"]), Y - T(mp["occ_y"]), T(mp["occ_ang"]))
         img.lerp_(C(mp["occ_color"]), soft(ellipse(odu, odv, T(mp["occ_rx"]), T(mp["occ_ry"])), 2.0 / S) * occ)
 
@@ -248,17 +284,17 @@ def paint(faces: "SynthFaces", ids: np.ndarray, idx: np.ndarray, dev: torch.devi
     # weights (normalized over that support) are the same in any batch.
     sig = T(mp["blur"]).view(-1) * (S / 112.0)
     rad = int(math.ceil(3 * MAX_BLUR * d * dom.blur * S / 112.0))
-    if rad > 0 and bool((sig > 0).any()):
+    if rad > 0 and np.any(mp["blur"] > 0):
         k = torch.arange(-rad, rad + 1, device=dev, dtype=torch.float32).view(1, -1)
         w = torch.exp(-0.5 * (k / sig.clamp(min=1e-3).view(-1, 1)) ** 2)
         w = w / w.sum(1, keepdim=True)
         img = shift_sum(shift_sum(img, w, 3), w, 2)
 
     # --- sensor noise: a per-image circular shift of one tile of a fixed bank ---------
-    tile = faces.noise_bank(dev)[torch.as_tensor(mp["noise_tile"], device=dev)]
+    tile = faces.noise_bank(dev)[P(mp["noise_tile"]).long()]       # integers < 2¹⁶: exact in float32
     ar = torch.arange(S, device=dev).view(1, -1)
-    rows = (ar + torch.as_tensor(mp["noise_dy"], device=dev).view(-1, 1)) % S
-    cols = (ar + torch.as_tensor(mp["noise_dx"], device=dev).view(-1, 1)) % S
+    rows = (ar + P(mp["noise_dy"]).long().view(-1, 1)) % S
+    cols = (ar + P(mp["noise_dx"]).long().view(-1, 1)) % S
     tile = tile.gather(2, rows.view(n, 1, S, 1).expand(n, 3, S, S)).gather(3, cols.view(n, 1, 1, S).expand(n, 3, S, S))
     # σ is defined at 112×112; a smaller render is that image area-downsampled, which
     # divides i.i.d. noise by the downsampling factor (capped at 1 for larger renders).
@@ -272,7 +308,7 @@ def paint(faces: "SynthFaces", ids: np.ndarray, idx: np.ndarray, dev: torch.devi
     # --- JPEG-like compression --------------------------------------------------------
     # 8×8 blocks are defined at 112×112; at smaller sizes a block covers more of the face,
     # so the quantization strength shrinks with the size (as after downsampling a JPEG).
-    jq = torch.as_tensor(mp["jpeg"], dtype=torch.float32, device=dev) * min(1.0, S / 112.0)
-    if bool((jq > 0).any()):   # per-image select: the DCT round trip is not bit-exact
+    jq = P(mp["jpeg"]) * min(1.0, S / 112.0)
+    if np.any(mp["jpeg"] > 0):   # per-image select: the DCT round trip is not bit-exact
         img = torch.where(jq.view(-1, 1, 1, 1) > 0, jpeg_like(img.clamp(0, 1), jq), img)
     return img

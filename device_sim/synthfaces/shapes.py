@@ -79,6 +79,22 @@ _Q_CHROMA = np.full((8, 8), 99.0)
 _Q_CHROMA[:4, :4] = np.array([[17, 18, 24, 47], [18, 21, 26, 66], [24, 26, 56, 99], [47, 66, 99, 99]])
 
 
+_JPEG_CONSTANTS: dict[tuple[str, torch.dtype], tuple[torch.Tensor, ...]] = {}
+
+
+def _jpeg_constants(like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(RGB→YCbCr, DCT, quantization steps, YCbCr→RGB) on ``like``'s device, made once per
+    device (a copy per chunk would wait for the GPU)."""
+    key = (str(like.device), like.dtype)
+    if key not in _JPEG_CONSTANTS:
+        _JPEG_CONSTANTS[key] = (
+            like.new_tensor([[0.299, 0.587, 0.114], [-0.168736, -0.331264, 0.5], [0.5, -0.418688, -0.081312]]),
+            like.new_tensor(dct_matrix()),
+            torch.stack([like.new_tensor(_Q_LUMA), like.new_tensor(_Q_CHROMA), like.new_tensor(_Q_CHROMA)]) / 255.0,
+            like.new_tensor([[1.0, 0.0, 1.402], [1.0, -0.344136, -0.714136], [1.0, 1.772, 0.0]]))
+    return _JPEG_CONSTANTS[key]
+
+
 def jpeg_like(img: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """8×8 block DCT quantization in YCbCr with the JPEG tables times ``scale [N]``.
 
@@ -88,21 +104,18 @@ def jpeg_like(img: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     n, _, h, w = img.shape
     ph, pw = (-h) % 8, (-w) % 8
     x = torch.nn.functional.pad(img, (0, pw, 0, ph), mode="replicate") if (ph or pw) else img
-    ycc_m = img.new_tensor([[0.299, 0.587, 0.114], [-0.168736, -0.331264, 0.5], [0.5, -0.418688, -0.081312]])
+    ycc_m, D, q, rgb_m = _jpeg_constants(img)
     ycc = (x.unsqueeze(1) * ycc_m.view(1, 3, 3, 1, 1)).sum(2)
     H, W = ycc.shape[2] // 8, ycc.shape[3] // 8
     blocks = ycc.view(n, 3, H, 8, W, 8).permute(0, 1, 2, 4, 3, 5)          # [n,3,H,W,8,8]
-    D = img.new_tensor(dct_matrix())
     # C = D X Dᵀ as explicit broadcast sums over the 8-long axes
     t = (blocks.unsqueeze(-3) * D.view(1, 1, 1, 1, 8, 8, 1)).sum(-2)          # [.., k, j] = Σ_i D[k,i] X[i,j]
     coef = (t.unsqueeze(-2) * D.view(1, 1, 1, 1, 1, 8, 8)).sum(-1)            # [.., k, l] = Σ_j T[k,j] D[l,j]
-    q = torch.stack([img.new_tensor(_Q_LUMA), img.new_tensor(_Q_CHROMA), img.new_tensor(_Q_CHROMA)]) / 255.0
     step = q.view(1, 3, 1, 1, 8, 8) * scale.view(-1, 1, 1, 1, 1, 1)
     safe = torch.where(step > 0, step, torch.ones_like(step))
     coef = torch.where(step > 0, torch.round(coef / safe) * safe, coef)
     t = (coef.unsqueeze(-1) * D.view(1, 1, 1, 1, 1, 8, 8)).sum(-2)           # [.., k, j] = Σ_l C[k,l] D[l,j]
     rec = (D.t().reshape(1, 1, 1, 1, 8, 8, 1) * t.unsqueeze(-3)).sum(-2)      # [.., i, j] = Σ_k D[k,i] T[k,j]
     ycc = rec.permute(0, 1, 2, 4, 3, 5).reshape(n, 3, H * 8, W * 8)
-    rgb_m = img.new_tensor([[1.0, 0.0, 1.402], [1.0, -0.344136, -0.714136], [1.0, 1.772, 0.0]])
     out = (ycc.unsqueeze(1) * rgb_m.view(1, 3, 3, 1, 1)).sum(2)
     return out[:, :, :h, :w]
