@@ -58,7 +58,7 @@ PAGE_BYTES = 256 << 20
 
 
 def _gb(b: float) -> str:
-    return f"{b / 1e9:.2f} GB"
+    return f"{b / 1e9:.2f} GB" if b >= 1e8 else f"{b / 1e6:.1f} MB"
 
 
 @dataclass(frozen=True)
