@@ -15,6 +15,7 @@ from fedfs_sdk.errors import CheckpointError, InputError
 
 from .datasets import IdentityDataset, ImageFolderDataset, SynthDataset
 from .folder_split import plan_folder_split, unused_identities
+from .image_store import DATA_CACHE_CHOICES
 from .pretrain import PretrainConfig, load_xi, pretrain_cached
 from .scenarios import SCENARIOS, apply_scenario, scenario_help
 from .splits import FaceSplits, UserSplit, make_splits
@@ -62,6 +63,12 @@ def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users
                    help="public SynthFaces identities of ξ when --pretrain-data synth differs from --data")
     g.add_argument("--scenario", default=None, choices=sorted(SCENARIOS),
                    help="a named setting of the options above: " + scenario_help())
+    g.add_argument("--data-cache", default="auto", choices=DATA_CACHE_CHOICES,
+                   help="where the clients' images are kept as uint8 once produced (rendered on the training "
+                        "device / decoded once): 'device' (GPU memory), 'host' (RAM, page-locked on CUDA), 'none' "
+                        "(produce every chunk's images again); auto: device if ≤ 25%% of the free GPU memory, else "
+                        "host if ≤ 50%% of the available RAM, else none (N·n·3·S² bytes: 25.2 GB for 10,000 × 67 "
+                        "images at 112 px; docs/simulation.md)")
     p.set_defaults(synth_defaults={"clients": clients, "new_users": new_users, "public": public,
                                    "train_per_client": 20, "test_per_client": 10})
 

@@ -32,7 +32,9 @@ from .executors import LocalConfig
 from .folder_split import auto_warmup_q
 from .federation import Federation, FederationConfig, checkpoint_path, latest_checkpoint
 from .methods import REGISTRY, parse_method
+from .image_store import plan_data_cache
 from .population import Population
+from .prefetch import PREFETCH_MODES
 from .report import (combine_seeds, headroom_line, markdown_table, notes_lines, seeds_markdown_table, slug,
                      write_results)
 
@@ -63,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amp", default="off", choices=["off", "bf16", "fp16"], help="autocast on CUDA")
     p.add_argument("--store-dtype", default="fp32", choices=["fp32", "fp16", "bf16"], help="precision of stored θ_c")
     p.add_argument("--store-location", default="cpu", choices=["cpu", "pinned", "cuda", "disk"], help="where θ_c lives")
+    p.add_argument("--prefetch", default="auto", choices=list(PREFETCH_MODES),
+                   help="prepare the next chunk's images while a chunk trains (auto: on CUDA); changes no result")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K rounds (and at the end) when > 0")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every K rounds (history) when > 0")
@@ -97,7 +101,8 @@ def federation_config(args: argparse.Namespace) -> FederationConfig:
                         amp=args.amp)
     return FederationConfig(rounds=args.rounds, participation=args.participation, local=local, seed=args.seed,
                             device=args.device, executor=args.executor, chunk_size=args.chunk_size,
-                            store_dtype=args.store_dtype, store_location=args.store_location)
+                            store_dtype=args.store_dtype, store_location=args.store_location,
+                            prefetch=getattr(args, "prefetch", "auto"))
 
 
 def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Path,
@@ -187,6 +192,10 @@ def run_simulation(args: argparse.Namespace, title: str = "fedfs simulate",
         for line in notes + skipped_lines(splits.meta.get("skipped") or {}):
             print(line, file=sys.stderr, flush=True)
     pop = Population(ds, splits)
+    cache = plan_data_cache(getattr(args, "data_cache", "auto"), pop.image_store_bytes(), args.device)
+    pop.use_image_store(cache)
+    if not args.quiet:
+        print(cache.reason, file=sys.stderr, flush=True)
     xi, xi_info = resolve_xi(args, ds, splits, quiet=args.quiet) if main else (None, None)
     if dctx is not None:        # ξ pre-trained (or read) once, on rank 0: every rank the same weights
         xi, xi_info = distributed.broadcast((xi, xi_info), dctx)
@@ -199,6 +208,7 @@ def run_simulation(args: argparse.Namespace, title: str = "fedfs simulate",
                "population": {"clients": pop.num_clients, "new_users": pop.num_new_users,
                               "public": len(splits.public), "image_size": pop.image_size, "data": repr(ds)},
                "notes": notes, "skipped": splits.meta.get("skipped"),
+               "data_cache": {**cache.to_dict(), **pop.store.stats()},
                "clients": _client_names(ds, splits),
                "wall_seconds": time.perf_counter() - t0, "methods": rows}
     results["files"] = {k: str(v) for k, v in write_results(out, results, title).items()}

@@ -4,15 +4,17 @@ Both implement :class:`IdentityDataset`, the only thing the simulator needs: how
 identities, how many images each has, and normalized float32 batches ``[n, 3, S, S]``
 (``(x − 127.5)/127.5``, RGB — the contract of :func:`fedfs_sdk.runtime.preprocess.preprocess`).
 
-Images are cached as uint8 (4× smaller than float32 and exact: every fedfs input is
-``(level − 127.5)/127.5`` for an integer level) in a byte-bounded LRU.
+Both also give the images as uint8 ``[n, 3, S, S]`` (``batch_uint8``, on a chosen device):
+4× smaller than float32 and exact — every fedfs input is ``(level − 127.5)/127.5`` for an
+integer level — which is what :class:`~device_sim.image_store.ClientImageStore` keeps and a
+training device normalizes. Recently used images are cached as uint8 in a byte-bounded LRU.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
@@ -23,6 +25,7 @@ import torch
 from fedfs_sdk.errors import FedFSError, ImageNotFoundError, InputError
 from fedfs_sdk.runtime.preprocess import IMAGE_EXTENSIONS, face_mode_key, preprocess
 
+from .image_cache import LRUImageCache, normalize
 from .synthfaces import SynthFaces, broadcast_pairs
 
 __all__ = ["IdentityDataset", "SynthDataset", "ImageFolderDataset", "SkippedFile", "SkippedIdentity",
@@ -46,6 +49,9 @@ class IdentityDataset(Protocol):
         """``[len(indices), 3, S, S]`` float32 normalized images of one identity."""
         ...
 
+    # Optionally ``batch_uint8(identities, indices, device=None, cache=True)``: the same images
+    # as uint8 levels on ``device`` (the image store uses it; without it, ``batch`` is quantized).
+
     def batch(self, identities: IndexLike, indices: IndexLike) -> torch.Tensor:
         """``[N, 3, S, S]`` for pairs ``(identities[i], indices[i])`` (scalars broadcast)."""
         ...
@@ -57,66 +63,6 @@ class IdentityDataset(Protocol):
     def fingerprint(self) -> str:
         """sha256 of what determines the images (checkpoints record it)."""
         ...
-
-
-def _to_float(u8: torch.Tensor) -> torch.Tensor:
-    return (u8.to(torch.float32) - 127.5) / 127.5
-
-
-class LRUImageCache:
-    """Byte-bounded LRU of uint8 ``[3, S, S]`` images keyed by ``(identity, index)``."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = int(max_bytes)
-        self._d: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
-        self.nbytes = 0
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    def get(self, key: tuple[int, int]) -> torch.Tensor | None:
-        t = self._d.get(key)
-        if t is None:
-            self.misses += 1
-            return None
-        self._d.move_to_end(key)
-        self.hits += 1
-        return t
-
-    def put(self, key: tuple[int, int], value: torch.Tensor) -> None:
-        if self.max_bytes <= 0:
-            return
-        size = value.numel() * value.element_size()
-        if key in self._d:
-            return
-        self._d[key] = value
-        self.nbytes += size
-        while self.nbytes > self.max_bytes and self._d:
-            _, old = self._d.popitem(last=False)
-            self.nbytes -= old.numel() * old.element_size()
-
-    def clear(self) -> None:
-        self._d.clear()
-        self.nbytes = 0
-
-    def fetch_into(self, ids: np.ndarray, idx: np.ndarray, out: torch.Tensor) -> list[int]:
-        """Copy each cached image of the pairs ``(ids[i], idx[i])`` into ``out[i]``; return
-        the positions ``i`` that were not cached."""
-        missing = []
-        for i, key in enumerate(zip(ids.tolist(), idx.tolist())):
-            t = self.get(key)
-            if t is None:
-                missing.append(i)
-            else:
-                out[i] = t
-        return missing
-
-    def put_many(self, ids: np.ndarray, idx: np.ndarray, positions: list[int], images: torch.Tensor) -> None:
-        """Cache ``images[j]`` as the pair at ``positions[j]``."""
-        for j, i in enumerate(positions):
-            self.put((int(ids[i]), int(idx[i])), images[j].clone())
 
 
 class SynthDataset:
@@ -139,6 +85,8 @@ class SynthDataset:
         self.image_size = faces.image_size
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.cache = LRUImageCache(cache_bytes)
+        self.rendered = 0
+        """Images rendered so far (cache misses included)."""
 
     def __repr__(self) -> str:
         return (f"SynthDataset({self.faces!r}, images_per_identity={self.images_per_identity}, "
@@ -163,20 +111,32 @@ class SynthDataset:
         return self.batch(identity, indices)
 
     def batch(self, identities: IndexLike, indices: IndexLike) -> torch.Tensor:
+        return normalize(self.batch_uint8(identities, indices))
+
+    def batch_uint8(self, identities: IndexLike, indices: IndexLike, device: str | torch.device | None = None,
+                    cache: bool = True) -> torch.Tensor:
+        """uint8 ``[N, 3, S, S]`` rendered on ``device`` (default: the dataset's), in the
+        renderer's large chunks. ``cache=False`` (or another device than the dataset's)
+        bypasses the LRU: the image store keeps the images itself."""
         ids, idx = broadcast_pairs(identities, indices)
         self._check_ids(ids)
         if idx.size and (idx.min() < 0 or idx.max() >= self.images_per_identity):
             raise InputError(f"image index out of range [0, {self.images_per_identity}): "
                              f"{int(idx.min())}..{int(idx.max())}")
+        dev = self.device if device is None else torch.device(device)
+        if not cache or dev != self.device:
+            self.rendered += int(ids.size)
+            return self.faces.render_u8(ids, idx, dev)
         S = self.image_size
-        out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8, device=self.device)
+        out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8, device=dev)
         missing = self.cache.fetch_into(ids, idx, out)
         if missing:
             m = np.asarray(missing)
-            levels = self.faces._render_levels(ids[m], idx[m], self.device).to(torch.uint8)
-            out[torch.as_tensor(m, device=self.device)] = levels
+            levels = self.faces.render_u8(ids[m], idx[m], dev)
+            self.rendered += int(m.size)
+            out[torch.as_tensor(m, device=dev)] = levels
             self.cache.put_many(ids, idx, missing, levels)
-        return _to_float(out)
+        return out
 
     def _check_ids(self, ids: np.ndarray) -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_identities):
@@ -245,6 +205,9 @@ class ImageFolderDataset:
         self.skipped_identities: list[SkippedIdentity] = []
         self.ignored: list[SkippedFile] = []
         self.cache = LRUImageCache(cache_bytes)
+        self.decoded = 0
+        """Image files decoded so far (validation and preloading included)."""
+        self.decode_threads = max(1, min(8, os.cpu_count() or 1))
         self._preloaded: torch.Tensor | None = None
         need = max(1, min_images)
 
@@ -350,21 +313,41 @@ class ImageFolderDataset:
         return self.batch(identity, indices)
 
     def batch(self, identities: IndexLike, indices: IndexLike) -> torch.Tensor:
+        return normalize(self.batch_uint8(identities, indices))
+
+    def batch_uint8(self, identities: IndexLike, indices: IndexLike, device: str | torch.device | None = None,
+                    cache: bool = True) -> torch.Tensor:
+        """uint8 ``[N, 3, S, S]`` decoded on the CPU (``decode_threads`` at a time for large
+        batches), on ``device``. ``cache=False`` bypasses the LRU (the image store keeps
+        the images itself, so each file is decoded once)."""
         ids, idx = broadcast_pairs(identities, indices)
         self._check(ids, idx)
         S = self.image_size
         if self._preloaded is not None:
-            flat = torch.as_tensor(self._offsets[ids] + idx)
-            return _to_float(self._preloaded[flat])
-        out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8)
-        missing = self.cache.fetch_into(ids, idx, out)
-        if missing:
-            u8 = self._load_u8([self.files[ids[i]][idx[i]] for i in missing])
-            out[torch.as_tensor(missing)] = u8
-            self.cache.put_many(ids, idx, missing, u8)
-        return _to_float(out)
+            out = self._preloaded[torch.as_tensor(self._offsets[ids] + idx)]
+        elif not cache:
+            out = self._load_u8([self.files[i][j] for i, j in zip(ids.tolist(), idx.tolist())]) if ids.size \
+                else torch.empty((0, 3, S, S), dtype=torch.uint8)
+        else:
+            out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8)
+            missing = self.cache.fetch_into(ids, idx, out)
+            if missing:
+                u8 = self._load_u8([self.files[ids[i]][idx[i]] for i in missing])
+                out[torch.as_tensor(missing)] = u8
+                self.cache.put_many(ids, idx, missing, u8)
+        return out if device is None else out.to(device)
 
     def _load_u8(self, paths: Sequence[Path]) -> torch.Tensor:
+        """Decode ``paths`` (OpenCV releases the GIL: large lists go to a few threads)."""
+        self.decoded += len(paths)
+        per = 64
+        if len(paths) <= per or self.decode_threads <= 1:
+            return self._decode(paths)
+        parts = [paths[a:a + per] for a in range(0, len(paths), per)]
+        with ThreadPoolExecutor(self.decode_threads) as pool:
+            return torch.cat(list(pool.map(self._decode, parts)))
+
+    def _decode(self, paths: Sequence[Path]) -> torch.Tensor:
         x = preprocess([str(p) for p in paths], self.image_size, detect_face=self.detect_face)
         return torch.from_numpy(np.rint(x * 127.5 + 127.5)).to(torch.uint8)
 

@@ -180,7 +180,7 @@ def _probes(pop: Population, clients: np.ndarray, cfg: EvalConfig) -> _Probes:
     if ids.size > cfg.impostor_pool:          # sample before loading: 10,000 clients' test sets are large
         keep = np.sort(rng.choice(ids.size, cfg.impostor_pool, replace=False))
         ids, idx, owner = ids[keep], idx[keep], owner[keep]
-    pool = pop.images(ids, idx)
+    pool = pop.images(ids, idx, clients=owner)      # through the image store when the population has one
     nx, no, nt = [], [], []
     for j in range(pop.num_new_users):
         tr, te = pop.new_user_images(j, "train"), pop.new_user_images(j, "test")
@@ -253,9 +253,9 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
             else:
                 f = {"pool": embed(spec, probes.pool, dev, config.batch_size),
                      "new": embed(spec, probes.new, dev, config.batch_size) if has_new else None}
-            own_train = embed(spec, population.train_images(c), dev, config.batch_size)
-            own_test = embed(spec, population.test_images(c), dev, config.batch_size)
-            fresh = population.warmup_images(c)
+            own_train = embed(spec, population.train_images(c, dev), dev, config.batch_size)
+            own_test = embed(spec, population.test_images(c, dev), dev, config.batch_size)
+            fresh = population.warmup_images(c, dev)
             scorer = _Scorer(spec, own_train, None if fresh is None else embed(spec, fresh, dev, config.batch_size))
             genuine = scorer(own_test)
             others = probes.pool_owner != c

@@ -47,6 +47,7 @@ from .client_store import ClientStore
 from .distributed import DistContext, DistributedFedAvg, all_gather, gather_to_main
 from .executors import ClientTask, LocalConfig, make_executor, train_splitting, unstack
 from .methods.base import FederatedMethod, Params, SimContext, Weights
+from .prefetch import PREFETCH_MODES, ChunkFeed, prefetch_enabled
 from .rank_split import assign_participants
 from .phases import PhaseTimer
 from .xi_cache import XiCache
@@ -57,9 +58,12 @@ CHECKPOINT_FORMAT = "fedfs-federation/1"
 class ClientData(Protocol):
     """What the loop needs from the data: one client's local training images.
 
-    Optionally ``fingerprint() -> dict[str, str]`` (digests of the dataset and the split,
-    as :meth:`device_sim.population.Population.fingerprint`): checkpoints record it, with a
-    digest of a few clients' training images, so a resume on other data is refused.
+    Optionally ``train_chunk(clients, device) -> list[Tensor]`` (a chunk's images at once,
+    uint8 or float per client, as :meth:`device_sim.population.Population.train_chunk`);
+    ``fingerprint() -> dict[str, str]`` (digests of the dataset and the split, as
+    :meth:`device_sim.population.Population.fingerprint`): checkpoints record it, with a
+    digest of a few clients' training images (``reference_train_images`` where the data
+    have it), so a resume on other data is refused.
     """
 
     num_clients: int
@@ -82,6 +86,8 @@ class FederationConfig:
         executor: ``auto`` | ``sequential`` | ``batched``.
         chunk_size: clients per executor call (0: the executor's default / calibration).
         store_dtype, store_location: where ``θ_c`` lives (see :mod:`device_sim.client_store`).
+        prefetch: ``auto`` | ``on`` | ``off`` — prepare the next chunk's images while a chunk
+            trains (:mod:`device_sim.prefetch`; ``auto``: on CUDA). Changes no result.
     """
 
     rounds: int = 10
@@ -93,12 +99,15 @@ class FederationConfig:
     chunk_size: int = 0
     store_dtype: str = "fp32"
     store_location: str = "cpu"
+    prefetch: str = "auto"
 
     def __post_init__(self) -> None:
         if self.rounds < 0:
             raise InputError(f"rounds must be ≥ 0, got {self.rounds}")
         if not 0 < self.participation <= 1:
             raise InputError(f"participation must be in (0, 1], got {self.participation}")
+        if self.prefetch not in PREFETCH_MODES:
+            raise InputError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {self.prefetch!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -146,8 +155,9 @@ def data_fingerprint(data: ClientData, sample_clients: int = 3) -> dict[str, str
     out = {str(k): str(v) for k, v in (fp_fn() if callable(fp_fn) else {}).items()}
     n = int(data.num_clients)
     h = hashlib.sha256(str(n).encode())
+    images_of = getattr(data, "reference_train_images", None) or data.train_images
     for c in sorted({round(i * (n - 1) / max(sample_clients - 1, 1)) for i in range(sample_clients)}) if n else []:
-        x = data.train_images(c).detach().to("cpu", torch.float32).contiguous()
+        x = images_of(c).detach().to("cpu", torch.float32).contiguous()
         h.update(json.dumps([c, list(x.shape)]).encode())
         h.update(x.numpy().tobytes())
     out["images"] = h.hexdigest()
@@ -274,16 +284,15 @@ class Federation:
         stepped = 0
         total_samples = 0
 
-        def tasks_of(chunk: np.ndarray) -> list[ClientTask]:
+        def tasks_of(chunk: np.ndarray, images: list[torch.Tensor]) -> list[ClientTask]:
             with self.phases("store"):
                 private = self.store.get(chunk, ex.device, fresh_flat=fresh_flat, borrowed=borrowed) \
                     if self.store is not None else {}
-            with self.phases("data"):
-                images = [self.data.train_images(c, ex.device) for c in chunk.tolist()]
             tasks = []
             for i, c in enumerate(chunk.tolist()):
                 params: Params = {"global": global_dev, **unstack(private, i)}
                 consts = method.client_consts(plan, self.client_state(c))
+                # uint8 images stay uint8: the executor normalizes them on its device
                 tasks.append(ClientTask(c, images[i], params, consts, client_seed(cfg.seed, r, c)))
             if self.xi_cache is not None:
                 with self.phases("xi"):
@@ -293,13 +302,24 @@ class Federation:
         if getattr(ex, "needs_calibration", False) and len(mine):
             # Size chunks before the first one is built: a probe step of the round's first
             # clients at their real image count, batch size and epochs (executors.memory).
-            probe = tasks_of(mine[:2])
+            with self.phases("data"):
+                probe_images = next(iter(ChunkFeed(self.data, mine[:2], lambda: 2, ex.device, False)))[1]
+            probe = tasks_of(mine[:2], probe_images)
             with self.phases("calibrate"):
                 ex.calibrate(method, plan, probe, cfg.local)
-        start = 0
-        while start < len(mine):
-            chunk = mine[start:start + ex.chunk_size]
-            tasks = tasks_of(chunk)
+            del probe, probe_images
+        # The round's chunks are cut in one place, ChunkFeed._cut, at ex.chunk_size as it is when
+        # the previous chunk is handed out; the next chunk's images are prepared while a chunk
+        # trains (device_sim/prefetch.py). The "data" phase is the time spent waiting for them.
+        feed = iter(ChunkFeed(self.data, mine, lambda: ex.chunk_size, ex.device,
+                              prefetch_enabled(cfg.prefetch, ex.device)))
+        while True:
+            with self.phases("data"):
+                item = next(feed, None)
+            if item is None:
+                break
+            chunk, images = item
+            tasks = tasks_of(chunk, images)
             # out of memory: split in half and retry (clients are independent; executors.splitting)
             with self.phases("train"):
                 res = train_splitting(ex, method, plan, tasks, cfg.local)
@@ -319,7 +339,6 @@ class Federation:
             for k, v in res.metrics.items():    # metrics are on the CPU
                 sums[k] = sums.get(k, 0.0) + float(v[took].double().sum())
             total_samples += n_chunk
-            start += len(chunk)
         if trainer is not None and self.store is not None and self.dist is not None:
             return_rows(self.store, participants, trainer, returned, self.dist)
         if self.store is not None:
@@ -389,7 +408,7 @@ class Federation:
     # ---- checkpoints -------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
         cfg = self.config.to_dict()
-        for k in ("rounds", "executor", "chunk_size", "device"):  # may differ on resume
+        for k in ("rounds", "executor", "chunk_size", "device", "prefetch"):  # may differ on resume
             cfg.pop(k)
         if self._data_fingerprint is None:
             self._data_fingerprint = data_fingerprint(self.data)

@@ -135,7 +135,7 @@ def get_domain(domain: str | SynthDomain | None) -> SynthDomain:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rendering helpers (called by SynthFaces._draw)
+# Rendering helpers (called by the SynthFaces painter, device_sim.synthfaces.painter)
 # ---------------------------------------------------------------------------------------------
 STYLE_COLUMNS = 6   # uniforms per image drawn from the domain-style hash stream
 

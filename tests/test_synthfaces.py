@@ -134,7 +134,7 @@ def test_scoped_threads_same_pixels_and_restored() -> None:
 
 
 def test_jpeg_like_identity_at_zero_and_lossy_above() -> None:
-    from device_sim.synthfaces import _jpeg_like
+    from device_sim.synthfaces.shapes import jpeg_like as _jpeg_like
 
     x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
     assert float((_jpeg_like(x, torch.zeros(2)) - x).abs().max()) < 1e-5     # orthonormal DCT round trip
