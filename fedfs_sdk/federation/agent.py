@@ -88,12 +88,45 @@ class DeviceAgent:
         self._checked = batches is not None
         self._progress_at = clock()
         self._refused: set[int] = set()
+        self._identity: Any = None
 
     def check_inputs(self) -> None:
-        """:func:`check_local_inputs` once (:meth:`run` calls it before registering)."""
+        """:func:`check_local_inputs` once (:meth:`run` calls it before registering), and the
+        secure-aggregation identity when a CA is pinned (installing ``identity_certificate``)."""
         if not self._checked:
             self._batches.update(check_local_inputs(self.images, self.config, self.runtime))
             self._checked = True
+        ca = self.config.secagg.ca
+        if ca is not None and self._identity is None:
+            from .device_identity import install_certificate, load_identity
+
+            cert = self.config.identity_certificate
+            self._identity = install_certificate(self.state, cert, ca) if cert is not None else \
+                load_identity(self.state)
+            assert self._identity.certificate is not None
+            try:
+                self._identity.certificate.verify(ca)
+            except Exception as e:     # an installed certificate of another CA, or expired
+                raise InputError(f"the device's identity certificate ({self.state.path}/identity.cert) does not "
+                                 f"verify under the pinned CA: {e}") from None
+
+    def secure_required(self) -> bool:
+        """Whether this device takes part only in secure rounds (``config.require_secure_aggregation``;
+        automatic: once its server offered secure aggregation, or with a pinned identity CA)."""
+        req = self.config.require_secure_aggregation
+        if req is not None:
+            return req
+        info = self.state.info
+        return self.config.secagg.ca is not None or bool(info is not None and info.secure_aggregation)
+
+    def _check_transport(self) -> None:
+        from .secagg.http_device import is_loopback
+
+        url = self.client.base_url
+        if self.secure_required() and not url.startswith("https://") and not is_loopback(url):
+            raise InputError(f"this device takes part only in secure-aggregation rounds and {url} is plain http:// "
+                             "to another machine, where anyone on the path can read and rewrite the protocol: "
+                             "use https:// (fedfs serve --tls-cert/--tls-key; fedfs device --tls-ca)")
 
     # ---- registration ------------------------------------------------------------------
 
@@ -110,8 +143,10 @@ class DeviceAgent:
             return
         reg = self.client.register(self.config.registration_token)
         self.state.save_registration(self.client.base_url, reg["device_id"], reg["token"], reg["base_vector"])
+        if reg.get("secure_aggregation") is True:
+            self.state.mark_secure_aggregation()
         self.client.token = reg["token"]
-        self._emit("registered", {"device_id": reg["device_id"]})
+        self._emit("registered", {"device_id": reg["device_id"], "secure_aggregation": reg.get("secure_aggregation")})
 
     # ---- main loop ---------------------------------------------------------------------
 
@@ -150,6 +185,7 @@ class DeviceAgent:
                 if not is_transient(e):
                     raise
                 self._server_down(e)
+        self._check_transport()
         while self.config.rounds == 0 or len(report.rounds) < self.config.rounds:
             self._patience(self.config.wait_timeout_s - (self._clock() - self._progress_at))
             try:
@@ -167,7 +203,10 @@ class DeviceAgent:
                     # the server's hint, bounded so a bad value neither spins nor stalls the device
                     self._sleep(min(max(float(task.get("retry_after") or 1.0), 0.05), 60.0))
                     continue
-                if self.config.require_secure_aggregation and task.get("secagg") is None:
+                if task.get("secagg") is not None and self.config.require_secure_aggregation is not False:
+                    self.state.mark_secure_aggregation()     # from now on a plain round is refused
+                    self._check_transport()
+                if task.get("secagg") is None and self.secure_required():
                     self._refuse_plain(report, task)
                     continue
                 self._progress_at = self._clock()         # a task is progress: the round gets the full timeout
@@ -276,7 +315,8 @@ class DeviceAgent:
 
         round_id, version, method = int(task["round_id"]), int(task["model_version"]), str(task["method"])
         session = SecAggSession(self.client, task, sleep=self._sleep, clock=self._clock,
-                                wait_timeout_s=self.config.wait_timeout_s)
+                                wait_timeout_s=self.config.wait_timeout_s, identity=self._identity,
+                                policy=self.config.secagg)
         self._emit("round_started", {"round_id": round_id, "model_version": version, "method": method,
                                      "runtime": self.runtime.name, "secure_aggregation": True})
         session.advertise()
@@ -296,7 +336,7 @@ class DeviceAgent:
         self.state.commit_pending(receipt)          # counted (unless the whole round fails)
         self._emit("uploaded", {"round_id": round_id, "bytes": session.bytes_sent, "secure_aggregation": True,
                                 "clipped_weights": receipt.get("n_clipped")})
-        session.unmask()
+        session.unmask()                            # authenticated rounds: after the consistency check
         done = session.result()
         self._emit("secure_round_done", {"round_id": round_id, "result_version": done.get("result_version"),
                                          "bytes_sent": session.bytes_sent, "bytes_received": session.bytes_received})
