@@ -136,7 +136,8 @@ def flatten_arrays(arrays: Mapping[str, np.ndarray], layout_sha256: str | None,
     return vec, floating
 
 
-_AFTER = {"advertise": 0, "share_keys": 1, "masked": 2, "unmask": 3, "done": 4, "failed": 4, "closed": 4}
+_AFTER = {"advertise": 0, "share_keys": 1, "masked": 2, "consistency": 3, "unmask": 4, "done": 5, "failed": 5,
+          "closed": 5}
 
 
 class SecAggSession:
