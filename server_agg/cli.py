@@ -171,26 +171,6 @@ def policy_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def tls_files(args: argparse.Namespace) -> tuple[str, str] | None:
-    """``(cert, key)`` for uvicorn when HTTPS is asked for; :class:`InputError` when half given,
-    missing, or the key does not belong to the certificate (checked with ``ssl`` before binding)."""
-    cert, key = getattr(args, "tls_cert", None), getattr(args, "tls_key", None)
-    if cert is None and key is None:
-        return None
-    if cert is None or key is None:
-        raise InputError("give both --tls-cert and --tls-key (or neither)")
-    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
-        if not path.is_file():
-            raise InputError(f"{flag}: no such file {path}")
-    import ssl
-
-    try:
-        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(cert), str(key))
-    except (ssl.SSLError, OSError) as e:
-        raise InputError(f"--tls-cert {cert} / --tls-key {key} cannot be used: {e}") from None
-    return str(cert), str(key)
-
-
 def initial_checkpoint(args: argparse.Namespace) -> bytes | None:
     """Bytes of the model to publish as version 1, from --init-model or --init-backbone."""
     if args.init_model is not None and args.init_backbone is not None:
@@ -317,7 +297,9 @@ def run(args: argparse.Namespace) -> int:
         xi = args.xi.read_bytes()
         validate_xi(xi)
     overrides = policy_overrides(args)
-    tls = tls_files(args)
+    from .transport import tls_files
+
+    tls = tls_files(getattr(args, "tls_cert", None), getattr(args, "tls_key", None))
     if overrides.get("dp_noise_multiplier") is not None:
         from .dp import require_accountant
 
@@ -400,5 +382,5 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
         coord.close()
 
 
-__all__ = ["add_arguments", "run", "policy_overrides", "tls_files", "initial_checkpoint", "check_start", "check_proj_dim",
+__all__ = ["add_arguments", "run", "policy_overrides", "initial_checkpoint", "check_start", "check_proj_dim",
            "xi_config_of", "bind_listener"]

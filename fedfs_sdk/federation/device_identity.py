@@ -17,13 +17,13 @@ sign with P-256).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
 from .device_state import DeviceState, DeviceStateError
-from .secagg.identity import (CaPublicKey, Certificate, DeviceIdentity, IdentityError, load_private_key,
-                              write_private_key)
+from .secagg.identity import CaPublicKey, Certificate, DeviceIdentity, IdentityError, load_private_key
 
 KEY_FILE = "identity.key"
 CERT_FILE = "identity.cert"
@@ -40,7 +40,7 @@ def create_identity(state: DeviceState) -> DeviceIdentity:
     if _key_path(state).is_file():
         return load_identity(state, require_certificate=False)
     ident = DeviceIdentity.generate()
-    write_private_key(_key_path(state), ident._sk)   # the one place the private key is written
+    ident.save_key(_key_path(state))        # the one place the private key is written
     return ident
 
 
@@ -84,7 +84,6 @@ def install_certificate(state: DeviceState, certificate: Certificate | str | Pat
     except IdentityError as e:
         raise InputError(f"the identity certificate does not verify: {e}") from None
     from ..fileio import atomic_write_bytes
-    import json
 
     atomic_write_bytes(state.path / CERT_FILE, json.dumps(cert.to_json(), indent=1).encode(), mode=0o600)
     return ident.with_certificate(cert)

@@ -318,6 +318,10 @@ class DeviceIdentity:
         """The private key as PKCS#8 PEM: for the device's own state only."""
         return private_key_pem(self._sk)
 
+    def save_key(self, path: str | os.PathLike[str]) -> None:
+        """Write the private key to ``path`` (PKCS#8 PEM, 0600, atomically) — the device's state."""
+        write_private_key(path, self._sk)
+
 
 __all__ = ["CaPublicKey", "Certificate", "CertificateAuthority", "DeviceIdentity", "IdentityError", "verify",
            "canonical", "key_id", "load_private_key", "write_private_key", "CA_FORMAT", "CERT_FORMAT",
