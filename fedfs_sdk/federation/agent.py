@@ -147,6 +147,7 @@ class DeviceAgent(SecureRounds):
             pass
 
     def _take_part(self, report: DeviceReport) -> None:
+        self._check_transport()          # before the token travels, when secure rounds are required already
         while True:
             self._patience(self.config.wait_timeout_s - (self._clock() - self._progress_at))
             try:
