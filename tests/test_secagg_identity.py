@@ -210,3 +210,21 @@ def test_previous_snapshot_format_still_restores():
     old = {k: v for k, v in snap.items() if k not in ("adverts", "u4", "csigs")}
     old["format"] = "fedfs-secagg-server/1"
     assert sorted(restore(p, old).pks) == [1, 2, 3]
+
+
+def test_serve_tls_flags_are_checked_before_the_port_is_bound(tmp_path):
+    """``fedfs serve --tls-cert/--tls-key``: both or neither, existing files, a key that belongs
+    to the certificate — else one clear error before anything is bound or written."""
+    from conftest_server import self_signed_cert
+    from server_agg.transport import tls_files
+
+    cert, key = self_signed_cert(tmp_path / "a")
+    _, other_key = self_signed_cert(tmp_path / "b")
+    assert tls_files(None, None) is None
+    assert tls_files(cert, key) == (str(cert), str(key))
+    with pytest.raises(InputError, match="give both --tls-cert and --tls-key"):
+        tls_files(cert, None)
+    with pytest.raises(InputError, match="no such file"):
+        tls_files(cert, tmp_path / "missing.pem")
+    with pytest.raises(InputError, match="cannot be used"):
+        tls_files(cert, other_key)

@@ -4,7 +4,7 @@ the device agents use) and synthetic updates, so each round runs in seconds.
 
 What is checked: what the server receives and stores holds no device's update in the clear;
 the published model is the FedAvg of the survivors to the fixed-point bound of
-docs/privacy.md; dropouts after masking up to t − 1 are recovered and one more fails the
+docs/privacy.md; dropouts after masking up to n − t are recovered and one more fails the
 round cleanly (and the next round opens); bad messages get a 4xx and change nothing; a
 SIGKILLed server resumes the round from its saved state.
 """
