@@ -26,10 +26,7 @@ one-process run).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,22 +35,20 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from fedfs_sdk.nn.checkpoint import model_id_of, read_safetensors, write_safetensors_atomic
-from fedfs_sdk.errors import CheckpointError, InputError
+from fedfs_sdk.errors import InputError
 from server_agg.aggregate import StreamingFedAvg, fedavg_stacked
 
 from .borrowing import lend_rows, return_rows, store_chunk
 from .client_store import ClientStore
 from .distributed import DistContext, DistributedFedAvg, all_gather, gather_to_main
+from .federation_state import (CHECKPOINT_FORMAT, IDENTITY_PARTS, checkpoint_path, data_fingerprint,  # noqa: F401
+                               latest_checkpoint, load_federation, save_federation)
 from .executors import ClientTask, LocalConfig, make_executor, train_splitting, unstack
 from .methods.base import FederatedMethod, Params, SimContext, Weights
 from .prefetch import PREFETCH_MODES, ChunkFeed, prefetch_enabled
 from .rank_split import assign_participants
 from .phases import PhaseTimer
 from .xi_cache import XiCache
-
-CHECKPOINT_FORMAT = "fedfs-federation/1"
-
 
 class ClientData(Protocol):
     """What the loop needs from the data: one client's local training images.
@@ -137,31 +132,6 @@ class RoundRecord:
     borrowed: int | None = None
     """Distributed runs: participants trained on a rank other than their home rank
     (``--rank-split balanced``); None in one process."""
-
-
-IDENTITY_PARTS = {
-    "data.dataset": "the dataset (images, identities, preprocessing)",
-    "data.splits": "the public / client / new-user split",
-    "data.images": "the clients' training images",
-    "xi": "the pre-trained ξ weights",
-}
-
-
-def data_fingerprint(data: ClientData, sample_clients: int = 3) -> dict[str, str]:
-    """``data.fingerprint()`` (when it has one) plus ``images``: sha256 of the training images
-    of ``sample_clients`` clients spread over the population (first, middle, last) — a cheap
-    check that the client data themselves are the same."""
-    fp_fn = getattr(data, "fingerprint", None)
-    out = {str(k): str(v) for k, v in (fp_fn() if callable(fp_fn) else {}).items()}
-    n = int(data.num_clients)
-    h = hashlib.sha256(str(n).encode())
-    images_of = getattr(data, "reference_train_images", None) or data.train_images
-    for c in sorted({round(i * (n - 1) / max(sample_clients - 1, 1)) for i in range(sample_clients)}) if n else []:
-        x = images_of(c).detach().to("cpu", torch.float32).contiguous()
-        h.update(json.dumps([c, list(x.shape)]).encode())
-        h.update(x.numpy().tobytes())
-    out["images"] = h.hexdigest()
-    return out
 
 
 def client_seed(seed: int, round_idx: int, client: int) -> int:
@@ -406,57 +376,15 @@ class Federation:
                     self.store.import_rows(ids, rows)
 
     # ---- checkpoints -------------------------------------------------------------------
-    def _identity(self) -> dict[str, Any]:
-        cfg = self.config.to_dict()
-        for k in ("rounds", "executor", "chunk_size", "device", "prefetch"):  # may differ on resume
-            cfg.pop(k)
-        if self._data_fingerprint is None:
-            self._data_fingerprint = data_fingerprint(self.data)
-        if self._xi_fingerprint is None:
-            self._xi_fingerprint = model_id_of(self.ctx.xi.state_dict())
-        return {"method": self.method.name, "options": self.method.options(), "config": cfg,
-                "num_clients": self.data.num_clients, "model_config": self.ctx.model_config.to_json(),
-                "data": self._data_fingerprint, "xi": self._xi_fingerprint}
-
     def save(self, path: str | os.PathLike[str]) -> Path | None:
-        """Write the whole federation state (global and server weights, client store, round,
-        sampler and torch RNG states, history) to one safetensors file, atomically.
-
-        Distributed: a collective (every rank calls it); rank 0 gathers the store shards and
-        writes, the other ranks write nothing and return None."""
-        self.collect_private()
-        if not self.is_main:
-            return None
-        tensors: dict[str, torch.Tensor] = {f"global/{k}": v.contiguous() for k, v in self.global_weights.items()}
-        tensors.update({f"server/{k}": v.detach().cpu().contiguous() for k, v in self.method.server_state().items()})
-        if self.store is not None:
-            tensors.update({f"store/{k}": v for k, v in self.store.state_tensors().items()})
-        tensors["rng/torch"] = torch.get_rng_state()
-        meta = {"format": CHECKPOINT_FORMAT, "round": str(self.round),
-                "identity": json.dumps(self._identity(), sort_keys=True),
-                "sampler": json.dumps(self.sampler.bit_generator.state),
-                "history": json.dumps([asdict(h) for h in self.history])}
-        return write_safetensors_atomic(path, tensors, meta)
+        """Write the whole federation state to one safetensors file, atomically
+        (:func:`device_sim.federation_state.save_federation`). Distributed: a collective;
+        rank 0 writes, the other ranks return None."""
+        return save_federation(self, path)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Restore a state written by :meth:`save` for the same method, data and settings."""
-        p = Path(path)
-        tensors, meta = read_safetensors(p, CHECKPOINT_FORMAT, "federation checkpoint")
-        saved, mine = json.loads(meta["identity"]), json.loads(json.dumps(self._identity(), sort_keys=True))
-        if saved != mine:
-            raise CheckpointError(_identity_mismatch(p, saved, mine))
-        glob = {k[len("global/"):]: v for k, v in tensors.items() if k.startswith("global/")}
-        if set(glob) != set(self.global_weights):
-            raise CheckpointError(f"{p}: global weights do not match the method's model")
-        self.global_weights = glob
-        self.method.load_server_state({k[len("server/"):]: v for k, v in tensors.items() if k.startswith("server/")})
-        if self.store is not None:
-            self.store.load_state_tensors({k[len("store/"):]: v for k, v in tensors.items() if k.startswith("store/")})
-            self._has_row = self.store.rows >= 0
-        torch.set_rng_state(tensors["rng/torch"])
-        self.sampler.bit_generator.state = json.loads(meta["sampler"])
-        self.round = int(meta["round"])
-        self.history = [RoundRecord(**h) for h in json.loads(meta["history"])]
+        load_federation(self, path)
 
 
 def check_distributable(method: FederatedMethod) -> None:
@@ -469,45 +397,5 @@ def check_distributable(method: FederatedMethod) -> None:
                          f"across ranks; run it in one process (--workers 1)")
 
 
-def _identity_mismatch(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> str:
-    """Why a checkpoint's identity differs from this run's: the differing parts, by name."""
-    diff: list[str] = []
-    for k in sorted(set(saved) | set(mine)):
-        a, b = saved.get(k), mine.get(k)
-        if a == b:
-            continue
-        if k == "data" and isinstance(a, dict) and isinstance(b, dict):
-            diff += [f"data.{s}" for s in sorted(set(a) | set(b)) if a.get(s) != b.get(s)]
-        else:
-            diff.append(k)
-    if {"data", "xi"} & set(mine) and not {"data", "xi"} & set(saved) and diff == sorted(
-            {"data", "xi"} & set(mine)):
-        return (f"{path} has no data/ξ fingerprints (written by an older fedfs), so it cannot be checked "
-                f"against this run's data and ξ; start this run afresh (remove {path.parent})")
-    named = [f"{d} ({IDENTITY_PARTS[d]})" if d in IDENTITY_PARTS else d for d in diff]
-    return (f"{path} was written by a different run (differs in: {', '.join(named)}); "
-            f"use the same method, data, ξ and settings to resume")
-
-
-_ROUND_FILE = re.compile(r"round_(\d+)\.safetensors")
-
-
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The highest-round ``round_<N>.safetensors`` in ``directory`` by the parsed round number
-    (names are zero-padded to 5 digits, so ≥ 100000 rounds would sort wrong as text);
-    None if there is none."""
-    d = Path(directory)
-    best: tuple[int, Path] | None = None
-    for f in (d.iterdir() if d.is_dir() else ()):
-        m = _ROUND_FILE.fullmatch(f.name)
-        if m and f.is_file() and (best is None or int(m.group(1)) > best[0]):
-            best = (int(m.group(1)), f)
-    return best[1] if best else None
-
-
-def checkpoint_path(directory: str | os.PathLike[str], round_idx: int) -> Path:
-    return Path(directory) / f"round_{round_idx:05d}.safetensors"
-
-
 __all__ = ["Federation", "FederationConfig", "RoundRecord", "ClientData", "client_seed", "check_distributable",
-           "latest_checkpoint", "checkpoint_path", "data_fingerprint", "CHECKPOINT_FORMAT"]
+           "latest_checkpoint", "checkpoint_path", "data_fingerprint", "CHECKPOINT_FORMAT", "IDENTITY_PARTS"]
