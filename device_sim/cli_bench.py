@@ -13,7 +13,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = run_benchmark(config_from_args(args), devices_from_arg(args.device))
+    result = run_benchmark(config_from_args(args), devices_from_arg(args.device), tuple(args.executors))
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:

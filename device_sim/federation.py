@@ -45,10 +45,12 @@ from server_agg.aggregate import StreamingFedAvg, fedavg_stacked
 from .borrowing import lend_rows, return_rows, store_chunk
 from .client_store import ClientStore
 from .distributed import DistContext, DistributedFedAvg, all_gather, gather_to_main
-from .executors import ClientTask, LocalConfig, make_executor, unstack
+from .executors import ClientTask, LocalConfig, make_executor, train_splitting, unstack
 from .methods.base import FederatedMethod, Params, SimContext, Weights
-from .prefetch import PREFETCH_MODES, ChunkFeed, prefetch_enabled, task_images
+from .prefetch import PREFETCH_MODES, ChunkFeed, chunk_images, prefetch_enabled
 from .rank_split import assign_participants
+from .phases import PhaseTimer
+from .xi_cache import XiCache
 
 CHECKPOINT_FORMAT = "fedfs-federation/1"
 
@@ -195,6 +197,9 @@ class Federation:
             method.prepare(data)
         self.global_weights: Weights = method.init_global()
         self.executor = make_executor(config.executor, config.device, config.chunk_size)
+        xi_model = method.xi_model() if method.trains else None
+        self.xi_cache = XiCache(xi_model, config.device, config.local.amp) if xi_model is not None else None
+        """ξ(x) of every participant's images, computed once per run (ξ is frozen)."""
         template = method.init_private(self.global_weights)
         self.store = ClientStore(data.num_clients, template, config.store_dtype, config.store_location,
                                  path=store_path) if method.private_groups else None
@@ -210,6 +215,8 @@ class Federation:
         self.borrowed_clients = 0
         """Distributed: clients this rank trained off their home rank, over the run."""
         self.dp = None   # device_sim.dp_sim.SimDp: user-level DP-FedAvg (fedfs simulate --dp-*), set by the caller
+        self.phases = PhaseTimer()
+        """Wall time per phase over the run (``PhaseTimer(sync=device)`` to attribute GPU time)."""
 
     @property
     def is_main(self) -> bool:
@@ -276,28 +283,50 @@ class Federation:
         sums: dict[str, float] = {}
         stepped = 0
         total_samples = 0
-        # The round's chunks are cut in one place, ChunkFeed._cut, at ex.chunk_size as it is when
-        # the previous chunk is handed out (size the executor before this line); the next
-        # chunk's images are prepared while a chunk trains (device_sim/prefetch.py).
-        feed = ChunkFeed(self.data, mine, lambda: ex.chunk_size, ex.device, prefetch_enabled(cfg.prefetch, ex.device))
-        for chunk, images in feed:
-            private = self.store.get(chunk, ex.device, fresh_flat=fresh_flat, borrowed=borrowed) \
-                if self.store is not None else {}
+        def tasks_of(chunk: np.ndarray, images: list[torch.Tensor]) -> list[ClientTask]:
+            with self.phases("store"):
+                private = self.store.get(chunk, ex.device, fresh_flat=fresh_flat, borrowed=borrowed) \
+                    if self.store is not None else {}
             tasks = []
             for i, c in enumerate(chunk.tolist()):
                 params: Params = {"global": global_dev, **unstack(private, i)}
                 consts = method.client_consts(plan, self.client_state(c))
-                tasks.append(ClientTask(c, task_images(images[i]), params, consts, client_seed(cfg.seed, r, c)))
-            res = ex.train(method, plan, tasks, cfg.local)
-            method.receive(plan, res.clients, res.params, res.num_samples)  # server-held class embeddings (FedAwS, FedGC, PrivacyFace)
+                tasks.append(ClientTask(c, images[i], params, consts, client_seed(cfg.seed, r, c)))
+            if self.xi_cache is not None:
+                with self.phases("xi"):
+                    self.xi_cache.fill(tasks)
+            return tasks
+
+        if getattr(ex, "needs_calibration", False) and len(mine):
+            # Size chunks before the first one is built: a probe step of the round's first
+            # clients at their real image count, batch size and epochs (executors.memory).
+            with self.phases("data"):
+                probe_images = chunk_images(self.data, mine[:2], ex.device)
+            probe = tasks_of(mine[:2], probe_images)
+            with self.phases("calibrate"):
+                ex.calibrate(method, plan, probe, cfg.local)
+        # The round's chunks are cut in one place, ChunkFeed._cut, at ex.chunk_size as it is when
+        # the previous chunk is handed out; each comes with its images (uint8 from a Population),
+        # the next chunk's prepared while this one trains (device_sim/prefetch.py). "data" is
+        # the time the loop waited for them.
+        feed = ChunkFeed(self.data, mine, lambda: ex.chunk_size, ex.device, prefetch_enabled(cfg.prefetch, ex.device),
+                         waiting=lambda: self.phases("data"))
+        for chunk, images in feed:
+            tasks = tasks_of(chunk, images)
+            # out of memory: split in half and retry (clients are independent; executors.splitting)
+            with self.phases("train"):
+                res = train_splitting(ex, method, plan, tasks, cfg.local)
             n_chunk = int(res.num_samples.sum())
-            if self.dp is not None:
-                self.dp.add_chunk(acc, res.params["global"], res.num_samples)
-            else:
-                acc.add(fedavg_stacked(res.params["global"], res.num_samples, reference=chunk_ref), n_chunk)
+            with self.phases("fedavg"):
+                method.receive(plan, res.clients, res.params, res.num_samples)  # server-held class embeddings (FedAwS, FedGC, PrivacyFace)
+                if self.dp is not None:
+                    self.dp.add_chunk(acc, res.params["global"], res.num_samples)
+                else:
+                    acc.add(fedavg_stacked(res.params["global"], res.num_samples, reference=chunk_ref), n_chunk)
             if self.store is not None:
-                store_chunk(self.store, res.clients, {g: res.params[g] for g in method.private_groups},
-                            borrowed, returned)
+                with self.phases("store"):
+                    store_chunk(self.store, res.clients, {g: res.params[g] for g in method.private_groups},
+                                borrowed, returned)
             took = res.client_steps > 0
             stepped += int(took.sum())
             for k, v in res.metrics.items():    # metrics are on the CPU
@@ -307,7 +336,8 @@ class Federation:
             return_rows(self.store, participants, trainer, returned, self.dist)
         if self.store is not None:
             self._has_row[participants] = True
-        aggregated = acc.result()          # distributed: the round's one all-reduce
+        with self.phases("fedavg"):
+            aggregated = acc.result()          # distributed: the round's one all-reduce
         if self.dist is not None:
             # a round's metric sums from every rank, added in rank order (small Python floats)
             gathered = all_gather((stepped, sums), self.dist)

@@ -49,7 +49,7 @@ def _measure(cfg: BenchConfig, device: str, executor: str) -> dict[str, Any]:
     from fedfs_sdk.nn.model import FaceNet, ModelConfig
     from server_agg.aggregate import fedavg_stacked
 
-    from .executors import ClientTask, LocalConfig, make_executor
+    from .executors import ClientTask, LocalConfig, make_executor, train_splitting
     from .methods import SimContext, parse_method
 
     if cfg.threads:
@@ -61,7 +61,8 @@ def _measure(cfg: BenchConfig, device: str, executor: str) -> dict[str, Any]:
     method.setup(SimContext(mc, xi, cfg.clients, cfg.seed, device))
     g = method.init_global()
     priv = method.init_private(g)
-    ex = make_executor(executor, device, cfg.chunk_size)
+    kind, _, variant = executor.partition("-")          # "batched-vmap": the batched executor without folding
+    ex = make_executor(kind, device, cfg.chunk_size, **({"fold": "off"} if variant == "vmap" else {}))
     plan = method.configure_round(1, np.arange(cfg.clients))
     rng = np.random.default_rng(cfg.seed)
     s = int(mc.input_size)
@@ -74,10 +75,16 @@ def _measure(cfg: BenchConfig, device: str, executor: str) -> dict[str, Any]:
                                 method.client_consts(plan, method.client_state_init(c)), seed=c))
     local = LocalConfig(batch_size=cfg.batch_size, local_epochs=cfg.local_epochs, amp=cfg.amp)
 
+    if getattr(ex, "needs_calibration", False):
+        ex.calibrate(method, plan, tasks[:2], local)
+
     def one_round() -> None:
-        for a in range(0, len(tasks), ex.chunk_size):
-            res = ex.train(method, plan, tasks[a:a + ex.chunk_size], local)
+        a = 0
+        while a < len(tasks):
+            chunk = tasks[a:a + ex.chunk_size]
+            res = train_splitting(ex, method, plan, chunk, local)
             fedavg_stacked(res.params["global"], res.num_samples)
+            a += len(chunk)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
@@ -94,7 +101,7 @@ def _measure(cfg: BenchConfig, device: str, executor: str) -> dict[str, Any]:
     peak = (torch.cuda.max_memory_allocated() - base) if cuda else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
     params = sum(v.numel() for v in g.values()) + sum(v.numel() for w in priv.values() for v in w.values())
-    return {"device": device, "executor": executor, "chunk_size": ex.chunk_size,
+    return {"device": device, "executor": executor, "chunk_size": ex.chunk_size, "path": getattr(ex, "path", None),
             "client_updates_per_s": cfg.clients * cfg.repeats / dt, "seconds": dt,
             "peak_memory_mb": max(peak, 0) / 2**20, "trainable_params_per_client": int(params),
             "device_name": torch.cuda.get_device_name() if cuda else "cpu",
@@ -127,6 +134,10 @@ def measure(cfg: BenchConfig, device: str, executor: str, isolate: bool = True) 
                 break
     p.join()
     return out
+
+
+EXECUTORS = ("sequential", "batched", "batched-vmap")
+"""``batched``: client-folded trunk where the method allows (else vmap); ``batched-vmap``: vmap only."""
 
 
 def run_benchmark(cfg: BenchConfig, devices: list[str], executors: tuple[str, ...] = ("sequential", "batched"),
@@ -165,7 +176,8 @@ def format_table(result: dict[str, Any]) -> str:
         if "error" in r:
             lines.append(f"| {r['device']} | {r['executor']} | – | error: {r['error']} | – | – |")
             continue
-        lines.append(f"| {r['device_name']} | {r['executor']} | {r['chunk_size']} | {r['client_updates_per_s']:.2f} | "
+        name = r['executor'] + (f" ({r['path']})" if r.get("path") else "")
+        lines.append(f"| {r['device_name']} | {name} | {r['chunk_size']} | {r['client_updates_per_s']:.2f} | "
                      f"{r['peak_memory_mb']:.0f} | {r['trainable_params_per_client']:,} |")
     lines.append("")
     lines += [f"winner on {d}: {e}" for d, e in result["winner"].items()]
@@ -190,6 +202,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amp", default="off", choices=["off", "bf16", "fp16"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--executors", nargs="+", default=["sequential", "batched"], choices=EXECUTORS,
+                   help="executors to compare (batched-vmap: the batched executor without the client-folded trunk)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
 
 

@@ -186,7 +186,25 @@ class FederatedMethod(ABC):
                   x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one batch of one client, a pure function of ``params`` (no module state),
         so it can be differentiated with ``torch.func.grad`` and ``vmap``-ed over clients.
-        ``mask`` marks the real samples of a padded batch."""
+        ``mask`` marks the real samples of a padded batch.
+
+        A method that declares :meth:`xi_model` or :meth:`trunks` also takes
+        ``features={"xi": v, <group>: backbone output}`` — what the executor computed outside
+        the per-client function for this batch — and then must not compute it again."""
+
+    def xi_model(self) -> nn.Module | None:
+        """The frozen model whose outputs ``v = ξ(x)`` the objective reads (FedFS Eq. 2), or
+        None. ξ never changes, so the federation computes ``v`` once per image and passes it as
+        ``features["xi"]`` instead of running ξ at every local step."""
+        return None
+
+    def trunks(self) -> dict[str, nn.Module]:
+        """``{group: backbone}`` for groups whose model is ``backbone`` (parameters
+        ``backbone.*``) followed by a head the objective applies to its output. The batched
+        executor may then run the backbones of a whole chunk as one client-folded network
+        (:mod:`device_sim.executors.folding`) and call the objective with
+        ``features={group: output}``. Empty: the objective runs whole models (vmap)."""
+        return {}
 
     def learning_rate(self, group: str, name: str, base_lr: float, head_lr: float | None) -> float:
         """Learning rate of one tensor (``head_lr`` lets a randomly started head move faster)."""

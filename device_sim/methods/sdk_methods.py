@@ -335,12 +335,23 @@ class SDKMethod(FederatedMethod):
         return np.stack([self.codeword(int(u)) for u in chosen])
 
     def objective(self, plan: RoundPlan, params: Params, consts: Mapping[str, torch.Tensor],
-                  x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                  x: torch.Tensor | None, mask: torch.Tensor | None,
+                  features: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return local_objective(
             self.sdk_method, plan.extras["objective"], x, self.global_net,
             personal_model=self.personal_net, xi=self.xi,
             codeword=consts.get("codeword"), neg_codewords=consts.get("neg_codewords"),
-            global_params=params["global"], personal_params=params.get("personal"), mask=mask)
+            global_params=params["global"], personal_params=params.get("personal"), mask=mask,
+            features=features)
+
+    def xi_model(self) -> torch.nn.Module | None:
+        return self.xi
+
+    def trunks(self) -> dict[str, torch.nn.Module]:
+        out = {"global": self.global_net.backbone}
+        if self.personal_net is not None:
+            out["personal"] = self.personal_net.backbone
+        return out
 
     def learning_rate(self, group: str, name: str, base_lr: float, head_lr: float | None) -> float:
         # The FedUV head W starts random while the backbone starts pre-trained, and σ makes the

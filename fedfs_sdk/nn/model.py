@@ -127,8 +127,11 @@ class FaceNet(nn.Module):
     def input_size(self) -> int:
         return int(self.config.input_size)
 
-    def forward(self, x: torch.Tensor) -> FaceOutputs:
-        e = self.backbone(x)
+    def forward(self, x: torch.Tensor | None, embedding: torch.Tensor | None = None) -> FaceOutputs:
+        """``embedding``: the backbone's output ``g(x)`` computed elsewhere (the simulator's
+        client-folded trunk, :mod:`device_sim.executors.folding`); then ``x`` is not read and
+        only the projection and the head run."""
+        e = self.backbone(x) if embedding is None else embedding
         return FaceOutputs(
             embedding=e,
             projection=self.proj(e) if self.proj is not None else None,

@@ -47,8 +47,10 @@ class ObjectiveConfig:
                 raise InputError(f"{name} must be a finite number ≥ 0, got {getattr(self, name)!r}")
 
 
-def _call(model: nn.Module, params: Mapping[str, torch.Tensor] | None, x: torch.Tensor):
-    return model(x) if params is None else functional_call(model, dict(params), (x,))
+def _call(model: nn.Module, params: Mapping[str, torch.Tensor] | None, x: torch.Tensor | None,
+          embedding: torch.Tensor | None = None):
+    kwargs = {} if embedding is None else {"embedding": embedding}
+    return model(x, **kwargs) if params is None else functional_call(model, dict(params), (x,), kwargs)
 
 
 def local_objective(
@@ -65,22 +67,34 @@ def local_objective(
     personal_params: Mapping[str, torch.Tensor] | None = None,
     xi_params: Mapping[str, torch.Tensor] | None = None,
     mask: torch.Tensor | None = None,
+    features: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one batch ``x`` of one device. Returns ``(loss, parts)``.
 
     With ``*_params`` the models are called functionally (for ``vmap`` over clients);
     ``mask`` marks real (vs padded) samples.
+
+    ``features`` holds what was computed outside for this batch, so it is not computed again:
+    ``"xi"`` — ``v = ξ(x)`` (Eq. 2; ξ is frozen, so its outputs for a client's images are the
+    same at every local step and are computed once); ``"global"`` / ``"personal"`` — the
+    backbone outputs ``r'`` / ``q'`` (the simulator's client-folded trunk computes them for a
+    whole chunk and back-propagates the gradient this function returns for them). With all
+    three given, ``x`` is not read (may be None).
     """
-    g: FaceOutputs = _call(global_model, global_params, x)
+    feats = dict(features or {})
+    g: FaceOutputs = _call(global_model, global_params, x, feats.get("global"))
     parts: dict[str, torch.Tensor] = {}
-    loss = x.new_zeros(())
+    loss = g.embedding.new_zeros((), dtype=x.dtype if x is not None else torch.float32)
     if uses_fedfs(method):
-        if personal_model is None or xi is None:
+        if personal_model is None or (xi is None and "xi" not in feats):
             raise InputError(f"method {method!r} needs the personalized model and ξ")
-        p: FaceOutputs = _call(personal_model, personal_params, x)
-        with torch.no_grad():
-            v_out = _call(xi, xi_params, x)
-            v = (v_out.embedding if isinstance(v_out, FaceOutputs) else v_out).detach()
+        p: FaceOutputs = _call(personal_model, personal_params, x, feats.get("personal"))
+        if "xi" in feats:
+            v = feats["xi"].detach()
+        else:
+            with torch.no_grad():
+                v_out = _call(xi, xi_params, x)
+                v = (v_out.embedding if isinstance(v_out, FaceOutputs) else v_out).detach()
         if g.projection is None or p.projection is None:
             raise InputError("FedFS needs the extra linear layer: build the models with proj_dim")
         ft, fparts = f_total(g.embedding, p.embedding, g.projection, p.projection, v, cfg.fedfs, mask)

@@ -1,0 +1,303 @@
+"""K clients per step: stacked ``[K, …]`` weights, one step for the whole chunk.
+
+Two ways to run a step, the same math (tested against :class:`SequentialExecutor`):
+
+* ``vmap`` — ``torch.func.vmap(grad_and_value(objective))`` through ``functional_call``: any
+  method, any model.
+* ``folded`` — for methods whose models are a backbone plus a head (:meth:`FederatedMethod.trunks`):
+  the chunk's backbones run as ONE client-folded network (:mod:`.folding`) with plain autograd,
+  and only the small head and loss are vmapped; the gradient of the loss with respect to each
+  backbone output is then back-propagated through the folded network. No per-layer layout
+  copies, so it is several times faster on a GPU (docs/simulation.md has the figures).
+
+Clients with fewer images are padded and masked (the losses take a ``mask``), clients with fewer
+batches sit out the extra steps (``active`` mask), so every client gets exactly its sequential
+updates. ``ξ(x)`` of a method that reads it (:meth:`FederatedMethod.xi_model`) is computed once
+per chunk for every image (ξ is frozen), not at every step — or taken from the task when the
+federation cached it for the run. On CUDA ``amp`` runs the forward/backward in bf16 (or fp16
+with a static loss scale) while weights and the SGD step stay float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch.func import grad_and_value, vmap
+
+from fedfs_sdk.errors import InputError
+
+from ..methods.base import FederatedMethod, Params, RoundPlan
+from .common import (FP16_LOSS_SCALE, ChunkResult, ClientTask, LocalConfig, Metrics, autocast, check_tasks,
+                     client_batches, learning_rates, normalized, sgd_update)
+from .folding import POINTWISE_MODES, NotFoldable, check_folding, fold_module, folded_call
+from .memory import MemoryPlan, cuda_memory_probe
+
+FOLD_MODES = ("auto", "off")
+BACKBONE = "backbone."
+
+
+@dataclass
+class _Chunk:
+    """A chunk's tensors on the executor's device."""
+
+    k: int
+    ns: list[int]
+    idx: torch.Tensor          # [T, K, B] image indices per step
+    valid: torch.Tensor        # [T, K, B] real (vs padded) samples
+    active: torch.Tensor       # [T, K] clients with a batch at step t
+    all_active: list[bool]     # per step, on the host: every client steps (unmasked SGD)
+    images: torch.Tensor       # [K, n_max, 3, S, S] uint8 or float32
+    xi: torch.Tensor | None    # [K, n_max, D] ξ features, or None
+    params: Params             # stacked [K, …] per tensor
+    consts: dict[str, torch.Tensor]
+
+
+def xi_features(xi: torch.nn.Module, images: torch.Tensor, device: torch.device, amp: str,
+                batch: int = 1024) -> torch.Tensor:
+    """``ξ(x)`` float32 ``[N, D]`` of ``images`` ``[N, 3, S, S]`` (uint8 or normalized), in
+    batches, under the run's autocast (the precision the per-step ξ call used)."""
+    out = []
+    with torch.no_grad():
+        for a in range(0, images.shape[0], batch):
+            x = normalized(images[a:a + batch].to(device, non_blocking=True))
+            with autocast(device, amp):
+                v = xi(x)
+            out.append((v.embedding if hasattr(v, "embedding") else v).float())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+class BatchedExecutor:
+    """K clients per step over stacked weights (``vmap``, or the client-folded trunk).
+
+    Args:
+        device: ``cuda`` (the intended use) or ``cpu``.
+        chunk_size: clients per step; ``0`` = sized from free CUDA memory by
+            :meth:`calibrate` (the federation calls it before it builds the first chunk),
+            32 on CPU.
+        memory_fraction: share of the free CUDA memory a chunk may use (the margin covers
+            allocator fragmentation and what the round holds besides the chunk).
+        fold: ``auto`` — the client-folded trunk where the method has trunks and the folded
+            backbone passes :func:`~.folding.check_folding`; ``off`` — always vmap.
+        pointwise: folded 1×1 convolutions as grouped convolutions (``conv``) or batched
+            matrix products (``matmul``).
+        xi_once: compute ``ξ(x)`` once per image per chunk (False: at every step, inside the
+            objective, as before — kept to test that both give the same updates).
+    """
+
+    name = "batched"
+
+    def __init__(self, device: str | torch.device = "cuda", chunk_size: int = 0, memory_fraction: float = 0.8,
+                 fold: str = "auto", pointwise: str = "conv", xi_once: bool = True) -> None:
+        if fold not in FOLD_MODES:
+            raise InputError(f"fold must be one of {FOLD_MODES}, got {fold!r}")
+        if pointwise not in POINTWISE_MODES:
+            raise InputError(f"pointwise must be one of {POINTWISE_MODES}, got {pointwise!r}")
+        if not 0 < memory_fraction <= 1:
+            raise InputError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        self.device = torch.device(device)
+        self.fold, self.pointwise, self.xi_once = fold, pointwise, xi_once
+        self.chunk_size = int(chunk_size) if chunk_size > 0 else (256 if self.device.type == "cuda" else 32)
+        self.memory_fraction = memory_fraction
+        self.needs_calibration = chunk_size <= 0 and self.device.type == "cuda"
+        self.memory_plan: MemoryPlan | None = None
+        self.path: str | None = None
+        """``folded`` or ``vmap``: the path of the last chunk; ``path_note`` says why."""
+        self.path_note = ""
+        self.oom_splits = 0
+        """Chunks split in half after an out-of-memory error (:func:`.splitting.train_splitting`)."""
+        self._folded: dict[int, dict[str, torch.nn.Module]] = {}
+        self.probe: Callable[[Callable[[], None]], tuple[int, int]] = cuda_memory_probe(self.device)
+
+    # ---- the path --------------------------------------------------------------------------
+    def _trunks(self, method: FederatedMethod) -> dict[str, torch.nn.Module]:
+        """Folded backbones of the method's trained trunk groups, or {} (vmap)."""
+        key = id(method)
+        if key in self._folded:
+            return self._folded[key]
+        trunks, trained = method.trunks() if self.fold == "auto" else {}, method.trained_groups()
+        out: dict[str, torch.nn.Module] = {}
+        note = "fold=off" if self.fold == "off" else "the method has no backbone/head split"
+        try:
+            for g, backbone in trunks.items():
+                if trained is not None and g not in trained:
+                    continue
+                folded = fold_module(backbone, self.pointwise)
+                check_folding(backbone, folded, int(getattr(backbone, "input_size", 32)), self.device)
+                out[g] = folded.to(self.device)
+            if out:
+                note = f"client-folded trunks: {', '.join(out)}"
+        except NotFoldable as e:
+            out, note = {}, f"vmap: {e}"
+        self._folded[key] = out
+        self.path_note = note
+        return out
+
+    # ---- one chunk -------------------------------------------------------------------------
+    def _prepare(self, method: FederatedMethod, tasks: Sequence[ClientTask], cfg: LocalConfig) -> _Chunk:
+        dev = self.device
+        k = len(tasks)
+        ns = [t.num_samples for t in tasks]
+        epochs = cfg.epochs_for(method)
+        schedules = [client_batches(n, cfg.batch_size, epochs, t.seed, method.min_batch()) for n, t in zip(ns, tasks)]
+        n_steps = max((len(s) for s in schedules), default=0)
+        bsz = max((int(b.numel()) for s in schedules for b in s), default=1)
+        idx = torch.zeros(n_steps, k, bsz, dtype=torch.long)
+        valid = torch.zeros(n_steps, k, bsz, dtype=torch.bool)
+        active = torch.zeros(n_steps, k, dtype=torch.bool)
+        for c, sched in enumerate(schedules):
+            for t, b in enumerate(sched):
+                idx[t, c, :b.numel()] = b
+                valid[t, c, :b.numel()] = True
+                active[t, c] = True
+        all_active = active.all(1).tolist()
+        nmax = max(ns)
+        first = tasks[0].images
+        dtype = torch.uint8 if all(t.images.dtype == torch.uint8 for t in tasks) else torch.float32
+        images = torch.zeros((k, nmax) + tuple(first.shape[1:]), dtype=dtype, device=dev)
+        for c, t in enumerate(tasks):
+            src = t.images if dtype == torch.uint8 else normalized(t.images)
+            images[c, :t.num_samples] = src.to(dev, non_blocking=True)
+        xi = None
+        if method.xi_model() is not None and self.xi_once:
+            given = [t.xi_features for t in tasks]
+            if all(v is not None for v in given):
+                d = int(given[0].shape[1])
+                xi = torch.zeros((k, nmax, d), dtype=torch.float32, device=dev)
+                for c, v in enumerate(given):
+                    xi[c, :v.shape[0]] = v.to(dev, torch.float32, non_blocking=True)
+            else:
+                flat = xi_features(method.xi_model(), images.reshape((k * nmax,) + tuple(first.shape[1:])), dev, cfg.amp)
+                xi = flat.reshape(k, nmax, -1)
+        params = {g: {name: torch.stack([t.params[g][name].to(dev, torch.float32) for t in tasks])
+                      for name in w} for g, w in tasks[0].params.items()}
+        consts = {name: torch.stack([t.consts[name].to(dev) for t in tasks]) for name in tasks[0].consts}
+        return _Chunk(k, ns, idx.to(dev), valid.to(dev), active.to(dev), all_active, images, xi, params, consts)
+
+    def train(self, method: FederatedMethod, plan: RoundPlan, tasks: Sequence[ClientTask],
+              cfg: LocalConfig, max_steps: int | None = None) -> ChunkResult:
+        """Train the chunk ``tasks`` (``max_steps``: stop early — the memory probe's one step)."""
+        check_tasks(tasks)
+        ch = self._prepare(method, tasks, cfg)
+        trunks = self._trunks(method)
+        self.path = "folded" if trunks else "vmap"
+        dev = self.device
+        lrs = learning_rates(method, tasks[0].params, cfg)
+        bufs: dict[str, dict[str, torch.Tensor]] = {g: {} for g in ch.params}
+        started = torch.zeros(ch.k, dtype=torch.bool, device=dev)
+        scale = FP16_LOSS_SCALE if (cfg.amp == "fp16" and dev.type == "cuda") else 1.0
+        step = self._folded_step(method, plan, cfg, ch, trunks, scale) if trunks else \
+            self._vmap_step(method, plan, cfg, ch, scale)
+        metrics = Metrics(ch.k, dev)
+        n_steps = ch.idx.shape[0] if max_steps is None else min(max_steps, ch.idx.shape[0])
+        for t in range(n_steps):
+            grads, parts = step(t)
+            act = ch.active[t]
+            masked = not ch.all_active[t]
+            if scale != 1.0:
+                grads = {g: {n_: gr / scale for n_, gr in w.items()} for g, w in grads.items()}
+                finite = torch.stack([torch.isfinite(gr).flatten(1).all(1) for w in grads.values()
+                                      for gr in w.values()]).all(0)
+                act, masked = act & finite, True
+            if masked or cfg.momentum:
+                sgd_update(ch.params, grads, lrs, cfg, bufs, active=act, started=started)
+            else:
+                sgd_update(ch.params, grads, lrs, cfg, bufs)
+            started |= act
+            metrics.add(parts, act)
+        params = {g: {k: v.detach() for k, v in w.items()} for g, w in ch.params.items()}
+        bad = ~torch.stack([torch.isfinite(v).flatten(1).all(1) for w in params.values() for v in w.values()]).all(0)
+        if bool(bad.any()):
+            who = [tasks[i].client for i in torch.nonzero(bad).flatten().tolist()][:10]
+            raise FloatingPointError(f"clients {who}: weights became non-finite (lr={cfg.lr_for(method)} too high?)")
+        return ChunkResult([t.client for t in tasks], torch.tensor(ch.ns), params, metrics.result(),
+                           int(ch.active[:n_steps].sum()), metrics.steps())
+
+    def _batch(self, ch: _Chunk, t: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows = torch.arange(ch.k, device=self.device)[:, None]
+        x = normalized(ch.images[rows, ch.idx[t]])                          # [K, B, 3, S, S]
+        v = ch.xi[rows, ch.idx[t]] if ch.xi is not None else None          # [K, B, D]
+        return x, v
+
+    def _split(self, method: FederatedMethod, params: Params) -> tuple[Params, Params]:
+        trained = method.trained_groups()
+        train = {g: w for g, w in params.items() if trained is None or g in trained}
+        return train, {g: w for g, w in params.items() if g not in train}
+
+    def _vmap_step(self, method: FederatedMethod, plan: RoundPlan, cfg: LocalConfig, ch: _Chunk, scale: float):
+        # Only the groups the objective trains are differentiated (FederatedMethod.trained_groups);
+        # the others ride along with the constants, so no [K, …] zero gradients are built for them.
+        trainable, fixed = self._split(method, ch.params)
+        dev = self.device
+
+        def loss_fn(p: Params, aux, x: torch.Tensor, v: torch.Tensor | None, m: torch.Tensor):
+            with autocast(dev, cfg.amp):
+                feats = {} if v is None else {"features": {"xi": v}}
+                loss, parts = method.objective(plan, {**aux[0], **p}, aux[1], x, m, **feats)
+            return loss.float() * scale, {n_: val.float() for n_, val in parts.items()}
+
+        fn = vmap(grad_and_value(loss_fn, has_aux=True), in_dims=(0, 0, 0, 0 if ch.xi is not None else None, 0))
+
+        def step(t: int):
+            x, v = self._batch(ch, t)
+            grads, (_, parts) = fn(trainable, (fixed, ch.consts), x, v, ch.valid[t])
+            return grads, parts
+        return step
+
+    def _folded_step(self, method: FederatedMethod, plan: RoundPlan, cfg: LocalConfig, ch: _Chunk,
+                     trunks: dict[str, torch.nn.Module], scale: float):
+        trainable, fixed = self._split(method, ch.params)
+        dev = self.device
+        trunk_params = {g: {n[len(BACKBONE):]: p.requires_grad_(True) for n, p in trainable[g].items()
+                            if n.startswith(BACKBONE)} for g in trunks}
+        head = {g: {n: p for n, p in w.items() if not (g in trunks and n.startswith(BACKBONE))}
+                for g, w in trainable.items()}
+        leaves = [(g, n) for g in trunks for n in trunk_params[g]]
+
+        def head_fn(p: Params, feats: dict[str, torch.Tensor], aux, x: torch.Tensor, v: torch.Tensor | None,
+                    m: torch.Tensor):
+            f = dict(feats) if v is None else {**feats, "xi": v}
+            with autocast(dev, cfg.amp):
+                # x is read only by models without a trunk (a trained group that is not folded)
+                loss, parts = method.objective(plan, {**aux[0], **p}, aux[1], x, m, features=f)
+            return loss.float() * scale, {n_: val.float() for n_, val in parts.items()}
+
+        fn = vmap(grad_and_value(head_fn, argnums=(0, 1), has_aux=True),
+                  in_dims=(0, 0, 0, 0, 0 if ch.xi is not None else None, 0))
+
+        def step(t: int):
+            x, v = self._batch(ch, t)
+            with autocast(dev, cfg.amp):
+                outs = {g: folded_call(net, trunk_params[g], x) for g, net in trunks.items()}   # [K, B, D]
+            feats = {g: o.detach().float() for g, o in outs.items()}
+            (g_head, g_feats), (_, parts) = fn(head, feats, (fixed, ch.consts), x, v, ch.valid[t])
+            trunk_grads = torch.autograd.grad([outs[g] for g in trunks],
+                                              [trunk_params[g][n] for g, n in leaves],
+                                              [g_feats[g].to(outs[g].dtype) for g in trunks])
+            grads: Params = {g: dict(w) for g, w in g_head.items()}
+            for (g, n), gr in zip(leaves, trunk_grads):
+                grads.setdefault(g, {})[BACKBONE + n] = gr.float()
+            return grads, parts
+        return step
+
+    # ---- chunk size ------------------------------------------------------------------------
+    def calibrate(self, method: FederatedMethod, plan: RoundPlan, probe_tasks: Sequence[ClientTask],
+                  cfg: LocalConfig) -> MemoryPlan:
+        """Size chunks before the first one is built: one training step of 1 and of 2 of the
+        round's real clients (their image count, batch size and epochs), whose peak memory
+        above the baseline gives a fixed part and a per-client part; the chunk is what fits in
+        ``memory_fraction`` of the free memory (``MemoryPlan`` states the numbers)."""
+        if len(probe_tasks) < 1:
+            raise InputError("calibration needs at least one client task")
+        peaks = []
+        for k in (1, min(2, len(probe_tasks))):
+            free, peak = self.probe(lambda k=k: self.train(method, plan, probe_tasks[:k], cfg, max_steps=1))
+            peaks.append((k, peak, free))
+        plan_ = MemoryPlan.from_probes(peaks, self.memory_fraction)
+        self.chunk_size = plan_.chunk_size
+        self.memory_plan = plan_
+        self.needs_calibration = False
+        return plan_
+
+
+__all__ = ["BatchedExecutor", "FOLD_MODES", "xi_features"]

@@ -1,0 +1,81 @@
+"""One client after the other: ``torch.autograd.grad`` on the method's objective.
+
+Fastest on CPU: convolutions of one client's batch already use the cores, and batching clients
+only adds gather/scatter work (``benchmarks/sim_throughput.py`` measures it).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..methods.base import FederatedMethod, Params, RoundPlan
+from .common import (FP16_LOSS_SCALE, ChunkResult, ClientTask, LocalConfig, Metrics, autocast, check_tasks,
+                     client_batches, learning_rates, normalized, sgd_update)
+
+
+class SequentialExecutor:
+    """One client after the other, ``torch.autograd.grad`` on the method's objective."""
+
+    name = "sequential"
+
+    def __init__(self, device: str | torch.device = "cpu", chunk_size: int = 64) -> None:
+        self.device = torch.device(device)
+        self.chunk_size = int(chunk_size)
+
+    def train(self, method: FederatedMethod, plan: RoundPlan, tasks: Sequence[ClientTask],
+              cfg: LocalConfig) -> ChunkResult:
+        check_tasks(tasks)
+        per_client: list[Params] = []
+        metrics = Metrics(len(tasks), torch.device("cpu"))
+        steps = 0
+        for i, task in enumerate(tasks):
+            params, parts_hist, n_steps = self._train_one(method, plan, task, cfg)
+            per_client.append(params)
+            steps += n_steps
+            onehot = torch.zeros(len(tasks), dtype=torch.bool)
+            onehot[i] = True
+            for parts in parts_hist:
+                metrics.add({k: torch.full((len(tasks),), v) for k, v in parts.items()}, onehot)
+        stacked = {g: {k: torch.stack([p[g][k] for p in per_client]) for k in per_client[0][g]}
+                   for g in per_client[0]}
+        return ChunkResult([t.client for t in tasks], torch.tensor([t.num_samples for t in tasks]),
+                           stacked, metrics.result(), steps, metrics.steps())
+
+    def _train_one(self, method: FederatedMethod, plan: RoundPlan, task: ClientTask,
+                   cfg: LocalConfig) -> tuple[Params, list[dict[str, float]], int]:
+        dev = self.device
+        trained = method.trained_groups()
+        params = {g: {k: v.detach().to(dev, torch.float32).clone().requires_grad_(trained is None or g in trained)
+                      for k, v in w.items()} for g, w in task.params.items()}
+        leaves = [(g, k) for g, w in params.items() for k in w if trained is None or g in trained]
+        consts = {k: v.to(dev) for k, v in task.consts.items()}
+        lrs = learning_rates(method, params, cfg)
+        bufs: dict[str, dict[str, torch.Tensor]] = {g: {} for g in params}
+        scale = FP16_LOSS_SCALE if (cfg.amp == "fp16" and dev.type == "cuda") else 1.0
+        images = task.images
+        xi = task.xi_features.to(dev) if task.xi_features is not None else None
+        history: list[dict[str, float]] = []
+        batches = client_batches(task.num_samples, cfg.batch_size, cfg.epochs_for(method), task.seed,
+                                 method.min_batch())
+        for idx in batches:
+            x = normalized(images[idx].to(dev, non_blocking=True))
+            with autocast(dev, cfg.amp):
+                if xi is None:
+                    loss, parts = method.objective(plan, params, consts, x, None)
+                else:
+                    loss, parts = method.objective(plan, params, consts, x, None, features={"xi": xi[idx.to(dev)]})
+            loss = loss.float()
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"client {task.client}: local loss became {loss.item()} "
+                                         f"(lr={cfg.lr_for(method)} too high?)")
+            grads_flat = torch.autograd.grad(loss * scale, [params[g][k] for g, k in leaves])
+            grads: Params = {g: {} for g in params if trained is None or g in trained}
+            for (g, k), gr in zip(leaves, grads_flat):
+                grads[g][k] = gr.float() / scale
+            if scale != 1.0 and not all(torch.isfinite(gr).all() for gr in grads_flat):
+                continue  # fp16 overflow: skip the step, as a GradScaler would
+            sgd_update(params, grads, lrs, cfg, bufs)
+            history.append({k: float(v.detach()) for k, v in parts.items()})
+        out = {g: {k: v.detach() for k, v in w.items()} for g, w in params.items()}
+        return out, history, len(batches)
