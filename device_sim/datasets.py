@@ -116,15 +116,15 @@ class SynthDataset:
     def batch_uint8(self, identities: IndexLike, indices: IndexLike, device: str | torch.device | None = None,
                     cache: bool = True) -> torch.Tensor:
         """uint8 ``[N, 3, S, S]`` rendered on ``device`` (default: the dataset's), in the
-        renderer's large chunks. ``cache=False`` (or another device than the dataset's)
-        bypasses the LRU: the image store keeps the images itself."""
+        renderer's large chunks. ``cache=False`` (or another device than the dataset's, or an
+        LRU of 0 bytes) bypasses the LRU: the image store keeps the images itself."""
         ids, idx = broadcast_pairs(identities, indices)
         self._check_ids(ids)
         if idx.size and (idx.min() < 0 or idx.max() >= self.images_per_identity):
             raise InputError(f"image index out of range [0, {self.images_per_identity}): "
                              f"{int(idx.min())}..{int(idx.max())}")
         dev = self.device if device is None else torch.device(device)
-        if not cache or dev != self.device:
+        if not cache or dev != self.device or self.cache.max_bytes <= 0:
             self.rendered += int(ids.size)
             return self.faces.render_u8(ids, idx, dev)
         S = self.image_size
@@ -329,7 +329,7 @@ class ImageFolderDataset:
         S = self.image_size
         if self._preloaded is not None:
             out = self._preloaded[torch.as_tensor(self._offsets[ids] + idx)]
-        elif not cache:
+        elif not cache or self.cache.max_bytes <= 0:
             out = self._load_u8([self.files[i][j] for i, j in zip(ids.tolist(), idx.tolist())]) if ids.size \
                 else torch.empty((0, 3, S, S), dtype=torch.uint8)
         else:
