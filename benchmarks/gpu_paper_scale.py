@@ -38,6 +38,7 @@ from device_sim.datasets import SynthDataset  # noqa: E402
 from device_sim.evaluate import EvalConfig, evaluate  # noqa: E402
 from device_sim.executors import LocalConfig  # noqa: E402
 from device_sim.federation import Federation, FederationConfig  # noqa: E402
+from device_sim.image_store import plan_data_cache  # noqa: E402
 from device_sim.methods import parse_method  # noqa: E402
 from device_sim.phases import PhaseTimer, UtilizationSampler  # noqa: E402
 from device_sim.population import Population  # noqa: E402
@@ -45,7 +46,7 @@ from device_sim.splits import make_splits  # noqa: E402
 from device_sim.synthfaces import SynthFaces  # noqa: E402
 from fedfs_sdk.nn.model import FaceNet, ModelConfig  # noqa: E402
 
-PHASES = ("data", "xi", "calibrate", "train", "fedavg", "store", "eval")
+PHASES = ("prepare", "data", "xi", "calibrate", "train", "fedavg", "store", "eval")
 
 
 def build_population(args: argparse.Namespace, dev: torch.device) -> Population:
@@ -54,7 +55,9 @@ def build_population(args: argparse.Namespace, dev: torch.device) -> Population:
     ds = SynthDataset(faces, images_per_identity=per, num_identities=args.clients, device=dev, cache_bytes=0)
     splits = make_splits(args.clients, 0, args.clients, 0, train_per_client=args.images,
                          test_per_client=args.test_images, seed=0)
-    return Population(ds, splits)
+    pop = Population(ds, splits)
+    pop.use_image_store(plan_data_cache(args.data_cache, pop.image_store_bytes(), dev))
+    return pop
 
 
 def load_xi(args: argparse.Namespace, dev: torch.device) -> FaceNet:
@@ -69,16 +72,21 @@ def load_xi(args: argparse.Namespace, dev: torch.device) -> FaceNet:
 def run_method(spec: str, pop: Population, xi: FaceNet, args: argparse.Namespace, dev: torch.device) -> dict:
     rounds = args.rounds if args.full else 1
     participation = args.participation if args.full else min(1.0, args.slice / args.clients)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
     fed = Federation(parse_method(spec), pop, xi, FederationConfig(
         rounds=rounds, participation=participation, seed=0, device=str(dev), executor="batched",
         chunk_size=args.chunk_size, store_dtype=args.store_dtype, store_location=args.store_location,
         local=LocalConfig(batch_size=args.batch_size, local_epochs=args.local_epochs, amp=args.amp)))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    prepare_s = time.perf_counter() - t0      # method.prepare: e.g. fedfs+feduv's pooled ξ statistics
     for k, v in executor_options(args).items():
         setattr(fed.executor, k, v)
     fed.phases = PhaseTimer(sync=dev)
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    t0 = time.perf_counter()
+    fed.phases.seconds["prepare"] = prepare_s
     sampler = UtilizationSampler(dev, lambda: fed.phases.current) if dev.type == "cuda" else None
     with (sampler if sampler is not None else _Null()):
         records = fed.run()
@@ -87,8 +95,10 @@ def run_method(spec: str, pop: Population, xi: FaceNet, args: argparse.Namespace
                           EvalConfig(max_clients=args.eval_clients, impostor_pool=args.impostor_pool), device=str(dev))
     wall = time.perf_counter() - t0
     updates = sum(r.participants for r in records)
+    distinct = len(fed.xi_cache) if fed.xi_cache is not None else updates
     ph = dict(fed.phases.seconds)
     out = {"method": spec, "label": fed.method.label, "rounds": rounds, "updates": updates, "wall_s": wall,
+           "distinct_clients": distinct,
            "phases_s": ph, "executor_path": fed.executor.path, "executor_note": fed.executor.path_note,
            "chunk_size": fed.executor.chunk_size, "oom_splits": fed.executor.oom_splits,
            "memory_plan": fed.executor.memory_plan.describe() if fed.executor.memory_plan else None,
@@ -100,6 +110,8 @@ def run_method(spec: str, pop: Population, xi: FaceNet, args: argparse.Namespace
         out["gpu_busy_pct"] = {p: sampler.mean(p) for p in PHASES if sampler.mean(p) is not None}
         out["gpu_busy_error"] = sampler.error
     out["extrapolated_s"] = extrapolate(out, args)
+    print_table([out], args, dev)
+    sys.stdout.flush()
     return out
 
 
@@ -120,13 +132,26 @@ def executor_options(args: argparse.Namespace) -> dict:
     return opts
 
 
+def distinct_clients(clients: int, participation: float, rounds: int) -> float:
+    """Expected clients that take part at least once: ``N·(1 − (1 − p)^T)`` (9,976 of 10,000 at
+    p = 0.7, T = 5)."""
+    return clients * (1.0 - (1.0 - participation) ** rounds)
+
+
 def extrapolate(res: dict, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds of the full setting: per-update phase times × its updates, calibration once,
-    evaluation scaled from the clients evaluated to ``--eval-full-clients``."""
+    """Seconds of the full setting. Training, FedAvg and the client store cost per update:
+    × the setting's updates. The data (the image store fills a client's images on its first
+    participation) and ξ (cached per client for the run) cost per client once: × the clients
+    expected to take part at least once, over the slice's distinct participants. Calibration and
+    ``prepare`` once; evaluation scaled to ``--eval-full-clients``."""
     full_updates = args.full_rounds * round(args.full_participation * args.full_clients)
-    per = {p: res["phases_s"].get(p, 0.0) / max(res["updates"], 1) for p in ("data", "xi", "train", "fedavg", "store")}
-    out = {p: v * full_updates for p, v in per.items()}
+    per_update = {p: res["phases_s"].get(p, 0.0) / max(res["updates"], 1) for p in ("train", "fedavg", "store")}
+    out = {p: v * full_updates for p, v in per_update.items()}
+    seen = distinct_clients(args.full_clients, args.full_participation, args.full_rounds)
+    for p in ("data", "xi"):
+        out[p] = res["phases_s"].get(p, 0.0) * seen / max(res["distinct_clients"], 1)
     out["calibrate"] = res["phases_s"].get("calibrate", 0.0)
+    out["prepare"] = res["phases_s"].get("prepare", 0.0)   # ≤ 1,000 clients' images whatever the population
     ev = res["phases_s"].get("eval", 0.0)
     out["eval"] = ev * min(args.eval_full_clients, args.full_clients) / max(res["eval_clients"], 1)
     out["total"] = sum(out.values())
@@ -157,7 +182,7 @@ def print_table(results: list[dict], args: argparse.Namespace, dev: torch.device
               + (f"; {r['memory_plan']}" if r["memory_plan"] else ""))
         print(f"  full setting ({ex['updates']} updates + evaluation of {min(args.eval_full_clients, args.full_clients)} "
               f"clients), extrapolated: {ex['total'] / 60:.1f} min = " +
-              " + ".join(f"{p} {ex[p]:.0f} s" for p in ("data", "xi", "calibrate", "train", "fedavg", "store", "eval")))
+              " + ".join(f"{p} {ex[p]:.0f} s" for p in PHASES))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -178,6 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk-size", type=int, default=0, help="0: calibrated from free memory")
     p.add_argument("--fold", default=None, help="executor fold mode (auto|off)")
     p.add_argument("--pointwise", default=None, help="folded 1×1 convolutions: conv|matmul")
+    p.add_argument("--data-cache", default="auto", help="auto|device|host|none (device_sim.image_store)")
     p.add_argument("--store-dtype", default="fp16")
     p.add_argument("--store-location", default=None, help="client store: cuda|cpu (default: the device)")
     p.add_argument("--slice", type=int, default=512, help="participants of the timed round (not with --full)")
@@ -191,10 +217,14 @@ def main(argv: list[str] | None = None) -> dict:
     args.amp = args.amp or ("bf16" if dev.type == "cuda" else "off")
     args.store_location = args.store_location or ("cuda" if dev.type == "cuda" else "cpu")
     args.full_clients, args.full_rounds, args.full_participation = args.clients, args.rounds, args.participation
-    pop = build_population(args, dev)
     xi = load_xi(args, dev)
+    t0 = time.perf_counter()
+    pop = build_population(args, dev)
+    print(f"population of {args.clients} clients: {time.perf_counter() - t0:.1f} s; data cache: "
+          f"{pop.store.plan.reason if pop.store is not None else 'none'}", flush=True)
     results = [run_method(spec, pop, xi, args, dev) for spec in args.methods]
-    print_table(results, args, dev)
+    if len(results) > 1:
+        print_table(results, args, dev)
     out = {"config": vars(args), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "results": results}
     if args.json:

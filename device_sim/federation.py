@@ -283,6 +283,7 @@ class Federation:
         sums: dict[str, float] = {}
         stepped = 0
         total_samples = 0
+
         def tasks_of(chunk: np.ndarray, images: list[torch.Tensor]) -> list[ClientTask]:
             with self.phases("store"):
                 private = self.store.get(chunk, ex.device, fresh_flat=fresh_flat, borrowed=borrowed) \
@@ -291,6 +292,7 @@ class Federation:
             for i, c in enumerate(chunk.tolist()):
                 params: Params = {"global": global_dev, **unstack(private, i)}
                 consts = method.client_consts(plan, self.client_state(c))
+                # uint8 images stay uint8: the executor normalizes them on its device
                 tasks.append(ClientTask(c, images[i], params, consts, client_seed(cfg.seed, r, c)))
             if self.xi_cache is not None:
                 with self.phases("xi"):
@@ -305,6 +307,7 @@ class Federation:
             probe = tasks_of(mine[:2], probe_images)
             with self.phases("calibrate"):
                 ex.calibrate(method, plan, probe, cfg.local)
+            del probe, probe_images
         # The round's chunks are cut in one place, ChunkFeed._cut, at ex.chunk_size as it is when
         # the previous chunk is handed out; each comes with its images (uint8 from a Population),
         # the next chunk's prepared while this one trains (device_sim/prefetch.py). "data" is

@@ -67,6 +67,9 @@ class Registration(BaseModel):
     token: str
     base_vector: int
     base_bits: int
+    secure_aggregation: bool = False
+    """The server runs secure-aggregation rounds: a device (with the default
+    ``require_secure_aggregation``) records it and from then on refuses plain rounds."""
 
 
 class Task(BaseModel, extra="allow"):
@@ -95,7 +98,8 @@ class RoundStatus(BaseModel):
     model_version: int
     sampled: int
     accepted: int
-    total_samples: int
+    total_samples: int | None
+    """``Σ|D_c|`` of the accepted updates; null in a DP round (not covered by ε, not published)."""
     quorum: int
     opened_at: float
     deadline: float

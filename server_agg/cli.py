@@ -108,6 +108,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--secagg-min-devices", type=int, help="a secure round with fewer devices fails (≥ 3)")
     g.add_argument("--secagg-phase-timeout", type=float, metavar="SECONDS",
                    help="deadline of each key-exchange / unmasking phase of a secure round")
+    g.add_argument("--secagg-ca", metavar="CA_PUB",
+                   help="the operator CA's public key (ca.pub of fedfs ca init): secure rounds run fedfs-secagg/2 "
+                        "(devices' identity certificates, signed keys, consistency check; defends against an "
+                        "active server); 'none' goes back to fedfs-secagg/1")
     from .config import RoundPolicy
 
     initial = RoundPolicy()
@@ -117,6 +121,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             value = getattr(initial, field)
             action.help = f"{action.help} (stored; a new state starts with {'none' if value is None else value})"
     g = p.add_argument_group("service")
+    g.add_argument("--tls-cert", type=Path, metavar="PEM",
+                   help="serve HTTPS with this certificate (chain) — devices then connect with https:// and check it "
+                        "(fedfs device --tls-ca); needs --tls-key")
+    g.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
     g.add_argument("--max-body-mb", type=float, default=256.0, help="request body limit in MiB; "
                    "uploads are also limited to the model's size plus 1 MiB")
     g.add_argument("--keep-updates", action="store_true", help="keep update files of closed rounds (audit)")
@@ -155,6 +163,11 @@ def policy_overrides(args: argparse.Namespace) -> dict[str, Any]:
             out["train"] = json.loads(args.train)
         except json.JSONDecodeError as e:
             raise InputError(f"--train is not valid JSON: {e}") from None
+    ca = getattr(args, "secagg_ca", None)
+    if ca is not None:
+        from fedfs_sdk.federation.secagg import CaPublicKey
+
+        out["secagg_ca"] = None if ca == "none" else CaPublicKey.load(ca).to_json()
     return out
 
 
@@ -284,6 +297,9 @@ def run(args: argparse.Namespace) -> int:
         xi = args.xi.read_bytes()
         validate_xi(xi)
     overrides = policy_overrides(args)
+    from .transport import tls_files
+
+    tls = tls_files(getattr(args, "tls_cert", None), getattr(args, "tls_key", None))
     if overrides.get("dp_noise_multiplier") is not None:
         from .dp import require_accountant
 
@@ -303,13 +319,14 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_listener(args.host, args.port)
     try:
         with StateLock(layout.root):
-            return _serve(args, layout, sock, overrides, init, init_config, xi)
+            return _serve(args, layout, sock, overrides, init, init_config, xi, tls)
     finally:
         sock.close()
 
 
 def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides: dict[str, Any],
-           init: bytes | None, init_config: dict[str, Any] | None, xi: bytes | None) -> int:
+           init: bytes | None, init_config: dict[str, Any] | None, xi: bytes | None,
+           tls: tuple[str, str] | None = None) -> int:
     """Everything after the port is bound and the state locked."""
     import uvicorn
 
@@ -341,7 +358,8 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
                          body_timeout_s=args.body_timeout, decode_workers=args.decode_workers,
                          receive_workers=args.receive_workers)
         port = sock.getsockname()[1]
-        log.info("serving", extra={"fields": {"url": f"http://{args.host}:{port}", "state": str(layout.root),
+        scheme = "https" if tls else "http"
+        log.info("serving", extra={"fields": {"url": f"{scheme}://{args.host}:{port}", "state": str(layout.root),
                                               "pid": os.getpid(), "http_parser": args.http_parser,
                                               "model_version": coord.model.version if coord.model else None,
                                               "policy": coord.policy.to_json()}})
@@ -352,7 +370,8 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
         config = uvicorn.Config(app, log_config=None, access_log=False, log_level=args.log_level,
                                 timeout_graceful_shutdown=5, http=deadline_protocol(args.header_timeout, args.http_parser),
                                 timeout_keep_alive=args.keep_alive_timeout,  # type: ignore[arg-type]
-                                limit_concurrency=args.limit_concurrency)
+                                limit_concurrency=args.limit_concurrency,
+                                ssl_certfile=tls[0] if tls else None, ssl_keyfile=tls[1] if tls else None)
         server = uvicorn.Server(config)
         try:
             server.run(sockets=[sock])

@@ -75,6 +75,12 @@ class RoundPolicy:
         secagg_min_devices: a round with fewer devices advertising keys fails (≥ 3).
         secagg_phase_timeout_s: deadline of each key / unmasking phase (the masked-input phase,
             which includes training, ends at ``round_timeout_s``).
+        secagg_ca: the operator CA's public key (the ``ca.pub`` document of ``fedfs ca init``).
+            Set: secure rounds run ``fedfs-secagg/2`` — devices present CA-certified identity
+            keys and sign their advertised keys, the threshold is fixed against the number of
+            invited devices, and a consistency check precedes unmasking; the server also checks
+            the certificates (devices check them themselves). ``None``: ``fedfs-secagg/1``
+            (honest-but-curious server).
     """
 
     method: str = "feduv"
@@ -103,6 +109,7 @@ class RoundPolicy:
     secagg_scale_bits: int = 24
     secagg_min_devices: int = 3
     secagg_phase_timeout_s: float = 60.0
+    secagg_ca: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -146,6 +153,14 @@ class RoundPolicy:
         _check_int("secagg_scale_bits", self.secagg_scale_bits, 0, 52)
         _check_int("secagg_min_devices", self.secagg_min_devices, 3, 1 << 31)
         _check_number("secagg_phase_timeout_s", self.secagg_phase_timeout_s, positive=True, maximum=MAX_SECONDS)
+        if self.secagg_ca is not None:
+            from fedfs_sdk.federation.secagg import CaPublicKey, IdentityError
+
+            try:
+                ca = CaPublicKey.from_json(self.secagg_ca)
+            except IdentityError as e:
+                raise InputError(f"secagg_ca is not a fedfs CA public key (the ca.pub of fedfs ca init): {e}") from None
+            object.__setattr__(self, "secagg_ca", ca.to_json())
         if not self.secure_aggregation:
             return
         from fedfs_sdk.federation.secagg import FixedPoint   # checks range × samples × resolution fits 63 bits
@@ -155,12 +170,12 @@ class RoundPolicy:
                 from .secagg_rounds import dp_range
 
                 FixedPoint(clip=dp_range(self, self.secagg_min_devices), scale_bits=self.secagg_scale_bits,
-                           max_devices=1, max_samples=self.dp_weight_cap)
+                           max_devices=1, max_samples=1)
             # DP-FedAvg under secure aggregation: each device clips Δ = w_c − w to C = max_update_norm
-            # and masks n'·Δ with n' = min(n, ŵ); the fixed-point range is C (not secagg_clip) and
-            # the weight word at most ŵ. The server adds the noise to the unmasked sum.
+            # and masks w_k·Δ, w_k = min(n/ŵ, 1), with weight word 1; the fixed-point range is C (not
+            # secagg_clip). The server adds the noise to the unmasked sum (or the devices, distributed).
             FixedPoint(clip=float(self.max_update_norm), scale_bits=self.secagg_scale_bits,  # type: ignore[arg-type]
-                       max_devices=1, max_samples=self.dp_weight_cap)
+                       max_devices=1, max_samples=1)
             return
         if self.max_update_norm is not None:
             raise InputError("secure aggregation cannot clip updates to max_update_norm: the server never sees "

@@ -228,31 +228,29 @@ class DpFedAvg:
         self.weight_sum += float(wk.sum())
         self.clipped += int((norms > clip).sum())
 
-    def add_secure_sum(self, weighted: np.ndarray, count: int, weight_words: int) -> None:
+    def add_secure_sum(self, weighted_sum: np.ndarray, count: int) -> None:
         """Take a secure-aggregation round's unmasked sum instead of individual updates.
 
-        ``weighted`` is ``Σ_k n'_k Δ_k / Σ_k n'_k`` over **all** tensors sorted by name (the
-        secure layout of :func:`fedfs_sdk.federation.secagg.http_device.flatten_update`), ``weight_words``
-        = ``Σ n'_k`` with ``n'_k = min(n_k, ŵ)``: the devices clipped and weighed their own
-        updates (:func:`fedfs_sdk.federation.secagg.http_device.dp_input`), so ``Σ w_k Δ_k`` =
-        ``weighted · Σn' / ŵ``. The server cannot re-clip here — it never sees one update —
-        and coordinates of integer buffers are ignored (not privatized, as in :meth:`add`)."""
-        if count < 1 or weight_words < count:
-            raise InputError(f"a secure DP sum needs ≥ 1 input of weight ≥ 1; got {count} input(s), Σn' = {weight_words}")
+        ``weighted_sum`` is ``Σ_k w_k Δ_k`` over **all** tensors sorted by name (the secure
+        layout of :func:`fedfs_sdk.federation.secagg.http_device.flatten_update`): the devices
+        clipped and weighed their own updates (:func:`fedfs_sdk.federation.secagg.dp_input.dp_input`).
+        The server cannot re-clip here — it never sees one update — and coordinates of integer
+        buffers are ignored (not privatized, as in :meth:`add`). ``total_samples`` is not
+        known (nobody learns ``Σ min(n_k, ŵ)``)."""
+        if count < 1:
+            raise InputError(f"a secure DP sum needs ≥ 1 input; got {count}")
         names = sorted(self.reference)
         offsets, at = {}, 0
         for k in names:
             offsets[k] = at
             at += self.reference[k].numel()
-        vec = np.asarray(weighted, dtype=np.float64)
+        vec = np.asarray(weighted_sum, dtype=np.float64)
         if vec.shape != (at,):
             raise InputError(f"the unmasked sum has shape {vec.shape}, the model {at} values")
         flat = np.concatenate([vec[offsets[k]:offsets[k] + self.reference[k].numel()] for k in self.keys]) \
             if self.keys else np.zeros(0)
-        self._sum += flat * (float(weight_words) / self.params.weight_cap)
+        self._sum += flat
         self.count += int(count)
-        self.total_samples += int(weight_words)
-        self.weight_sum += float(weight_words) / self.params.weight_cap
 
     def noisy_average_update(self, add_noise: bool = True) -> np.ndarray:
         """``(Σ w_k Δ_k + N(0, σ²C²)) / (q·N)``: fresh noise on every call. ``add_noise=False``:

@@ -164,7 +164,8 @@ class Coordinator(SecAggCoordinator):
                     continue  # id or b_u already taken: draw again (b_u is never reissued)
                 self._seen[device_id] = self._seen_written[device_id] = now
                 _event("device registered", device_id=device_id)
-                return {"device_id": device_id, "token": token, "base_vector": base, "base_bits": BASE_BITS}
+                return {"device_id": device_id, "token": token, "base_vector": base, "base_bits": BASE_BITS,
+                        "secure_aggregation": bool(self.policy.secure_aggregation)}
         raise Conflict("could not allocate a unique base vector", code="base_space_exhausted")
 
     def authenticate(self, token: str | None) -> str:
@@ -272,8 +273,10 @@ class Coordinator(SecAggCoordinator):
         return weights, json.loads(config.to_json())
 
     def _publish(self, version: int, weights: dict[str, torch.Tensor], model_config: dict[str, Any],
-                 round_id: int | None, count: int, samples: int, reason: str | None = None,
+                 round_id: int | None, count: int, samples: int | None, reason: str | None = None,
                  dp: dict[str, Any] | None = None) -> str:
+        """Write version ``version`` and close its round. ``samples`` is ``Σ|D_c|``, or None in a
+        DP round: the accountant covers the model, not the sample counts, so they are not published."""
         meta = {"version": version, "round_id": round_id, "num_updates": count, "total_samples": samples}
         if dp is not None:
             meta["dp"] = dp                            # the (ε, δ) this version is published with
@@ -285,7 +288,7 @@ class Coordinator(SecAggCoordinator):
         with self.db.transaction() as c:               # … then the row that makes it visible
             c.execute("INSERT INTO models(version, file, sha256, round_id, num_updates, total_samples, created_at)"
                       " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                      (version, path.name, sha, round_id, count, samples, self.clock()))
+                      (version, path.name, sha, round_id, count, samples or 0, self.clock()))
             if round_id is not None:
                 c.execute("UPDATE rounds SET state = 'closed', closed_at = ?, result_version = ?, reason = ?"
                           " WHERE id = ?", (self.clock(), version, reason, round_id))
@@ -410,7 +413,7 @@ class Coordinator(SecAggCoordinator):
             if dp_params is not None:    # devices clip to C before uploading (the server clips again)
                 task["dp"] = dp_params.to_json()
             quorum = policy.quorum_count(k)
-            secagg = self._secagg_open(policy, round_id, selected, model, opened)
+            secagg = self._secagg_open(policy, round_id, selected, model, opened, task)
             if secagg is not None:   # phases: keys, masked input by the round timeout, unmasking
                 task["secagg"] = {k: v for k, v in secagg.fields.items()}
                 deadline = task["deadline"] = opened + policy.round_timeout_s + policy.secagg_phase_timeout_s
@@ -449,7 +452,8 @@ class Coordinator(SecAggCoordinator):
             t0 = time.perf_counter()
             new = r.acc.result()
             version = self.model.version + 1
-            self._publish(version, new, self.model.model_config, r.id, r.acc.count, r.acc.total_samples, reason,
+            self._publish(version, new, self.model.model_config, r.id, r.acc.count,
+                          None if "dp" in r.task else r.acc.total_samples, reason,
                           dp=self._dp_statement(r.policy, r.task.get("dp")))
             _event("round closed", round_id=r.id, reason=reason, updates=r.acc.count,
                    total_samples=r.acc.total_samples, new_version=version,
@@ -725,6 +729,8 @@ class Coordinator(SecAggCoordinator):
         sa = self._secagg_status(round_id)
         if sa is not None:       # no update rows: the masked inputs that counted and their Σn
             agg = {"n": sa["survivors"], "s": sa["total_samples"]}
+        if "dp" in json.loads(row["task"]):   # a DP round: Σn is not covered by ε and not published
+            agg = {"n": agg["n"], "s": None}
         return {"secure_aggregation": sa, "round_id": round_id, "state": row["state"], "model_version": row["model_version"],
                 "sampled": sampled, "accepted": agg["n"], "total_samples": agg["s"], "quorum": row["quorum"],
                 "opened_at": row["opened_at"], "deadline": row["deadline"], "closed_at": row["closed_at"],

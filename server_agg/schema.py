@@ -92,6 +92,11 @@ POLICY_CHANGES_SCHEMA: dict[str, Any] = {
         "secagg_scale_bits": _int(0, 52),
         "secagg_min_devices": _int(3, 1 << 31),
         "secagg_phase_timeout_s": _num(0.0, MAX_SECONDS, exclusive_lo=True),
+        "secagg_ca": _nullable({"type": "object", "required": ["format", "public_key"],
+                                "description": "the operator CA's public key (ca.pub of fedfs ca init): secure "
+                                               "rounds run fedfs-secagg/2",
+                                "properties": {"format": {"const": "fedfs-ca/1"}, "public_key": {"type": "string"},
+                                               "key_id": {"type": "string"}}}),
     },
 }
 

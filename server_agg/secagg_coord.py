@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.secagg import RoundFailedError, SecAggResult
-from fedfs_sdk.federation.secagg.http_device import params_from_task
+from fedfs_sdk.federation.secagg.dp_input import DP_INPUT
+from fedfs_sdk.federation.secagg.http_device import params_from_task, task_context
 
 from .errors import Conflict, Forbidden, Gone, NotFound
-from .secagg_rounds import SecAggRound, task_fields, unflatten
+from .secagg_rounds import SecAggRound, ca_of, task_fields, unflatten
 
 if TYPE_CHECKING:
     from .rounds import OpenRound
@@ -40,9 +41,10 @@ class SecAggCoordinator:
         return self.layout.root / "secagg" / f"r{round_id:06d}.json"  # type: ignore[attr-defined]
 
     def _secagg_open(self, policy: Any, round_id: int, selected: Sequence[str], model: Any,
-                     opened: float) -> SecAggRound | None:
+                     opened: float, task: dict[str, Any]) -> SecAggRound | None:
         """The protocol state of a new round (None: not a secure round); 409 if the round
-        cannot run securely (too few devices, a fixed-point range that does not fit)."""
+        cannot run securely (too few devices, a fixed-point range that does not fit). ``task``
+        is the round's task so far: an authenticated round's signatures bind its digest."""
         if not policy.secure_aggregation:
             return None
         if len(selected) < policy.secagg_min_devices:
@@ -55,7 +57,7 @@ class SecAggCoordinator:
         except InputError as e:
             raise Conflict(f"secure aggregation cannot run this round: {e}", code="secagg_params") from None
         sr = SecAggRound(round_id, selected, fields, self._secagg_path(round_id), opened,
-                         opened + policy.round_timeout_s)
+                         opened + policy.round_timeout_s, task_context({**task, "secagg": fields}), ca_of(policy))
         sr.path.parent.mkdir(parents=True, exist_ok=True)
         sr.save()                  # the file first, then the round's row (a row without a file fails cleanly)
         return sr
@@ -129,7 +131,7 @@ class SecAggCoordinator:
     def _secagg_summary(self, r: "OpenRound", result: SecAggResult | None) -> None:
         assert r.secagg is not None
         s = {**r.secagg.counts(), "survivors": len(result.survivors) if result else len(r.secagg.srv.u3),
-             "total_samples": result.total_samples if result else 0,
+             "total_samples": (None if "dp" in r.task else result.total_samples) if result else 0,
              "dropped": {k: len(v) for k, v in (result.dropped if result else r.secagg.srv.dropped).items()}}
         self.db.set_meta(f"secagg_r{r.id}", json.dumps(s))  # type: ignore[attr-defined]
 
@@ -141,7 +143,11 @@ class SecAggCoordinator:
             # server sees this sum without noise (central DP; docs/privacy.md says so).
             # With distributed noise (task secagg.dp_noise) each of the ≥ m inputs already carries
             # N(0, σ²C²/m): nothing is added here, and the server never saw a noiseless sum.
-            r.acc.add_secure_sum(result.mean, len(result.survivors), result.total_samples)
+            # the unmasked sum in units of Σ w_k Δ_k: the weight words are 1 each (dp_weighted_delta), or Σ n'
+            # of the previous input, where the mean is over Σ n' and the weights are n'/ŵ
+            scale = float(result.total_samples) if r.secagg.fields.get("input") == DP_INPUT else \
+                float(result.total_samples) / float(r.task["dp"]["weight_cap"])  # type: ignore[union-attr]
+            r.acc.add_secure_sum(result.mean.astype("float64") * scale, len(result.survivors))
             distributed = r.secagg.min_inputs > 0  # type: ignore[union-attr]
             weights = r.acc.result(add_noise=not distributed)
         else:
@@ -152,11 +158,13 @@ class SecAggCoordinator:
                   "noise_min_inputs": r.secagg.min_inputs or None}  # type: ignore[union-attr]
         self._secagg_summary(r, result)
         version = model.version + 1
+        samples = None if "dp" in r.task else result.total_samples   # DP: Σn is not covered by ε, not published
         self._publish(version, weights, model.model_config, r.id, len(result.survivors),  # type: ignore[attr-defined]
-                      result.total_samples, "secure aggregation", dp=dp)
+                      samples, "secure aggregation", dp=dp)
         log.info("round closed", extra={"fields": {"round_id": r.id, "secure_aggregation": True,
+                                                   "protocol": r.secagg.params.protocol,  # type: ignore[union-attr]
                                                    "survivors": len(result.survivors), "dropped": result.dropped,
-                                                   "total_samples": result.total_samples, "new_version": version}})
+                                                   "total_samples": samples, "new_version": version}})
         self._secagg_end(r)
 
     def _secagg_fail(self, r: "OpenRound", why: str) -> None:
@@ -178,7 +186,8 @@ class SecAggCoordinator:
     def _secagg_status(self, round_id: int) -> dict[str, Any] | None:
         r = self.round
         if r is not None and r.id == round_id and r.secagg is not None:
-            return {**r.secagg.counts(), "survivors": len(r.secagg.srv.u3), "total_samples": 0}
+            return {**r.secagg.counts(), "survivors": len(r.secagg.srv.u3),
+                    "total_samples": None if "dp" in r.task else 0}
         raw = self.db.get_meta(f"secagg_r{round_id}")  # type: ignore[attr-defined]
         return json.loads(raw) if raw else None
 

@@ -3,7 +3,9 @@
 A round opened with ``policy.secure_aggregation`` carries a :class:`SecAggRound`: the
 participants get indices 1…k (sorted by device id; the Shamir x-coordinates), the task says
 ``secagg`` with the agreed parameters, and the round walks the four phases of Bonawitz et al.
-2017 (§4): advertise keys → share keys → masked input → unmasking. A phase closes as soon as
+2017 (§4): advertise keys → share keys → masked input → unmasking — and, when the policy pins
+the operator CA (``secagg_ca``), the authenticated protocol ``fedfs-secagg/2``: signed
+advertisements and a consistency check before unmasking. A phase closes as soon as
 every device expected in it answered, or at its deadline (whoever has not answered then has
 dropped); ``finalize`` yields only ``Σ n·w / Σ n`` of the survivors, which the coordinator
 publishes as the next version.
@@ -25,11 +27,13 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from fedfs_sdk.errors import InputError
-from fedfs_sdk.federation.secagg import (RoundFailedError, SecAggError, SecAggParams, SecAggResult, SecAggServer,
-                              default_threshold, from_json, restore, snapshot, to_json)
+from fedfs_sdk.errors import FedFSError, InputError
+from fedfs_sdk.federation.secagg import (PROTOCOL_V2, CaPublicKey, RoundFailedError, SecAggError, SecAggParams,
+                                         SecAggResult, SecAggServer, default_threshold, from_json, restore, snapshot,
+                                         to_json)
 from fedfs_sdk.federation.secagg import messages as M
-from fedfs_sdk.federation.secagg.http_device import DP_INPUT, layout_digest, params_from_task
+from fedfs_sdk.federation.secagg.dp_input import DP_INPUT
+from fedfs_sdk.federation.secagg.http_device import layout_digest, params_from_task, task_context
 
 from .errors import ApiError, Forbidden
 from .store import atomic_write
@@ -37,7 +41,8 @@ from .store import atomic_write
 log = logging.getLogger("fedfs.server")
 
 FORMAT = "fedfs-secagg-round/1"
-STEP_OF = {"advertise": M.ADVERTISE, "share-keys": M.SHARE_KEYS, "unmask": M.UNMASK_SHARES}
+STEP_OF = {"advertise": M.ADVERTISE, "share-keys": M.SHARE_KEYS, "consistency": M.CONSISTENCY,
+           "unmask": M.UNMASK_SHARES}
 """URL step → the core message type it carries (``masked-input`` is a raw body)."""
 
 
@@ -64,10 +69,16 @@ def dp_min_inputs(policy: Any, n_devices: int) -> int:
 
 
 def dp_range(policy: Any, min_inputs: int) -> float:
-    """The fixed-point range of a distributed-noise DP round: ``C + 8·ŵ·σC/√m`` (a device with
-    weight ``n' ≥ 1`` encodes ``Δ + ŵ·z/n'``, ``z ~ N(0, σ²C²/m)``)."""
+    """The fixed-point range of a distributed-noise DP round: ``C + 8·σC/√m`` (a device encodes
+    ``w_k·Δ + z``, ``|w_k·Δ_i| ≤ C``, ``z ~ N(0, σ²C²/m)``)."""
     c, s = float(policy.max_update_norm), float(policy.dp_noise_multiplier)
-    return c + NOISE_TAIL * int(policy.dp_weight_cap) * s * c / float(min_inputs) ** 0.5
+    return c + NOISE_TAIL * s * c / float(min_inputs) ** 0.5
+
+
+def ca_of(policy: Any) -> CaPublicKey | None:
+    """The operator CA the policy pins (``secagg_ca``): rounds then run ``fedfs-secagg/2``."""
+    raw = getattr(policy, "secagg_ca", None)
+    return CaPublicKey.from_json(raw) if raw else None
 
 
 def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int) -> dict[str, Any]:
@@ -79,10 +90,14 @@ def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int
               "min_devices": int(policy.secagg_min_devices), "layout_sha256": layout_digest(
                   {k: tuple(int(x) for x in s) for k, s in shapes.items()}),
               "phase_timeout_s": float(policy.secagg_phase_timeout_s)}
+    ca = ca_of(policy)
+    if ca is not None:       # authenticated: t against the invited n, signed keys, consistency check
+        fields.update(protocol=PROTOCOL_V2, participants=max(2, int(n_devices)), ca_key_id=ca.key_id)
     if getattr(policy, "dp", False):
-        # DP-FedAvg: devices mask n'·clip_C(Δ) and n' = min(n, ŵ) (fedfs_sdk.federation.secagg.http_device.dp_input):
-        # every coordinate of an honest Δ is within ±C, so C is the range, and ŵ bounds the weight word.
-        fields.update(clip=float(policy.max_update_norm), max_samples=int(policy.dp_weight_cap), input=DP_INPUT)
+        # DP-FedAvg: devices mask w_k·clip_C(Δ) with weight word 1 (fedfs_sdk.federation.secagg.dp_input):
+        # every coordinate is within ±C, so C is the range; the weight words sum to the survivor count,
+        # so nobody learns Σ min(n_k, ŵ).
+        fields.update(clip=float(policy.max_update_norm), max_samples=1, input=DP_INPUT)
         if getattr(policy, "dp_noise", "central") == "distributed":
             m = dp_min_inputs(policy, n_devices)
             fields.update(clip=dp_range(policy, m), dp_noise={"min_inputs": m})
@@ -112,21 +127,23 @@ class SecAggRound:
     """The protocol state of one open secure round, persisted at ``path``."""
 
     def __init__(self, round_id: int, participants: Sequence[str], fields: Mapping[str, Any], path: Path,
-                 opened: float, masked_deadline: float) -> None:
+                 opened: float, masked_deadline: float, context: bytes = b"", ca: CaPublicKey | None = None) -> None:
         self.round_id = round_id
         self.participants = sorted(participants)
         self.index = {d: i + 1 for i, d in enumerate(self.participants)}
         self.fields = dict(fields)
         self.params: SecAggParams = params_from_task(round_id, fields)
+        self.context, self.ca = context, ca
         self.phase_timeout = float(fields["phase_timeout_s"])
         noise = fields.get("dp_noise")
         self.min_inputs = int(noise["min_inputs"]) if noise else 0   # distributed DP noise: see dp_min_inputs
         self.masked_deadline = masked_deadline
         self.deadline = opened + self.phase_timeout     # of the current phase
         self.path = path
-        self.srv = SecAggServer(self.params)
+        self.srv = SecAggServer(self.params, context=context, ca=ca)
         self.roster: dict[str, Any] | None = None
-        self.request: dict[str, Any] | None = None
+        self.request: dict[str, Any] | None = None           # the unmask request
+        self.check: dict[str, Any] | None = None             # the consistency request (authenticated rounds)
         self._sum_saved = -1          # masked inputs in the sum file last written
 
     # ---- persistence -------------------------------------------------------------------
@@ -147,7 +164,8 @@ class SecAggRound:
         core["sum_file"] = self._sum_path(count).name if raw is not None else None
         doc = {"format": FORMAT, "round_id": self.round_id, "participants": self.participants,
                "fields": self.fields, "deadline": self.deadline, "masked_deadline": self.masked_deadline,
-               "roster": self.roster, "request": self.request, "core": core}
+               "roster": self.roster, "request": self.request, "check": self.check, "core": core,
+               "context": self.context.decode("latin-1"), "ca": self.ca.to_json() if self.ca else None}
         atomic_write(self.path, to_json(doc).encode())
         for old in self.path.parent.glob(f"{self.path.stem}.sum*"):
             if old.name != core["sum_file"]:
@@ -163,17 +181,19 @@ class SecAggRound:
         if doc.get("format") != FORMAT or doc.get("round_id") != round_id:
             raise InputError(f"{path} is not the state of secure round {round_id}")
         try:
-            r = cls(round_id, doc["participants"], doc["fields"], path, 0.0, float(doc["masked_deadline"]))
+            ca = CaPublicKey.from_json(doc["ca"]) if doc.get("ca") else None
+            r = cls(round_id, doc["participants"], doc["fields"], path, 0.0, float(doc["masked_deadline"]),
+                    str(doc.get("context", "")).encode("latin-1"), ca)
             r.deadline = float(doc["deadline"])
-            r.roster, r.request = doc["roster"], doc["request"]
+            r.roster, r.request, r.check = doc["roster"], doc["request"], doc.get("check")
             core = dict(doc["core"])
             name = core.pop("sum_file")
             core["sum"] = (path.parent / name).read_bytes() if name is not None else None
             if core["sum"] is not None and len(core["sum"]) != 8 * r.params.words:
                 raise ValueError(f"{name} has {len(core['sum'])} bytes, expected {8 * r.params.words}")
-            r.srv = restore(r.params, core)
+            r.srv = restore(r.params, core, context=r.context, ca=ca)
             r._sum_saved = len(r.srv._masked_from) if name is not None else -1
-        except (KeyError, TypeError, ValueError, OSError, SecAggError) as e:
+        except (KeyError, TypeError, ValueError, OSError, SecAggError, FedFSError) as e:
             raise InputError(f"secure round {round_id}: {path} is corrupt: {e}") from None
         return r
 
@@ -228,17 +248,20 @@ class SecAggRound:
             out["roster"] = self.roster
         elif s.step == "masked" and idx in s.u2:
             out["inbox"] = s.inbox(idx)
-        elif s.step == "unmask" and idx in s.u3:
+        elif s.step == "consistency" and idx in s.u3:
+            out["consistency_request"] = self.check
+        elif s.step == "unmask" and idx in s.u4:
             out["unmask_request"] = self.request
-        members = {"share_keys": s.pks, "masked": s.u2, "unmask": s.u3}.get(s.step)
+        members = {"share_keys": s.pks, "masked": s.u2, "consistency": s.u3, "unmask": s.u4}.get(s.step)
         if members is not None and idx not in members:
             out["dropped"] = True            # it missed an earlier phase: nothing more for it this round
         return json.loads(to_json(out))
 
     def counts(self) -> dict[str, Any]:
         s = self.srv
-        return {"phase": s.step, "advertised": len(s.pks), "shared": len(s.u2) if s.u2 else len(s.cts),
-                "masked": len(s._masked_from), "unmasked": len(s._unmasked_from),
+        return {"phase": s.step, "protocol": self.params.protocol, "advertised": len(s.pks),
+                "shared": len(s.u2) if s.u2 else len(s.cts), "masked": len(s._masked_from),
+                "signed": len(s.csigs), "unmasked": len(s._unmasked_from),
                 "dropped": {k: len(v) for k, v in s.dropped.items()}, "threshold": s.threshold or None}
 
     # ---- phases ------------------------------------------------------------------------
@@ -250,14 +273,17 @@ class SecAggRound:
             return len(s.cts) == len(s.pks)
         if s.step == "masked":
             return len(s._masked_from) == len(s.u2)
-        return s.step == "unmask" and len(s._unmasked_from) == len(s.u3)
+        if s.step == "consistency":
+            return len(s.csigs) == len(s.u3)
+        return s.step == "unmask" and len(s._unmasked_from) == len(s.u4)
 
     def advance(self, now: float) -> SecAggResult | None:
         """Close every phase that is complete or past its deadline; the result once the sum is
         unmasked. :class:`RoundFailedError` when too few devices are left (state saved)."""
         s = self.srv
         try:
-            while s.step in ("advertise", "share_keys", "masked", "unmask") and (self._complete() or now >= self.deadline):
+            while s.step in ("advertise", "share_keys", "masked", "consistency", "unmask") and (
+                    self._complete() or now >= self.deadline):
                 if s.step == "advertise":
                     self.roster = s.close_advertise()
                     self.deadline = now + self.phase_timeout
@@ -271,7 +297,14 @@ class SecAggRound:
                             f"noise DP round needs {self.min_inputs} (each carries 1/{self.min_inputs} of the "
                             f"noise variance); nothing was unmasked", survivors=len(s._masked_from),
                             threshold=self.min_inputs)
-                    self.request = s.close_masked()
+                    out = s.close_masked()
+                    if s.step == "consistency":
+                        self.check = out
+                    else:
+                        self.request = out
+                    self.deadline = now + self.phase_timeout
+                elif s.step == "consistency":
+                    self.request = s.close_consistency()
                     self.deadline = now + self.phase_timeout
                 else:
                     return s.finalize()
@@ -288,4 +321,4 @@ class SecAggRound:
             p.unlink(missing_ok=True)
 
 
-__all__ = ["SecAggRound", "task_fields", "unflatten", "secagg_error", "STEP_OF"]
+__all__ = ["SecAggRound", "task_fields", "unflatten", "secagg_error", "STEP_OF", "ca_of", "task_context"]

@@ -38,7 +38,11 @@ def _list_of(props: dict[str, Any]) -> dict[str, Any]:
     return {"type": "array", "items": {"type": "object", "required": list(props), "properties": props}}
 
 
-ADVERTISE_BODY = _message("advertise_keys", {"c_pk": _B64, "s_pk": _B64}, ["c_pk", "s_pk"])
+_CERT = {"type": "object", "description": "fedfs-device-cert/1: the operator CA's certificate of the device's "
+                                          "Ed25519 identity key (fedfs-secagg/2)"}
+ADVERTISE_BODY = _message("advertise_keys", {"c_pk": _B64, "s_pk": _B64, "cert": _CERT, "sig": _B64},
+                          ["c_pk", "s_pk"])
+CONSISTENCY_BODY = _message("consistency_signature", {"sig": _B64}, ["sig"])
 SHARE_KEYS_BODY = _message("share_keys", {"ciphertexts": _list_of({"to": _ID, "ct": _B64})}, ["ciphertexts"])
 UNMASK_BODY = _message("unmask_shares", {"b_shares": _list_of({"of": _ID, "share": _B64}),
                                          "s_shares": _list_of({"of": _ID, "share": _B64})}, ["b_shares", "s_shares"])
@@ -56,12 +60,12 @@ class SecAggAck(BaseModel):
 
 
 class SecAggView(BaseModel, extra="allow"):
-    """The device's view: ``phase`` (``advertise``, ``share_keys``, ``masked``, ``unmask``,
-    ``done``, ``failed``) and the message it waits for: ``roster``, ``inbox`` or
-    ``unmask_request`` (bytes as ``{"b64": …}``)."""
+    """The device's view: ``phase`` (``advertise``, ``share_keys``, ``masked``, ``consistency``
+    (authenticated rounds), ``unmask``, ``done``, ``failed``) and the message it waits for:
+    ``roster``, ``inbox``, ``consistency_request`` or ``unmask_request`` (bytes as ``{"b64": …}``)."""
 
     round_id: int
-    phase: Literal["advertise", "share_keys", "masked", "unmask", "done", "failed", "closed"]
+    phase: Literal["advertise", "share_keys", "masked", "consistency", "unmask", "done", "failed", "closed"]
     retry_after: float
     device: int | None = None
     deadline: float | None = None
@@ -112,6 +116,14 @@ def install_secagg_routes(app: FastAPI, coord: Any, device: Callable[..., str], 
                                   device_id: str = Security(device)) -> dict[str, Any]:
         """Phase 2, MaskedInputCollection: ``y_u`` as a raw body of exactly 8·(dim + 1) bytes."""
         return await _receive(request, device_id, round_id, "masked-input", "application/octet-stream")
+
+    @app.post("/v1/rounds/{round_id}/secagg/consistency", response_model=SecAggAck,
+              response_model_exclude_none=True, responses=refusals, tags=["secure aggregation"],
+              openapi_extra=CONSISTENCY_BODY)
+    async def secagg_consistency(request: Request, round_id: int = Path(ge=1, le=MAX_ID),
+                                 device_id: str = Security(device)) -> dict[str, Any]:
+        """fedfs-secagg/2, ConsistencyCheck: this device's Ed25519 signature over the survivor set U3."""
+        return await _receive(request, device_id, round_id, "consistency", "application/json")
 
     @app.post("/v1/rounds/{round_id}/secagg/unmask", response_model=SecAggAck, response_model_exclude_none=True,
               responses=refusals, tags=["secure aggregation"], openapi_extra=UNMASK_BODY)

@@ -19,6 +19,7 @@ Routes check authentication, the round and sampling *before* calling
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -190,5 +191,25 @@ def deadline_protocol(header_timeout_s: float, parser: str | None = None,
     return DeadlineProtocol
 
 
+def tls_files(cert: Path | None, key: Path | None) -> tuple[str, str] | None:
+    """``(cert, key)`` for uvicorn when HTTPS is asked for (``fedfs serve --tls-cert/--tls-key``);
+    :class:`InputError` when half given, missing, or the key does not belong to the certificate
+    (checked with ``ssl`` before the port is bound and the state touched)."""
+    if cert is None and key is None:
+        return None
+    if cert is None or key is None:
+        raise InputError("give both --tls-cert and --tls-key (or neither)")
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not path.is_file():
+            raise InputError(f"{flag}: no such file {path}")
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(str(cert), str(key))
+    except (ssl.SSLError, OSError) as e:
+        raise InputError(f"--tls-cert {cert} / --tls-key {key} cannot be used: {e}") from None
+    return str(cert), str(key)
+
+
 __all__ = ["RequestTimeout", "ClientGone", "media_type", "require_media_type", "declared_length",
-           "receive_body", "deadline_protocol", "http_parser", "MAX_HEAD_BYTES"]
+           "receive_body", "deadline_protocol", "http_parser", "MAX_HEAD_BYTES", "tls_files"]

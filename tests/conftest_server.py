@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -36,15 +37,50 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+def self_signed_cert(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A self-signed TLS certificate for ``host`` (and localhost), made here with
+    ``cryptography``: ``(cert.pem, key.pem)``. Devices pin it (``fedfs device --tls-ca``)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(host)),
+                                                        x509.DNSName("localhost")]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key_path.chmod(0o600)
+    return cert_path, key_path
+
+
 @dataclass
 class ServerProc:
     proc: subprocess.Popen
     url: str
     state: Path
     log: Path
+    verify: "ssl.SSLContext | bool" = True
+    """Trusts only the server's certificate when it serves HTTPS (what the test's clients use)."""
+    tls_cert: Path | None = None
 
     def admin(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30,
+                            verify=self.verify)
 
     def status(self) -> dict:
         with self.admin() as c:
@@ -65,22 +101,27 @@ class ServerProc:
                 self.kill()
 
 
-def start_server(state: Path, *args: str, port: int | None = None, timeout: float = 60.0) -> ServerProc:
-    """``python -m fedfs_sdk.cli.main serve`` on a free port; waits for /health."""
+def start_server(state: Path, *args: str, port: int | None = None, timeout: float = 60.0,
+                 tls: tuple[Path, Path] | None = None) -> ServerProc:
+    """``python -m fedfs_sdk.cli.main serve`` on a free port; waits for /health. ``tls``:
+    ``(cert, key)`` — the server speaks HTTPS (``--tls-cert/--tls-key``) and is checked with cert."""
     port = port or free_port()
+    if tls is not None:
+        args = (*args, "--tls-cert", str(tls[0]), "--tls-key", str(tls[1]))
     log = state.parent / f"{state.name}.server.log"
     cmd = [sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--state", str(state), "--admin-token", ADMIN, "--tick-interval", "0.1", "--poll-interval", "0.2", *args]
     with open(log, "ab") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls[0])) if tls else True
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return ServerProc(proc, url, state, log)
+            if httpx.get(url + "/health", timeout=1, verify=verify).status_code == 200:
+                return ServerProc(proc, url, state, log, verify, tls[0] if tls else None)
         except httpx.TransportError:
             pass
         time.sleep(0.1)
@@ -165,7 +206,7 @@ def wait_open(srv: "ServerProc", rnd: int, timeout: float = 30.0) -> None:
     """Until ``/health`` names ``rnd`` as the open round."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        if httpx.get(srv.url + "/health").json()["round_id"] == rnd:
+        if httpx.get(srv.url + "/health", verify=srv.verify).json()["round_id"] == rnd:
             return
         time.sleep(0.1)
     raise AssertionError(f"round {rnd} did not open in {timeout} s")

@@ -75,7 +75,7 @@ class Dev:
         task = self.client.task()
         assert task["action"] == "train" and task["round_id"] == rnd, task
         assert task["secagg"]["input"] == DP_INPUT and task["dp"]["clip"] == CLIP
-        assert task["secagg"]["max_samples"] == CAP
+        assert task["secagg"]["max_samples"] == 1        # the weight word: w_k·Δ travels with weight 1
         assert task["secagg"]["clip"] == CLIP or "dp_noise" in task["secagg"]       # range C (central noise)
         self.session = SecAggSession(self.client, task, sleep=time.sleep)
         flat, fl = _flat(ref), _floating(ref)
@@ -139,18 +139,18 @@ def _secure_round(srv, state, devs: list[Dev], rnd: int, rng) -> tuple[dict, dic
     for d in devs:
         d.session.share_keys()
     acks = [d.mask() for d in devs]
-    assert [a["num_samples"] for a in acks] == [min(n, CAP) for n in SAMPLES]   # n' = min(n, ŵ)
-    fp = FixedPoint(clip=CLIP, scale_bits=24, max_devices=N, max_samples=CAP)
+    assert [a["num_samples"] for a in acks] == [1] * N          # w_k·Δ with weight word 1: Σn' is never formed
+    fp = FixedPoint(clip=CLIP, scale_bits=24, max_devices=N, max_samples=1)
     snap_path = state / "secagg" / f"r{rnd:06d}.json"
     snap = from_json(snap_path.read_bytes())
     summed = np.frombuffer((snap_path.parent / snap["core"]["sum_file"]).read_bytes(), dtype="<u8")
-    plain = [fp.encode(d.clipped, min(d.n, CAP))[0] for d in devs]
+    plain = [fp.encode(d.weight * d.clipped, 1)[0] for d in devs]
     assert np.count_nonzero(summed == sum(plain)) <= 2          # self masks still on the stored sum
     blobs = _state_blobs(state)
     for d, enc in zip(devs, plain):
         y = np.frombuffer(d.y, dtype="<u8")
         assert y.size == enc.size and hashlib.sha256(d.y).hexdigest() == acks[d.i]["sha256"]
-        assert np.count_nonzero(y == enc) <= 2                  # the wire carries y_u, not enc(n'Δ)
+        assert np.count_nonzero(y == enc) <= 2                  # the wire carries y_u, not enc(w_k·Δ)
         at = 8 * int(d.idx[0])
         for needle in (enc.astype("<u8").tobytes()[at:at + 64], d.clipped[d.idx[:8]].tobytes(),
                        d.clipped[d.idx[:16]].astype(np.float32).tobytes(),
@@ -164,7 +164,8 @@ def _secure_round(srv, state, devs: list[Dev], rnd: int, rng) -> tuple[dict, dic
     assert not list((state / "secagg").glob(f"r{rnd:06d}.*"))  # the protocol state goes with the round
     _, pub, meta = _model(srv, rnd + 1)
     m = json.loads(meta["meta"])
-    assert m["num_updates"] == N and m["total_samples"] == sum(min(n, CAP) for n in SAMPLES)
+    # the sample counts are not covered by ε: not published (and under secure aggregation never known)
+    assert m["num_updates"] == N and m["total_samples"] is None and info["total_samples"] is None
     return ref, pub, m, info
 
 
@@ -243,7 +244,7 @@ def test_device_refuses_a_dp_round_that_would_mask_weights():
     fields = {"dim": 4, "threshold": None, "neighbours": None, "clip": 0.5, "scale_bits": 24, "max_devices": 4,
               "max_samples": 10, "min_devices": 3, "layout_sha256": "0" * 64, "device": 1}
     dp = {"clip": 0.5, "noise_multiplier": 1.0, "denominator": 4.0, "weight_cap": 10}
-    with pytest.raises(SecAggRoundLost, match="dp_clipped_delta"):
+    with pytest.raises(SecAggRoundLost, match="dp_weighted_delta"):
         SecAggSession(None, {"round_id": 1, "secagg": fields, "dp": dp})
     with pytest.raises(SecAggRoundLost, match="without DP"):
         SecAggSession(None, {"round_id": 1, "secagg": {**fields, "input": DP_INPUT}})
@@ -267,7 +268,7 @@ def test_policy_accepts_dp_with_secure_aggregation_and_still_refuses_a_server_si
     d = RoundPolicy(secure_aggregation=True, max_update_norm=0.5, dp_noise_multiplier=1.0, dp_delta=1e-5,
                     dp_noise="distributed")
     assert d.dp_noise == "distributed"
-    with pytest.raises(InputError, match="bits"):        # C × ŵ × 2^s must fit the ring
+    with pytest.raises(InputError, match="bits"):        # C × 2^s must fit float64 (and the ring)
         RoundPolicy(secure_aggregation=True, max_update_norm=1e6, dp_noise_multiplier=1.0, dp_delta=1e-5,
                     dp_weight_cap=1 << 20, secagg_scale_bits=40)
 
@@ -291,7 +292,7 @@ def test_torch_device_agents_run_a_secure_dp_round(tmp_path):
         with srv.admin() as c:
             info = c.get("/v1/rounds/1").json()
         assert info["state"] == "closed" and info["secure_aggregation"]["survivors"] == 3, info
-        assert info["total_samples"] == sum(min(n, cap) for n in COUNTS)
+        assert info["total_samples"] is None                  # a DP round publishes no sample count
         fl = _floating(ref)
         exact = np.zeros(fl.size)
         norms = []
@@ -386,7 +387,7 @@ def test_distributed_noise_each_device_adds_its_share_and_too_few_inputs_fail_be
         task = devs[0].session.params.fixed_point
         m = 4
         assert devs[0].session.noise_min_inputs == m
-        assert task.clip == pytest.approx(CLIP + 8 * CAP * SIGMA * CLIP / math.sqrt(m))   # range holds the noise
+        assert task.clip == pytest.approx(CLIP + 8 * SIGMA * CLIP / math.sqrt(m))   # range holds the noise
         for step in ("advertise", "share_keys"):
             for d in devs:
                 getattr(d.session, step)()
@@ -417,8 +418,14 @@ def test_distributed_noise_each_device_adds_its_share_and_too_few_inputs_fail_be
             d.session.advertise()
         for d in devs[:3]:
             d.session.share_keys()
-        for d in devs[:3]:
-            d.mask()
+        for d in devs[:3]:        # each device refuses: a sum of t = 3 inputs would carry only 3/4 of σ²C²
+            with pytest.raises(SecAggRoundLost, match="would hold only 3/4 of σ²C²"):
+                d.mask()
+        for d in devs[:3]:        # the server's own guard, for a device that does not check (an older fedfs)
+            inbox = d.session._wait_for("inbox", "masked")
+            y = d.session.device.masked_input(inbox, np.zeros(d.session.params.dim), 1)["y"]
+            d.client.request("PUT", f"{d.session.path}/masked-input", content=y,
+                             content_type="application/octet-stream")
         info = wait_round(srv, 2, timeout=60.0)
         assert info["state"] == "failed" and "needs 4" in info["reason"] and "nothing was unmasked" in info["reason"]
         with pytest.raises(SecAggRoundLost):

@@ -4,7 +4,7 @@ the device agents use) and synthetic updates, so each round runs in seconds.
 
 What is checked: what the server receives and stores holds no device's update in the clear;
 the published model is the FedAvg of the survivors to the fixed-point bound of
-docs/privacy.md; dropouts after masking up to t − 1 are recovered and one more fails the
+docs/privacy.md; dropouts after masking up to n − t are recovered and one more fails the
 round cleanly (and the next round opens); bad messages get a 4xx and change nothing; a
 SIGKILLed server resumes the round from its saved state.
 """
@@ -26,8 +26,8 @@ from fedfs_sdk.federation.secagg.http_device import SecAggSession, flatten_updat
 
 pytestmark = pytest.mark.timeout(180)
 
-N = 5
-T = 3                      # tolerates N − T = 2 = T − 1 dropouts
+N = 7
+T = 5                      # the default ⌊2N/3⌋ + 1 (devices refuse less); tolerates N − T = 2 dropouts
 SCALE = 2.0 ** -24         # docs/privacy.md: default secagg_scale_bits = 24
 # |published − exact weighted mean| ≤ ½·2^-24 (fixed point) + |mean|·2^-24 (float32), stated in docs
 ATOL, RTOL = 0.5 * SCALE * 1.01, SCALE * 1.01
@@ -202,18 +202,18 @@ def test_masked_vectors_hide_each_update(tmp_path):
         srv.stop()
 
 
-def test_dropouts_up_to_t_minus_1_recovered_one_more_fails_cleanly(tmp_path):
+def test_dropouts_up_to_n_minus_t_recovered_one_more_fails_cleanly(tmp_path):
     srv = start_server(tmp_path / "server", *SERVER_ARGS, "--rounds", "5")
     try:
         devs = [Dev(srv.url) for _ in range(N)]
         rng = np.random.default_rng(2)
-        for rnd, drop in ((1, 0), (2, 1), (3, T - 1)):            # after masking: inputs still count
+        for rnd, drop in ((1, 0), (2, 1), (3, N - T)):            # after masking: inputs still count
             wait_open(srv, rnd)
             info = run_round(srv, devs, rnd, rng, drop_after_mask=drop)
             assert_fedavg(srv, info, devs)
             assert info["secure_aggregation"]["dropped"].get("unmask", 0) == drop
         wait_open(srv, 4)
-        info = run_round(srv, devs, 4, rng, drop_after_mask=T)       # one more: too few shares
+        info = run_round(srv, devs, 4, rng, drop_after_mask=N - T + 1)   # one more: too few shares
         assert info["state"] == "failed" and info["result_version"] is None
         assert f"threshold is {T}" in info["reason"], info["reason"]
         with srv.admin() as c:
@@ -236,21 +236,24 @@ def test_dropouts_up_to_t_minus_1_recovered_one_more_fails_cleanly(tmp_path):
 
 
 def test_secagg_plus_neighbours_over_http(tmp_path):
-    """SecAgg+ (Bell et al. 2020): each device masks with k = 2 of the 4 others; threshold 2 of
-    its 3 share holders, so one drop after masking is recovered."""
+    """SecAgg+ (Bell et al. 2020): each of 8 devices masks with k = 4 of the 7 others (the
+    devices' default minimum degree); threshold ⌊2·5/3⌋ + 1 = 4 of its 5 share holders, so one
+    drop after masking is recovered."""
+    n = 8
     args = [a for a in SERVER_ARGS]
-    args[args.index("--secagg-threshold") + 1] = "2"
-    srv = start_server(tmp_path / "server", *args, "--secagg-neighbours", "2", "--rounds", "2")
+    args[args.index("--secagg-threshold") + 1] = "4"
+    args[args.index("--min-participants") + 1] = str(n)
+    srv = start_server(tmp_path / "server", *args, "--secagg-neighbours", "4", "--rounds", "2")
     try:
-        devs = [Dev(srv.url) for _ in range(N)]
+        devs = [Dev(srv.url) for _ in range(n)]
         rng = np.random.default_rng(6)
         for rnd, drop in ((1, 0), (2, 1)):
             wait_open(srv, rnd)
             info = run_round(srv, devs, rnd, rng, drop_after_mask=drop)
             assert_fedavg(srv, info, devs)
-            assert info["secure_aggregation"]["threshold"] == 2
-        # the graph really was sparse: each device shared keys with 2 neighbours, not 4
-        assert all(len(d.session.device._graph[d.session.index]) == 2 for d in devs)
+            assert info["secure_aggregation"]["threshold"] == 4
+        # the graph really was sparse: each device shared keys with 4 neighbours, not 7
+        assert all(len(d.session.device._graph[d.session.index]) == 4 for d in devs)
     finally:
         srv.stop()
 

@@ -55,7 +55,7 @@ class FoldedConv2d(nn.Conv2d):
         if self.padding_mode != "zeros":
             raise NotImplementedError("folded convolution supports zero padding only")
         if (self.pointwise == "matmul" and self.kernel_size == (1, 1) and self.stride == (1, 1)
-                and self.groups == 1 and self.padding in ((0, 0), "valid")):
+                and self.groups == 1 and self.padding in ((0, 0), "valid") and x.is_contiguous()):
             n, _, h, wd = x.shape
             # [K, O, C] @ [B, K, C, H·W] → [B, K, O, H·W]: a bmm over (sample, client), no layout copy
             y = torch.matmul(w.reshape(k, o, -1), x.reshape(n, k, -1, h * wd)).reshape(n, k * o, h, wd)
@@ -122,10 +122,12 @@ def fold_module(backbone: nn.Module, pointwise: str = "conv") -> nn.Module:
     return net.requires_grad_(False)
 
 
-def fold_input(x: torch.Tensor) -> torch.Tensor:
-    """``[K, B, C, H, W]`` → ``[B, K·C, H, W]``."""
+def fold_input(x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+    """``[K, B, C, H, W]`` → ``[B, K·C, H, W]`` (``channels_last``: stored NHWC, the layout
+    cuDNN's grouped-convolution kernels work in)."""
     k, n = x.shape[:2]
-    return x.transpose(0, 1).reshape((n, k * x.shape[2]) + tuple(x.shape[3:]))
+    y = x.transpose(0, 1).reshape((n, k * x.shape[2]) + tuple(x.shape[3:]))
+    return y.contiguous(memory_format=torch.channels_last) if channels_last else y
 
 
 def unfold_output(y: torch.Tensor, k: int) -> torch.Tensor:
@@ -133,11 +135,12 @@ def unfold_output(y: torch.Tensor, k: int) -> torch.Tensor:
     return y.reshape(y.shape[0], k, -1).transpose(0, 1)
 
 
-def folded_call(folded: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def folded_call(folded: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
+                channels_last: bool = False) -> torch.Tensor:
     """The backbone outputs ``[K, B, D]`` of K clients: ``params`` stacked ``[K, …]`` (names as
     the backbone's own), ``x`` ``[K, B, C, H, W]``."""
     k = int(x.shape[0])
-    return unfold_output(functional_call(folded, params, (fold_input(x),)), k)
+    return unfold_output(functional_call(folded, params, (fold_input(x, channels_last),)), k)
 
 
 def check_folding(backbone: nn.Module, folded: nn.Module, input_size: int, device: torch.device,
@@ -151,9 +154,16 @@ def check_folding(backbone: nn.Module, folded: nn.Module, input_size: int, devic
               for k, v in own.items()}
     x = torch.randn(clients, batch, 3, input_size, input_size, generator=gen).to(device)
     ref_net = copy.deepcopy(backbone).to(device).requires_grad_(False)
-    with torch.no_grad():
-        ref = vmap(lambda p, xx: functional_call(ref_net, p, (xx,)))(params, x)
-        got = folded_call(folded.to(device), params, x)
+    # Full float32 on both sides: TF32 convolutions/matmuls (cuDNN's default) would round each
+    # side differently by ~1e-3 and hide, or fake, a layout error.
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            ref = vmap(lambda p, xx: functional_call(ref_net, p, (xx,)))(params, x)
+            got = folded_call(folded.to(device), params, x)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
     err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
     if not err <= rtol:
         raise NotFoldable(f"folded backbone differs from the per-client one by {err:.2e} (relative): its forward "

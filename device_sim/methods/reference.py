@@ -17,7 +17,9 @@ All three verify with a cosine template of their embedding, like ``pretrained``.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 import torch
 import torch.nn.functional as F
@@ -109,19 +111,43 @@ def embedding_norm_prefix(weights: Mapping[str, torch.Tensor]) -> str:
     raise InputError("norm-adapt needs a backbone whose embedding ends in a GroupNormP 'embed_norm' layer")
 
 
+NORM_STATS_CLIENTS = 1000
+"""Clients whose training images give the pooled embedding statistics (a seeded sample above
+it): per-channel means and deviations of ≥ 1,000 × n_c embeddings are settled, and at the
+paper's 10,000 clients the full pass would embed 570,000 images before round 1."""
+
+
+def stats_clients(num_clients: int, seed: int = 0, limit: int = NORM_STATS_CLIENTS) -> np.ndarray:
+    """Every client up to ``limit``, else a seeded sample of ``limit`` (sorted)."""
+    if num_clients <= limit:
+        return np.arange(num_clients)
+    return np.sort(np.random.default_rng([seed, 0x57A7]).choice(num_clients, limit, replace=False))
+
+
 @torch.no_grad()
-def pooled_embedding_stats(net: torch.nn.Module, weights: Weights, data: Any, clients: range,
-                           batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(μ, s, n)``: per-channel mean and standard deviation of the embeddings of every
-    client's training images — the FedAvg (weighted by ``n_c``) of per-client sums, which
-    equals the pooled statistic exactly."""
+def pooled_embedding_stats(net: torch.nn.Module, weights: Weights, data: Any, clients: Sequence[int],
+                           batch_size: int = 512, device: str | torch.device = "cpu",
+                           clients_per_load: int = 64) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(μ, s, n)``: per-channel mean and standard deviation of the embeddings of the
+    ``clients``' training images — the FedAvg (weighted by ``n_c``) of per-client sums, which
+    equals the pooled statistic exactly. Runs on ``device``; images come a group of clients at
+    a time (``data.train_chunk`` where the data have it: one gather from the image store)."""
     from torch.func import functional_call
 
+    from ..executors import normalized
+
+    dev = torch.device(device)
+    w = {k: v.to(dev) for k, v in weights.items()}
+    net = net.to(dev)
     total, total_sq, n = None, None, 0
-    for c in clients:
-        x = data.train_images(c)
-        for a in range(0, x.shape[0], batch_size):
-            e = functional_call(net, weights, (x[a:a + batch_size],))[0].double()
+    ids = np.asarray(list(clients), dtype=np.int64)
+    chunk_fn = getattr(data, "train_chunk", None)
+    for a in range(0, ids.size, clients_per_load):
+        group = ids[a:a + clients_per_load]
+        xs = chunk_fn(group, dev) if callable(chunk_fn) else [data.train_images(int(c), dev) for c in group]
+        x = torch.cat([xi.to(dev) for xi in xs])
+        for b in range(0, x.shape[0], batch_size):
+            e = functional_call(net, w, (normalized(x[b:b + batch_size]),))[0].double()
             total = e.sum(0) if total is None else total + e.sum(0)
             total_sq = (e * e).sum(0) if total_sq is None else total_sq + (e * e).sum(0)
             n += e.shape[0]
@@ -129,7 +155,7 @@ def pooled_embedding_stats(net: torch.nn.Module, weights: Weights, data: Any, cl
         raise InputError("norm-adapt needs at least one client image")
     mu = total / n
     var = (total_sq / n - mu * mu).clamp_min(0.0)
-    return mu.float(), var.sqrt().float(), n
+    return mu.float().cpu(), var.sqrt().float().cpu(), n
 
 
 def fold_standardization(weights: Weights, mu: torch.Tensor, sd: torch.Tensor | None) -> Weights:
@@ -143,11 +169,12 @@ def fold_standardization(weights: Weights, mu: torch.Tensor, sd: torch.Tensor | 
     return out
 
 
-def norm_fold(net: torch.nn.Module, weights: Weights, data: Any,
-              mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+def norm_fold(net: torch.nn.Module, weights: Weights, data: Any, mode: str, seed: int = 0,
+              device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(μ, s)`` that :func:`fold_standardization` folds in: the pooled per-channel statistics
-    of every client's training embeddings; ``s`` is None for ``mode="center"``."""
-    mu, sd, _ = pooled_embedding_stats(net, weights, data, range(int(data.num_clients)))
+    of the clients' training embeddings (all clients up to :data:`NORM_STATS_CLIENTS`, a seeded
+    sample beyond); ``s`` is None for ``mode="center"``."""
+    mu, sd, _ = pooled_embedding_stats(net, weights, data, stats_clients(int(data.num_clients), seed), device=device)
     return mu, (sd if mode == "standardize" else None)
 
 
@@ -207,10 +234,11 @@ class NormAdapt(FittedReference):
         return {"mode": self.mode}
 
     def prepare(self, data: Any) -> None:
-        fold = norm_fold(self._net, self._weights, data, self.mode)
+        fold = norm_fold(self._net, self._weights, data, self.mode, self.context.seed, self.context.device)
         self.loss_before = mismatch(*fold)
         self._weights = fold_standardization(self._weights, *fold)
-        self.loss_after = mismatch(*norm_fold(self._net, self._weights, data, self.mode))
+        self.loss_after = mismatch(*norm_fold(self._net, self._weights, data, self.mode, self.context.seed,
+                                              self.context.device))
 
 
 class Oracle(FittedReference):
@@ -277,5 +305,5 @@ class Oracle(FittedReference):
 
 REFERENCE_METHODS = {"local-compact": LocalCompact, "norm-adapt": NormAdapt, "oracle": Oracle}
 
-__all__ = ["LocalCompact", "FittedReference", "NormAdapt", "Oracle", "compact_loss", "pooled_embedding_stats", "fold_standardization",
+__all__ = ["LocalCompact", "FittedReference", "NormAdapt", "Oracle", "compact_loss", "pooled_embedding_stats", "stats_clients", "fold_standardization",
            "norm_fold", "mismatch", "embedding_norm_prefix", "REFERENCE_METHODS"]

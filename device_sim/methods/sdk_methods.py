@@ -261,7 +261,8 @@ class SDKMethod(FederatedMethod):
         clients' pooled statistics (``norm-adapt``'s fold, :mod:`.reference`)."""
         if self.norm_init != "none":
             net = frozen(verifier_net(self.context.model_config.resolved(), with_head=False))
-            self._norm_fold = norm_fold(net, backbone_weights(self.context.xi.state_dict()), data, self.norm_init)
+            self._norm_fold = norm_fold(net, backbone_weights(self.context.xi.state_dict()), data, self.norm_init,
+                                        self.context.seed, self.context.device)
 
     def init_global(self) -> Weights:
         ctx = self.context

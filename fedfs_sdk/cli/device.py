@@ -46,9 +46,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", choices=VERIFY_MODELS, default=None,
                    help="with --enroll, fedfs+feduv: which model verifies: 'both' (unit(W q') ⊕ unit(W r'), the "
                         "default), 'personal' (θ_c, FedFS's reading) or 'global'")
-    p.add_argument("--require-secure-aggregation", action="store_true",
+    p.add_argument("--require-secure-aggregation", action=argparse.BooleanOptionalAction, default=None,
                    help="take part only in secure-aggregation rounds (the server then sees only the sum of the "
-                        "round's updates); a plain round is refused, nothing is trained or sent")
+                        "round's updates); a plain round is refused, nothing is trained or sent. Default: required "
+                        "once the server has offered secure aggregation, or with --secagg-ca; "
+                        "--no-require-secure-aggregation accepts plain rounds")
+    g = p.add_argument_group("secure aggregation: this device's own floors (the server cannot lower them)")
+    g.add_argument("--secagg-ca", type=Path, metavar="CA_PUB",
+                   help="pin the operator CA (ca.pub of fedfs ca init): take part only in authenticated rounds "
+                        "(fedfs-secagg/2), checking every other device's certificate and signed keys")
+    g.add_argument("--identity-cert", type=Path, metavar="CERT",
+                   help="this device's identity certificate (fedfs ca sign of the request fedfs ca request wrote); "
+                        "checked and stored in the state")
+    g.add_argument("--secagg-min-roster", type=int, default=3, metavar="N",
+                   help="refuse a secure round with fewer devices (≥ 3; default 3)")
+    g.add_argument("--secagg-threshold-rule", choices=("two-thirds", "majority"), default="two-thirds",
+                   help="refuse a threshold below ⌊2m/3⌋+1 (two-thirds; default: needed against an active server) "
+                        "or ⌊m/2⌋+1 (majority: honest-but-curious server only) of the m share holders")
+    g.add_argument("--secagg-min-neighbours", type=int, default=4, metavar="K",
+                   help="SecAgg+: refuse a sparse graph of degree below K (default 4)")
+    g.add_argument("--dp-min-noise", type=float, metavar="SIGMA",
+                   help="distributed DP: refuse a round whose noise multiplier σ is below this")
+    p.add_argument("--tls-ca", type=Path, metavar="PEM",
+                   help="trust only these certificates for an https:// server: a CA bundle, or the server's own "
+                        "(self-signed) certificate, which pins it (default: the system's CAs)")
     p.add_argument("--key-file", type=Path, help="32-byte device key: encrypts the enrollment and the FedUV "
                    "secrets (default: STATE/enrollment.key, created 0600)")
     p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what "
@@ -91,12 +112,21 @@ def run(args: argparse.Namespace) -> int:
     check_server_url(args.server)
     key = read_key(str(args.key_file), create=False) if args.key_file is not None and args.key_file.exists() else None
     images = [str(p) for p in list_images(args.images)]
+    from ..federation.secagg.identity import CaPublicKey
+    from ..federation.secagg.policy import DevicePolicy
+
+    policy = DevicePolicy(ca=CaPublicKey.load(args.secagg_ca) if args.secagg_ca is not None else None,
+                          min_roster=args.secagg_min_roster, threshold_rule=args.secagg_threshold_rule,
+                          min_neighbours=args.secagg_min_neighbours, min_noise_multiplier=args.dp_min_noise)
+    if args.identity_cert is not None and not args.identity_cert.is_file():
+        raise InputError(f"--identity-cert: no such file {args.identity_cert}")
     config = DeviceConfig(rounds=args.rounds, device=args.device, artifacts=args.artifacts, xi_path=args.xi,
                           wait_timeout_s=args.wait_timeout,
                           detect_face=args.detect_face, enroll=args.enroll, q=args.q, enrollment_key=key,
                           registration_token=args.registration_token, outliers=args.outliers,
                           score=args.score, verify=args.verify,
-                          require_secure_aggregation=args.require_secure_aggregation)
+                          require_secure_aggregation=args.require_secure_aggregation, secagg=policy,
+                          identity_certificate=args.identity_cert)
     runtime = OrtRuntime(args.artifacts) if args.artifacts is not None else None
     batches = check_local_inputs(images, config, runtime)
     if args.key_file is not None and key is None:
@@ -106,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[device] retrying in {delay:.1f} s: {why}", file=sys.stderr, flush=True)
 
     with DeviceState(args.state) as state, ServerClient(args.server, timeout=args.timeout, audit_dir=args.audit_dir,
-                                                        on_retry=on_retry) as client:
+                                                        on_retry=on_retry, tls_ca=args.tls_ca) as client:
         report = DeviceAgent(client, state, images, config, on_event=_printer, runtime=runtime,
                              batches=batches).run()
     print(f"took part in {len(report.rounds)} round(s)"

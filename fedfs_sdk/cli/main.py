@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import-model": ("fedfs_sdk.cli.import_model", "import a pre-trained face recognizer (ONNX or torch state dict) "
                                                    "as a fedfs checkpoint (ξ / pre-trained model)"),
     "enroll": ("fedfs_sdk.cli.enroll", "enroll the device owner from a folder of images"),
+    "ca": ("fedfs_sdk.cli.ca", "operator CA for device identities (secure aggregation against an active server): "
+                               "init, request (on the device), sign"),
     "verify": ("fedfs_sdk.cli.verify", "verify an image (or each image of a folder) against an enrollment "
                                        "(exit 0 accept, 1 reject, 2 error)"),
 }

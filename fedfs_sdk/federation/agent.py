@@ -35,6 +35,7 @@ from .device_runtime import DeviceRuntime, OrtRuntime, TorchRuntime
 from .device_state import DeviceState, DeviceStateError
 from ..errors import InputError, ProtocolError
 from ..training.methods import check_method, check_verification
+from .agent_secure import SecureRounds
 from .secagg.http_device import SecAggRoundLost
 from .server_client import ServerClient, ServerError, is_transient
 from .wire_format import MODEL_FORMAT, read_header, sha256_hex
@@ -54,7 +55,7 @@ class DeviceReport:
     enrollment: Any = None
 
 
-class DeviceAgent:
+class DeviceAgent(SecureRounds):
     """Runs one device against a server (FedFS Alg. 1 / FedUV Alg. 2, client side).
 
     Args:
@@ -88,12 +89,15 @@ class DeviceAgent:
         self._checked = batches is not None
         self._progress_at = clock()
         self._refused: set[int] = set()
+        self._identity: Any = None
 
     def check_inputs(self) -> None:
-        """:func:`check_local_inputs` once (:meth:`run` calls it before registering)."""
+        """:func:`check_local_inputs` once (:meth:`run` calls it before registering), and the
+        secure-aggregation identity when a CA is pinned (installing ``identity_certificate``)."""
         if not self._checked:
             self._batches.update(check_local_inputs(self.images, self.config, self.runtime))
             self._checked = True
+        self._load_identity()
 
     # ---- registration ------------------------------------------------------------------
 
@@ -110,8 +114,10 @@ class DeviceAgent:
             return
         reg = self.client.register(self.config.registration_token)
         self.state.save_registration(self.client.base_url, reg["device_id"], reg["token"], reg["base_vector"])
+        if reg.get("secure_aggregation") is True:
+            self.state.mark_secure_aggregation()
         self.client.token = reg["token"]
-        self._emit("registered", {"device_id": reg["device_id"]})
+        self._emit("registered", {"device_id": reg["device_id"], "secure_aggregation": reg.get("secure_aggregation")})
 
     # ---- main loop ---------------------------------------------------------------------
 
@@ -141,6 +147,7 @@ class DeviceAgent:
             pass
 
     def _take_part(self, report: DeviceReport) -> None:
+        self._check_transport()          # before the token travels, when secure rounds are required already
         while True:
             self._patience(self.config.wait_timeout_s - (self._clock() - self._progress_at))
             try:
@@ -150,6 +157,7 @@ class DeviceAgent:
                 if not is_transient(e):
                     raise
                 self._server_down(e)
+        self._check_transport()
         while self.config.rounds == 0 or len(report.rounds) < self.config.rounds:
             self._patience(self.config.wait_timeout_s - (self._clock() - self._progress_at))
             try:
@@ -167,7 +175,10 @@ class DeviceAgent:
                     # the server's hint, bounded so a bad value neither spins nor stalls the device
                     self._sleep(min(max(float(task.get("retry_after") or 1.0), 0.05), 60.0))
                     continue
-                if self.config.require_secure_aggregation and task.get("secagg") is None:
+                if task.get("secagg") is not None and self.config.require_secure_aggregation is not False:
+                    self.state.mark_secure_aggregation()     # from now on a plain round is refused
+                    self._check_transport()
+                if task.get("secagg") is None and self.secure_required():
                     self._refuse_plain(report, task)
                     continue
                 self._progress_at = self._clock()         # a task is progress: the round gets the full timeout
@@ -265,43 +276,6 @@ class DeviceAgent:
         self._emit("uploaded", {"round_id": round_id, "bytes": len(update.body), "duplicate": receipt.get("duplicate"),
                                 "clipped": receipt.get("clipped")})
         return receipt
-
-    def _run_secure_round(self, task: Mapping[str, Any]) -> dict[str, Any]:
-        """A secure-aggregation round (Bonawitz et al. 2017; docs/privacy.md): advertise keys and
-        share them before training, then upload only the masked ``n·w`` (and ``n``) and answer
-        the unmask request. The plain update body never leaves the device: it is kept as the
-        pending round only so that ``θ_c`` advances once the masked input is accepted, and a
-        secure pending round is never uploaded again (:meth:`resume_pending` discards it)."""
-        from .secagg.http_device import SecAggSession
-
-        round_id, version, method = int(task["round_id"]), int(task["model_version"]), str(task["method"])
-        session = SecAggSession(self.client, task, sleep=self._sleep, clock=self._clock,
-                                wait_timeout_s=self.config.wait_timeout_s)
-        self._emit("round_started", {"round_id": round_id, "model_version": version, "method": method,
-                                     "runtime": self.runtime.name, "secure_aggregation": True})
-        session.advertise()
-        session.share_keys()
-        global_model = self.model_bytes(version, str(task["model_sha256"]))
-        update = self.runtime.train(task, global_model, self)
-        self._emit("trained", {"round_id": round_id, "num_samples": update.num_samples,
-                               **{k: v for k, v in update.metrics.items() if k.endswith("_last")}})
-        self.state.save_pending(round_id, version, update.body, update.personal, {
-            "round_id": round_id, "model_version": version, "method": method, "num_samples": update.num_samples,
-            "runtime": self.runtime.name, "secure_aggregation": True, "at": time.time()})
-        try:   # a DP round masks the clipped w_c − w: the global model is the reference
-            receipt = session.masked_input(update.body, reference=global_model)
-        except BaseException:
-            self.state.discard_pending()           # not in the sum: θ_c does not advance
-            raise
-        self.state.commit_pending(receipt)          # counted (unless the whole round fails)
-        self._emit("uploaded", {"round_id": round_id, "bytes": session.bytes_sent, "secure_aggregation": True,
-                                "clipped_weights": receipt.get("n_clipped")})
-        session.unmask()
-        done = session.result()
-        self._emit("secure_round_done", {"round_id": round_id, "result_version": done.get("result_version"),
-                                         "bytes_sent": session.bytes_sent, "bytes_received": session.bytes_received})
-        return {**receipt, "round_id": round_id, "result_version": done.get("result_version"),
-                "secure_aggregation": True}
 
     def _upload_pending(self, round_id: int, body: bytes) -> dict[str, Any]:
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -15,6 +15,7 @@ import numpy as np
 from .device_runtime import DeviceRuntime, OrtRuntime
 from ..errors import CheckpointError, InputError
 from ..training.methods import SCORES, VERIFY_MODELS
+from .secagg.policy import DevicePolicy
 from .wire_format import MODEL_FORMAT, read_header
 
 
@@ -51,6 +52,15 @@ class DeviceConfig:
         require_secure_aggregation: take part only in secure-aggregation rounds: a round whose
             task has no ``secagg`` is refused (event ``round_refused``, nothing is trained or
             sent) — the server cannot quietly turn secure aggregation off for this device.
+            ``None`` (default): required once the server has offered secure aggregation (in its
+            registration answer or any round; remembered in the state), and whenever
+            ``secagg.ca`` is pinned; a server that never offers it keeps plain FedAvg rounds.
+            ``False``: plain rounds are accepted. When required, the server URL must be
+            ``https://`` or loopback.
+        secagg: the device's own floors for secure rounds (:class:`~fedfs_sdk.federation.secagg.policy.DevicePolicy`:
+            the pinned operator CA, minimum roster, threshold rule, SecAgg+ degree, DP noise).
+        identity_certificate: the operator's certificate of this device's identity key
+            (``fedfs ca sign``) — checked against ``secagg.ca`` and installed in the state.
     """
 
     rounds: int = 1
@@ -66,7 +76,9 @@ class DeviceConfig:
     outliers: str = "mad"
     score: str | None = None
     verify: str | None = None
-    require_secure_aggregation: bool = False
+    require_secure_aggregation: bool | None = None
+    secagg: DevicePolicy = field(default_factory=DevicePolicy)
+    identity_certificate: Path | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
@@ -82,8 +94,14 @@ class DeviceConfig:
             raise InputError(f"outliers (the enrollment's outlier rule) must be 'mad' or 'none', got {self.outliers!r}")
         if self.score is not None and self.score not in SCORES:
             raise InputError(f"score must be one of {SCORES} (or None for the method's default), got {self.score!r}")
-        if not isinstance(self.require_secure_aggregation, bool):
-            raise InputError(f"require_secure_aggregation must be True or False, got {self.require_secure_aggregation!r}")
+        if self.require_secure_aggregation is not None and not isinstance(self.require_secure_aggregation, bool):
+            raise InputError("require_secure_aggregation must be True, False or None (automatic), got "
+                             f"{self.require_secure_aggregation!r}")
+        if not isinstance(self.secagg, DevicePolicy):
+            raise InputError(f"secagg must be a DevicePolicy, got {type(self.secagg).__name__}")
+        if self.identity_certificate is not None and self.secagg.ca is None:
+            raise InputError("an identity certificate needs the operator CA it is checked against (secagg.ca, "
+                             "fedfs device --secagg-ca)")
         if self.verify is not None and self.verify not in VERIFY_MODELS:
             raise InputError(f"verify must be one of {VERIFY_MODELS} (or None for the method's default), "
                              f"got {self.verify!r}")

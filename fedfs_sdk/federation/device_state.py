@@ -16,6 +16,8 @@ Layout (a directory this module creates gets mode 0700; every file 0600, every w
     verifier.safetensors / verifier.onnx   the device's own verifier after enrollment
     enrollment.fedfs       the owner's enrollment, AES-GCM encrypted (see enrollment.py)
     enrollment.key         the device key when the app supplied none (better: a platform keystore)
+    identity.key / identity.cert   the long-lived secure-aggregation identity (Ed25519, 0600) and
+                           its operator certificate (:mod:`fedfs_sdk.federation.device_identity`)
     .lock                  held while a process uses the directory
 
 **What is encrypted.** ``secrets.json`` (``r_u`` and the codeword) and ``enrollment.fedfs``
@@ -62,7 +64,7 @@ DIR_MODE = 0o700
 STATE_FILES = frozenset({
     "device.json", "token", "secrets.json", "personal.safetensors", "global.safetensors", "xi.safetensors",
     "verifier.safetensors", "verifier.onnx", "enrollment.fedfs", "enrollment.key", ".lock",
-    "pending.json", "pending.update.safetensors", "pending.personal.safetensors"})
+    "pending.json", "pending.update.safetensors", "pending.personal.safetensors", "identity.key", "identity.cert"})
 _PENDING_FILES = ("pending.json", "pending.update.safetensors", "pending.personal.safetensors")
 
 
@@ -84,6 +86,9 @@ class DeviceInfo:
     registered_at: float = field(default_factory=time.time)
     rounds: list[dict[str, Any]] = field(default_factory=list)
     format: str = STATE_FORMAT
+    secure_aggregation: bool = False
+    """The server has offered secure aggregation (at registration or in a round): with the default
+    ``DeviceConfig.require_secure_aggregation`` the device refuses plain rounds from then on."""
 
 
 def _check_key(key: bytes, what: str) -> bytes:
@@ -230,6 +235,13 @@ class DeviceState:
     def _save_info(self, info: DeviceInfo) -> None:
         self._write("device.json", json.dumps(asdict(info), indent=1, sort_keys=True).encode())
         self._info = info
+
+    def mark_secure_aggregation(self) -> None:
+        """Remember, for good, that this device's server offers secure aggregation."""
+        info = self.info
+        if info is not None and not info.secure_aggregation:
+            info.secure_aggregation = True
+            self._save_info(info)
 
     def record_round(self, entry: Mapping[str, Any]) -> None:
         """Append a participation record (round id, model version, receipt hash …); a round

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import random
+import ssl
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,25 @@ class ServerError(ProtocolError):
 
 class ServerUnavailableError(ProtocolError):
     """The server could not be reached (connection refused, timeouts) after all retries."""
+
+
+class TlsError(ProtocolError):
+    """The server's TLS certificate does not verify (not retried: a wrong server or an attacker)."""
+
+
+def _root_cause(e: BaseException) -> BaseException:
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+    return e
+
+
+def _tls_verification_failed(e: BaseException) -> bool:
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def is_transient(e: BaseException) -> bool:
@@ -146,16 +166,32 @@ class RequestRecorder:
         _write_private(self.dir / "index.jsonl", (json.dumps(entry) + "\n").encode(), append=True)
 
 
+def tls_context(ca_file: str | Path | None) -> ssl.SSLContext | bool:
+    """What httpx verifies an ``https://`` server with: the system's CAs (``None``), or only the
+    certificates in ``ca_file`` — a CA bundle, or the server's own (self-signed) certificate,
+    which pins it. :class:`InputError` if the file is missing or holds no certificate."""
+    if ca_file is None:
+        return True
+    p = Path(ca_file)
+    if not p.is_file():
+        raise InputError(f"TLS CA file not found: {p}")
+    try:
+        return ssl.create_default_context(cafile=str(p))     # only these: the system store is not loaded
+    except (ssl.SSLError, OSError, ValueError) as e:
+        raise InputError(f"TLS CA file {p} holds no usable certificate: {e}") from None
+
+
 class ServerClient:
     """HTTP client of one device (or of an admin script) for one server.
 
     ``base_url`` is checked here (:func:`check_server_url`): a malformed URL raises
-    :class:`InputError` before any request."""
+    :class:`InputError` before any request. ``tls_ca``: trust only these certificates for an
+    ``https://`` server (a CA bundle, or the server's pinned self-signed certificate)."""
 
     def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 60.0,
                  retry: RetryPolicy = RetryPolicy(), transport: httpx.BaseTransport | None = None,
                  audit_dir: str | Path | None = None, sleep: Callable[[float], None] = time.sleep,
-                 on_retry: Callable[[str, float], None] | None = None) -> None:
+                 on_retry: Callable[[str, float], None] | None = None, tls_ca: str | Path | None = None) -> None:
         self.base_url = check_server_url(base_url)
         if not isinstance(timeout, httpx.Timeout) and not (
                 isinstance(timeout, (int, float)) and math.isfinite(timeout) and timeout > 0):
@@ -167,7 +203,7 @@ class ServerClient:
         self._on_retry = on_retry
         hooks = {"request": [RequestRecorder(audit_dir)]} if audit_dir is not None else {}
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport,
-                                  headers={"User-Agent": USER_AGENT}, event_hooks=hooks)
+                                  headers={"User-Agent": USER_AGENT}, event_hooks=hooks, verify=tls_context(tls_ca))
 
     def close(self) -> None:
         self._http.close()
@@ -199,6 +235,10 @@ class ServerClient:
             except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:     # a configuration mistake: no retry
                 raise InputError(f"{method} {self.base_url}{path}: {e}") from None
             except httpx.TransportError as e:          # connection refused/reset, timeout, protocol error
+                if _tls_verification_failed(e):           # never transient: the wrong server, or someone on the path
+                    raise TlsError(f"{method} {self.base_url}{path}: the server's TLS certificate does not verify "
+                                   f"({_root_cause(e)}): an on-path attacker, or the wrong --tls-ca; nothing was "
+                                   "sent") from e
                 if not idempotent and not isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)):
                     raise ProtocolError(
                         f"{method} {path}: {type(e).__name__}: {e or 'no answer'} — the server may have "

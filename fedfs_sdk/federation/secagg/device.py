@@ -1,13 +1,20 @@
 """The device side of secure aggregation as a message-in / message-out state machine.
 
 Bonawitz et al. 2017, "Practical Secure Aggregation for Privacy-Preserving Machine Learning",
-§4 (honest-but-curious server), one object per device and round::
+§4, one object per device and round::
 
-    dev = SecAggDevice(params, device_id)
-    m0 = dev.advertise()                       # → server
+    dev = SecAggDevice(params, device_id, identity=…, policy=…, context=…)
+    m0 = dev.advertise()                       # → server (signed in an authenticated round)
     m1 = dev.share_keys(roster)                # roster from server → m1 to server
     m2 = dev.masked_input(inbox, w, n)         # inbox from server → y_u to server
+    mc = dev.consistency(request)              # fedfs-secagg/2 only: its signature over U3
     m3 = dev.unmask(unmask_request)            # → shares to server; secrets are then erased
+
+``fedfs-secagg/1`` (``params.authenticated`` false) defends against an honest-but-curious
+server; ``/2`` against an active one: every roster entry's certificate (pinned CA) and
+signature are checked, and shares are revealed only after a quorum of devices signed the same
+survivor set. The device's :class:`~.policy.DevicePolicy` — not the server — sets the floors
+(threshold, roster size, SecAgg+ degree, DP noise).
 
 Every method validates what it receives and raises a :mod:`~fedfs_sdk.federation.secagg.errors` error
 naming the problem. The safety check: a device answers one unmask request per round, and
@@ -21,10 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from . import keys, shamir
+from . import auth, keys, shamir
 from . import messages as M
 from .errors import BadMessageError, RefusedError, ReplayError, UnknownDeviceError
+from .identity import DeviceIdentity
 from .params import SecAggParams, neighbours
+from .policy import DevicePolicy
 from .prg import add_mask
 
 SECRET_BYTES = 32
@@ -35,11 +44,26 @@ CIPHERTEXT_BYTES = keys.NONCE_BYTES + PLAINTEXT_BYTES + 16  # + GCM tag
 
 class SecAggDevice:
     """One device's part in one round. Holds its key pairs, its self-mask seed b_u and the
-    shares others sent it; ``n_clipped`` says how many coordinates the encoding clipped."""
+    shares others sent it; ``n_clipped`` says how many coordinates the encoding clipped.
 
-    def __init__(self, params: SecAggParams, device_id: int):
+    ``identity``: the device's certified signing key (needed in an authenticated round);
+    ``policy``: its floors (default :class:`DevicePolicy`); ``context``: the transport's digest
+    of what else the round agreed on, bound into every signature. A round below the policy is
+    refused here, before any key is sent (:class:`RefusedError`)."""
+
+    def __init__(self, params: SecAggParams, device_id: int, *, identity: DeviceIdentity | None = None,
+                 policy: DevicePolicy | None = None, context: bytes = b""):
         self.params = params
         self.id = M.get_id({"device": device_id}, "device", "SecAggDevice")
+        self.policy = policy if policy is not None else DevicePolicy()
+        self.policy.check_params(params, self._where("task"))
+        if params.authenticated and (identity is None or identity.certificate is None):
+            raise RefusedError(f"{self._where('task')}: an authenticated round needs this device's identity "
+                               "certificate (fedfs ca request / fedfs ca sign)")
+        self.identity = identity if params.authenticated else None
+        self.context = auth.context_digest(params, context)
+        self._ids: dict[int, bytes] = {}                    # authenticated: device → verified identity key
+        self._u3: list[int] | None = None                   # the survivor set this device signed
         self._c_sk = keys.new_private_key()
         self._s_sk = keys.new_private_key()
         self._b: bytes | None = None
@@ -64,8 +88,14 @@ class SecAggDevice:
     def advertise(self) -> dict[str, Any]:
         self._expect("new", "advertise")
         self._step = "advertised"
-        return {"type": M.ADVERTISE, "round": self.params.round_id, "device": self.id,
-                "c_pk": keys.public_bytes(self._c_sk), "s_pk": keys.public_bytes(self._s_sk)}
+        msg: dict[str, Any] = {"type": M.ADVERTISE, "round": self.params.round_id, "device": self.id,
+                               "c_pk": keys.public_bytes(self._c_sk), "s_pk": keys.public_bytes(self._s_sk)}
+        if self.identity is not None:
+            assert self.identity.certificate is not None
+            msg["cert"] = self.identity.certificate.to_json()
+            msg["sig"] = self.identity.sign(auth.advertisement_payload(
+                self.params.round_id, self.id, self.context, msg["c_pk"], msg["s_pk"]))
+        return msg
 
     # -- round 1: ShareKeys -----------------------------------------------------------------
     def share_keys(self, roster: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +105,8 @@ class SecAggDevice:
         self._expect("advertised", "roster")
         where = self._where("roster")
         pks: dict[int, tuple[bytes, bytes]] = {}
-        for e in M.get_list(roster, "devices", where):
+        entries = M.get_list(roster, "devices", where)
+        for e in entries:
             if not isinstance(e, dict):
                 raise BadMessageError(f"{where}: roster entries must be dicts")
             v = M.get_id(e, "device", where)
@@ -86,10 +117,17 @@ class SecAggDevice:
             raise RefusedError(f"{where}: the roster does not carry this device's own public keys")
         if len({p[1] for p in pks.values()}) != len(pks) or len({p[0] for p in pks.values()}) != len(pks):
             raise RefusedError(f"{where}: two devices in the roster share a public key")
-        if len(pks) < self.params.min_devices:
-            raise RefusedError(f"{where}: roster has {len(pks)} devices, fewer than min_devices="
-                               f"{self.params.min_devices}; the sum would reveal too much")
-        t = self.params.threshold_for(len(pks))
+        if self.identity is not None:        # every entry certified by the pinned CA and signed for this round
+            assert self.policy.ca is not None
+            ids = auth.check_roster_identities(entries, self.params.round_id, self.context, self.policy.ca, where)
+            if ids.get(self.id) != self.identity.public_key:
+                raise RefusedError(f"{where}: the roster does not carry this device's own identity")
+            self._ids = ids
+        try:
+            t = self.params.threshold_for(len(pks))
+        except ValueError as e:
+            raise RefusedError(f"{where}: {e}") from None
+        self.policy.check_roster(self.params, len(pks), t, where)
         if roster.get("threshold") != t:
             raise RefusedError(f"{where}: roster threshold {roster.get('threshold')!r} ≠ agreed {t}")
         if roster.get("neighbours") != self.params.neighbours:
@@ -156,10 +194,44 @@ class SecAggDevice:
         return {"type": M.MASKED_INPUT, "round": self.params.round_id, "device": self.id,
                 "y": y.astype("<u8", copy=False).tobytes()}
 
+    # -- fedfs-secagg/2: ConsistencyCheck ----------------------------------------------------
+    def consistency(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Sign the survivor set U3 (once per round): the server must show it to a quorum of
+        devices before any of them reveals a share (Bonawitz et al. 2017, round 3 of §4)."""
+        M.check_header(request, M.CONSISTENCY_REQUEST, self.params.round_id)
+        if not self.params.authenticated:
+            raise ReplayError(f"{self._where('consistency')}: this round has no consistency check")
+        if self._u3 is not None:
+            raise ReplayError(f"{self._where('consistency')}: already signed a survivor set this round")
+        self._expect("masked", "consistency request")
+        where = self._where("consistency")
+        u3 = set(M.get_id_list(request, "survivors", where))
+        self._check_survivors(u3, where)
+        assert self.identity is not None
+        sig = self.identity.sign(auth.consistency_payload(self.params.round_id, self.context, u3))
+        self._u3 = sorted(u3)
+        return {"type": M.CONSISTENCY, "round": self.params.round_id, "device": self.id, "sig": sig}
+
+    def _check_survivors(self, u3: set[int], where: str) -> None:
+        """U3 ⊆ U2, this device in it, at least the threshold (the quorum when authenticated),
+        and — SecAgg+ — connected in the graph, so only the total can be unmasked."""
+        outside = sorted(u3 - set(self._u2))
+        if outside:
+            raise UnknownDeviceError(f"{where}: survivors {outside[:10]} did not share keys (not in U2)")
+        if self.id not in u3:
+            raise RefusedError(f"{where}: this device is listed as dropped")
+        need = self.policy.quorum(self.params, self._t) if self.params.authenticated else self._t
+        if len(u3) < need:
+            raise RefusedError(f"{where}: only {len(u3)} survivors, threshold is {need}")
+        if self.policy.require_connected and not auth.connected(self._graph, u3):
+            raise RefusedError(f"{where}: the survivors do not form one connected group in the SecAgg+ graph; "
+                               "unmasking would reveal the sum of each group, not only the total")
+
     # -- round 3: Unmasking -----------------------------------------------------------------
     def unmask(self, request: dict[str, Any]) -> dict[str, Any]:
         """Reveal b-shares of survivors and s_sk-shares of dropped devices — never both for one
-        device, and only once per round."""
+        device, and only once per round. Authenticated: only for the survivor set this device
+        signed, and only with a quorum of valid signatures over it."""
         M.check_header(request, M.UNMASK_REQUEST, self.params.round_id)
         if self._step == "done":
             raise ReplayError(f"{self._where('unmask')}: already answered an unmask request this round")
@@ -174,10 +246,15 @@ class SecAggDevice:
         if u3 | dropped != set(self._u2):
             raise UnknownDeviceError(f"{where}: survivors ∪ dropped must be U2 of this round; "
                                      f"differs by {sorted((u3 | dropped) ^ set(self._u2))}")
-        if self.id not in u3:
-            raise RefusedError(f"{where}: this device is listed as dropped")
-        if len(u3) < self._t:
-            raise RefusedError(f"{where}: only {len(u3)} survivors, threshold is {self._t}")
+        self._check_survivors(u3, where)
+        if self.params.authenticated:
+            if self._u3 is None:
+                raise RefusedError(f"{where}: no consistency check was run; this device reveals nothing before it")
+            if sorted(u3) != self._u3:
+                raise RefusedError(f"{where}: the survivors differ from the set this device signed in the "
+                                   "consistency check")
+            auth.check_signatures(request.get("signatures"), u3, self._ids, self.params.round_id, self.context,
+                                  self.policy.quorum(self.params, self._t), where)
         held = dict(self._held)
         assert self._own is not None
         held[self.id] = self._own

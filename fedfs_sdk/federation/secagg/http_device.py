@@ -5,12 +5,18 @@ The server announces a secure round in the task (``task["secagg"]``: the agreed
 digest). :class:`SecAggSession` then walks one :class:`~.device.SecAggDevice` through the
 phases (docs/protocol.md, "Secure-aggregation rounds")::
 
-    s = SecAggSession(client, task)
-    s.advertise()                  # POST …/secagg/advertise     (c_pk, s_pk)
+    s = SecAggSession(client, task, identity=…, policy=…)
+    s.advertise()                  # POST …/secagg/advertise     (c_pk, s_pk; /2: cert, signature)
     s.share_keys()                 # GET  …/secagg → roster; POST …/secagg/share-keys
     s.masked_input(update_body)    # GET  …/secagg → inbox;  PUT  …/secagg/masked-input (raw y_u)
-    s.unmask()                     # GET  …/secagg → request; POST …/secagg/unmask
+    s.unmask()                     # /2: GET → consistency request; POST …/secagg/consistency; then
+                                   # GET  …/secagg → request; POST …/secagg/unmask
     s.result()                     # GET  …/secagg until the round is done or failed
+
+``task["secagg"]["protocol"]`` says ``fedfs-secagg/1`` (absent: the same) or ``/2``
+(authenticated, :mod:`.auth`). The device's :class:`~.policy.DevicePolicy` decides which it
+accepts and its floors; a secure round over ``http://`` to a host other than loopback is
+refused (the transport is TLS's job: an on-path attacker sees and may alter plain HTTP).
 
 The private keys, the self-mask seed and the shares others sent stay in the session's
 memory: nothing of them is written to disk or sent except as the protocol says (a device
@@ -20,27 +26,29 @@ same order the server unflattens the sum: tensors sorted by name, each in C orde
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import time
 from typing import Any, Callable, Mapping
+from urllib.parse import urlsplit
 
 import numpy as np
 
 from ...errors import InputError, ProtocolError
 from . import messages as M
 from .device import SecAggDevice
+from .dp_input import DP_INPUT, DP_INPUT_V1, SecAggRoundLost, dp_input, dp_of_task, noise_request
 from .encoding import FixedPoint
 from .errors import SecAggError
-from .params import SecAggParams
+from .identity import DeviceIdentity
+from .params import PROTOCOL_V1, PROTOCOL_V2, SecAggParams
+from .policy import ABSOLUTE_MIN_ROSTER, DevicePolicy
 
 TASK_FIELDS = ("dim", "threshold", "neighbours", "clip", "scale_bits", "max_devices", "max_samples",
                "min_devices", "layout_sha256")
-DP_INPUT = "dp_clipped_delta"
-"""``task["secagg"]["input"]`` of a DP-FedAvg secure round: the device masks its clipped,
-weighted update ``Δ`` (not its weights); absent = the weights ``w`` (plain FedAvg)."""
-DEVICE_MIN_DEVICES = 3
-"""A device refuses a secure round whose server allows fewer devices than this: with 2, the
-other device learns this one's update from the published sum."""
+DEVICE_MIN_DEVICES = ABSOLUTE_MIN_ROSTER
+"""A device refuses a secure round with fewer devices than this: with 2, the other device
+learns this one's update from the published sum (see :class:`DevicePolicy` for the setting)."""
 
 
 def layout_digest(shapes: Mapping[str, tuple[int, ...]]) -> str:
@@ -57,14 +65,50 @@ def params_from_task(round_id: int, fields: Mapping[str, Any]) -> SecAggParams:
     missing = [k for k in TASK_FIELDS if k not in fields]
     if missing:
         raise InputError(f"task['secagg'] lacks {missing}")
+    protocol = fields.get("protocol", PROTOCOL_V1)
+    if protocol not in (PROTOCOL_V1, PROTOCOL_V2):
+        raise InputError(f"task['secagg'] asks for protocol {protocol!r}; this device speaks {PROTOCOL_V1} and "
+                         f"{PROTOCOL_V2}")
     try:
         fp = FixedPoint(clip=float(fields["clip"]), scale_bits=int(fields["scale_bits"]),
                         max_devices=int(fields["max_devices"]), max_samples=int(fields["max_samples"]))
+        participants = fields.get("participants")
         return SecAggParams(round_id=int(round_id), dim=int(fields["dim"]), fixed_point=fp,
                             threshold=fields["threshold"], neighbours=fields["neighbours"],
-                            min_devices=int(fields["min_devices"]))
+                            min_devices=int(fields["min_devices"]),
+                            participants=None if participants is None else int(participants),
+                            authenticated=protocol == PROTOCOL_V2)
     except (TypeError, ValueError) as e:
         raise InputError(f"task['secagg'] is invalid: {e}") from None
+
+
+def task_context(task: Mapping[str, Any]) -> bytes:
+    """What else the round agreed on, bound into every signature of an authenticated round:
+    the round, the global model (version and hash), the secure parameters (without this
+    device's index) and the DP mechanism. The server computes the same from its task."""
+    fields = {k: v for k, v in dict(task.get("secagg") or {}).items() if k != "device"}
+    doc = {"round_id": task.get("round_id"), "model_version": task.get("model_version"),
+           "model_sha256": task.get("model_sha256"), "secagg": fields, "dp": task.get("dp")}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def is_loopback(url: str) -> bool:
+    """Whether ``url``'s host is this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_secure_transport(url: str) -> None:
+    """Refuse a secure round over plain HTTP to another machine: :class:`SecAggRoundLost`
+    (``insecure_transport``). On-path, plain HTTP lets anyone read and rewrite the protocol."""
+    if urlsplit(url).scheme != "https" and not is_loopback(url):
+        raise SecAggRoundLost("insecure_transport", f"secure aggregation over {url} is refused: plain http:// to a "
+                              "host other than loopback; use https:// (fedfs serve --tls-cert/--tls-key)")
 
 
 def flatten_update(body: bytes, layout_sha256: str | None = None) -> tuple[np.ndarray, int]:
@@ -92,102 +136,37 @@ def flatten_arrays(arrays: Mapping[str, np.ndarray], layout_sha256: str | None,
     return vec, floating
 
 
-def dp_of_task(task: Mapping[str, Any]) -> Any:
-    """The round's :class:`~fedfs_sdk.federation.dp.DpParams` if it is a DP secure round (None if plain);
-    :class:`SecAggRoundLost` when ``task["dp"]`` and ``task["secagg"]["input"]`` disagree —
-    masking weights in a DP round would publish an unclipped, unweighted sum."""
-    fields = task.get("secagg") or {}
-    wanted = fields.get("input") if isinstance(fields, Mapping) else None
-    if not task.get("dp"):
-        if wanted is not None:
-            raise SecAggRoundLost("refused", f"the round asks for secure input {wanted!r} without DP parameters")
-        return None
-    if wanted != DP_INPUT:
-        raise SecAggRoundLost("refused", f"a DP round's secure input must be {DP_INPUT!r}, the server says "
-                              f"{wanted!r}: this device will not mask unclipped weights")
-    from ..dp import DpParams
-
-    return DpParams.from_json(task["dp"])
-
-
-def dp_input(w: np.ndarray, n: int, reference: bytes, dp: Any, layout_sha256: str | None = None,
-             noise_min_inputs: int | None = None) -> tuple[np.ndarray, int]:
-    """What a device masks in a DP-FedAvg secure round: ``(Δ, n')`` as the encoder's
-    ``(vector, weight)`` with ``Δ = clip_C(w_c − w)`` over the floating tensors (0 on integer
-    buffers, which DP-FedAvg does not average) and ``n' = min(n, ŵ)``. The encoder multiplies
-    by ``n'``, so the unmasked sum is ``Σ n'_k Δ_k = ŵ · Σ w_k Δ_k`` with McMahan et al.'s
-    weights ``w_k = min(n_k/ŵ, 1) = n'_k/ŵ`` — integers, which the ring holds exactly.
-
-    The clip runs here in float64 on the flattened update (the body holds ``w + Δ`` rounded to
-    float32, whose ``Δ`` may sit an ulp above ``C``): this is the device's own guarantee, the
-    server cannot check it under secure aggregation (docs/privacy.md).
-
-    Distributed noise (``noise_min_inputs = m``): the device adds ``z ~ N(0, σ²C²/m)`` per
-    floating coordinate as ``Δ + ŵ·z/n'`` (so its masked ``n'·v`` carries ``ŵ·z``); any sum of
-    ≥ m inputs then holds at least the central mechanism's ``N(0, σ²C²)`` in ``Σ w_k Δ_k``."""
-    from safetensors.numpy import load
-
-    from ..dp import clip_delta
-
-    flat_ref, floating = flatten_arrays(load(reference), layout_sha256, "the reference model")
-    if flat_ref.size != w.size:
-        raise InputError(f"the global model has {flat_ref.size} values, the update {w.size}")
-    delta = np.where(floating, np.asarray(w, dtype=np.float64) - flat_ref, 0.0)
-    clipped, _, _ = clip_delta(delta, dp.clip)
-    weight = min(int(n), int(dp.weight_cap))
-    if noise_min_inputs:
-        import secrets
-
-        std = dp.noise_multiplier * dp.clip / float(noise_min_inputs) ** 0.5
-        z = np.random.default_rng(secrets.randbits(128)).normal(0.0, std, size=clipped.size) * floating
-        clipped = clipped + z * (dp.weight_cap / weight)
-    return clipped, weight
-
-
-def _min_inputs(noise: Any, dp: Any, max_devices: int) -> int | None:
-    """``m`` of a distributed-noise DP round (``task["secagg"]["dp_noise"]["min_inputs"]``);
-    a device refuses one that is not an int in [2, max_devices] or comes without DP."""
-    if noise is None:
-        return None
-    m = noise.get("min_inputs") if isinstance(noise, Mapping) else None
-    if dp is None or isinstance(m, bool) or not isinstance(m, int) or not 2 <= m <= max_devices:
-        raise SecAggRoundLost("refused", f"invalid distributed-noise request {noise!r} (needs DP and 2 ≤ min_inputs "
-                              f"≤ {max_devices})")
-    return m
-
-
-class SecAggRoundLost(ProtocolError):
-    """This device is out of the secure round: the server moved past a phase without it, the
-    round failed, or the device refused an unsafe request. ``code`` / ``reason`` say which."""
-
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(f"secure round lost ({code}): {reason}")
-        self.code, self.reason = code, reason
-
-
-_AFTER = {"advertise": 0, "share_keys": 1, "masked": 2, "unmask": 3, "done": 4, "failed": 4, "closed": 4}
+_AFTER = {"advertise": 0, "share_keys": 1, "masked": 2, "consistency": 3, "unmask": 4, "done": 5, "failed": 5,
+          "closed": 5}
 
 
 class SecAggSession:
     """One device's secure round over HTTP. ``client`` is a :class:`fedfs_sdk.federation.server_client.ServerClient`
     (its ``request`` retries transient failures); ``wait_timeout_s`` bounds each wait for the
-    server to reach the next phase (the server's own phase deadlines normally end it first)."""
+    server to reach the next phase (the server's own phase deadlines normally end it first).
+    ``identity`` (its certified key) and ``policy`` (its floors, the pinned CA) are the
+    device's own; the round is refused here — nothing sent — if it falls below them."""
 
     def __init__(self, client: Any, task: Mapping[str, Any], *, sleep: Callable[[float], None] = time.sleep,
-                 clock: Callable[[], float] = time.monotonic, wait_timeout_s: float = 3600.0) -> None:
+                 clock: Callable[[], float] = time.monotonic, wait_timeout_s: float = 3600.0,
+                 identity: DeviceIdentity | None = None, policy: DevicePolicy | None = None) -> None:
         fields = task.get("secagg")
         self.round_id = int(task["round_id"])
+        if client is not None:
+            check_secure_transport(client.base_url)
         self.params = params_from_task(self.round_id, fields or {})
-        if self.params.min_devices < DEVICE_MIN_DEVICES:
-            raise SecAggRoundLost("refused", f"the server allows secure rounds of {self.params.min_devices} "
-                                  f"devices; this device needs at least {DEVICE_MIN_DEVICES}")
+        self.policy = policy if policy is not None else DevicePolicy()
         self.index = int(fields["device"])  # type: ignore[index]
         self.layout_sha256 = str(fields["layout_sha256"])  # type: ignore[index]
-        self.device = SecAggDevice(self.params, self.index)
-        self.client, self._sleep, self._clock, self.wait_timeout_s = client, sleep, clock, wait_timeout_s
         self.dp = dp_of_task(task)
+        self.dp_kind = str(fields.get("input") or DP_INPUT) if self.dp is not None else None  # type: ignore[union-attr]
         noise = fields.get("dp_noise") if isinstance(fields, Mapping) else None   # type: ignore[union-attr]
-        self.noise_min_inputs = _min_inputs(noise, self.dp, self.params.fixed_point.max_devices)
+        self.noise_min_inputs = noise_request(noise, self.dp, self.params.fixed_point.max_devices)
+        self.device = self._local(SecAggDevice, self.params, self.index, identity=identity, policy=self.policy,
+                                  context=task_context(task))
+        if self.noise_min_inputs and self.params.participants is not None:   # t is known before the roster
+            self._local(self._check_noise, self.params.threshold_for(self.params.participants))
+        self.client, self._sleep, self._clock, self.wait_timeout_s = client, sleep, clock, wait_timeout_s
         self.path = f"/v1/rounds/{self.round_id}/secagg"
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -220,11 +199,16 @@ class SecAggSession:
                 raise ProtocolError(f"round {self.round_id}: no {key} within {self.wait_timeout_s:.0f} s")
             self._sleep(min(max(float(v.get("retry_after") or 0.5), 0.05), 10.0))
 
-    def _local(self, fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    def _local(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except SecAggError as e:        # this device refuses what the server sent: it drops out
             raise SecAggRoundLost(e.reason, str(e)) from e
+
+    def _check_noise(self, t: int) -> None:
+        assert self.dp is not None and self.noise_min_inputs is not None
+        self.policy.check_dp_noise(float(self.dp.noise_multiplier), self.noise_min_inputs, t,
+                                   f"device {self.index}, round {self.round_id}, DP noise")
 
     # ---- the phases --------------------------------------------------------------------
     def advertise(self) -> dict[str, Any]:
@@ -244,7 +228,9 @@ class SecAggSession:
         if self.dp is not None:
             if reference is None:
                 raise InputError("a DP secure round masks w_c − w: pass the round's global model as reference")
-            w, n = dp_input(w, n, reference, self.dp, self.layout_sha256, self.noise_min_inputs)
+            if self.noise_min_inputs:        # the threshold the roster gave: a sum of t inputs may be unmasked
+                self._local(self._check_noise, self.device._t)
+            w, n = dp_input(w, n, reference, self.dp, self.layout_sha256, self.noise_min_inputs, self.dp_kind or DP_INPUT)
         inbox = self._wait_for("inbox", "masked")
         msg = self._local(self.device.masked_input, inbox, w, n)
         y = msg["y"]
@@ -256,7 +242,16 @@ class SecAggSession:
             raise ProtocolError("the server's receipt does not match the masked vector sent")
         return {**receipt, "num_samples": n, "n_clipped": self.device.n_clipped}
 
+    def consistency(self) -> dict[str, Any] | None:
+        """Authenticated rounds: sign the survivor set the server shows (once); None otherwise."""
+        if not self.params.authenticated or self.device._u3 is not None:
+            return None
+        request = self._wait_for("consistency_request", "consistency")
+        return self._post("consistency", self._local(self.device.consistency, request))
+
     def unmask(self) -> dict[str, Any]:
+        """Answer the unmask request (authenticated rounds: after the consistency check)."""
+        self.consistency()
         request = self._wait_for("unmask_request", "unmask")
         return self._post("unmask", self._local(self.device.unmask, request))
 
@@ -276,4 +271,4 @@ class SecAggSession:
 
 
 __all__ = ["SecAggSession", "SecAggRoundLost", "params_from_task", "flatten_update", "layout_digest", "TASK_FIELDS",
-           "DP_INPUT", "dp_of_task", "dp_input"]
+           "DP_INPUT", "DP_INPUT_V1", "dp_of_task", "dp_input", "task_context", "check_secure_transport", "is_loopback"]

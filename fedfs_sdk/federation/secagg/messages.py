@@ -1,6 +1,8 @@
 """The messages of the protocol: plain dicts, JSON-able after :func:`to_json`.
 
-Every message has ``type``, ``round`` and (device → server) ``device``. Byte fields are
+Every message has ``type``, ``round`` and (device → server) ``device``. ``fedfs-secagg/2``
+(authenticated rounds) adds ``cert`` and ``sig`` to ``advertise_keys`` and roster entries, and
+the ConsistencyCheck step between masked input and unmasking. Byte fields are
 ``bytes`` in memory; :func:`to_json` writes them as ``{"b64": …}``. The masked vector
 (``masked_input.y``, 8·(dim + 1) bytes) is meant to travel as a raw ``application/octet-stream``
 body over HTTP, with the other fields in headers or the query.
@@ -19,7 +21,9 @@ ROSTER = "roster"                  # server → devices: the public keys of U1, 
 SHARE_KEYS = "share_keys"          # device → server: encrypted shares, one per holder
 SHARES_INBOX = "shares_inbox"      # server → device: the ciphertexts addressed to it, U2
 MASKED_INPUT = "masked_input"      # device → server: y_u
-UNMASK_REQUEST = "unmask_request"  # server → devices: survivors U3, dropped U2∖U3
+CONSISTENCY_REQUEST = "consistency_request"  # fedfs-secagg/2, server → survivors: U3
+CONSISTENCY = "consistency_signature"          # fedfs-secagg/2, device → server: its signature over U3
+UNMASK_REQUEST = "unmask_request"  # server → devices: survivors U3, dropped U2∖U3 (/2: + the signatures)
 UNMASK_SHARES = "unmask_shares"    # device → server: b-shares of survivors, s-shares of dropped
 
 

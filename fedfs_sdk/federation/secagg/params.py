@@ -12,6 +12,7 @@ random graph — both are k-regular, and the shuffled ring keeps every degree ex
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -21,6 +22,10 @@ from ...errors import InputError
 from .encoding import FixedPoint
 
 MAX_DEVICE_ID = (1 << 31) - 2   # ids are Shamir x-coordinates in GF(2^31 − 1), 0 excluded
+PROTOCOL_V1 = "fedfs-secagg/1"
+"""Honest-but-curious server: unauthenticated advertisements, no ConsistencyCheck."""
+PROTOCOL_V2 = "fedfs-secagg/2"
+"""Active server: certified identity keys sign the advertisements; ConsistencyCheck round."""
 
 
 def default_threshold(m: int) -> int:
@@ -41,7 +46,14 @@ class SecAggParams:
     ``dim``: number of float parameters; ``threshold``: shares needed to reconstruct a secret
     (``None`` → :func:`default_threshold` of the number of holders); ``neighbours``: ``None``
     for full SecAgg, else an even k ≥ 2 for SecAgg+; ``min_devices``: a round with fewer
-    devices in the roster fails (with 1 device the "sum" is that device's update)."""
+    devices in the roster fails (with 1 device the "sum" is that device's update).
+
+    ``participants``: the number of devices invited to the round (``n``). Set, the threshold
+    is a function of ``n`` — not of the roster the server shows — and a roster may not be
+    larger than ``n`` (Bonawitz et al. 2017 fix ``t`` against ``n`` for the active-adversary
+    proof). ``authenticated``: the round runs ``fedfs-secagg/2`` — advertised keys signed by
+    certified identity keys (:mod:`.identity`, :mod:`.auth`) and the ConsistencyCheck step
+    before unmasking; it needs ``participants``."""
 
     round_id: int
     dim: int
@@ -49,6 +61,8 @@ class SecAggParams:
     threshold: int | None = None
     neighbours: int | None = None
     min_devices: int = 3
+    participants: int | None = None
+    authenticated: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.round_id, bool) or not isinstance(self.round_id, int) or self.round_id < 0:
@@ -61,6 +75,25 @@ class SecAggParams:
             raise InputError(f"SecAgg+ neighbours k must be an even int ≥ 2, got {self.neighbours}")
         if self.threshold is not None and self.threshold < 2:
             raise InputError(f"threshold must be ≥ 2, got {self.threshold}")
+        if self.participants is not None and (isinstance(self.participants, bool) or not isinstance(
+                self.participants, int) or not 2 <= self.participants <= MAX_DEVICE_ID):
+            raise InputError(f"participants must be an int ≥ 2, got {self.participants!r}")
+        if self.authenticated and self.participants is None:
+            raise InputError("an authenticated round (fedfs-secagg/2) needs participants: its threshold is "
+                             "fixed against the number of invited devices")
+
+    @property
+    def protocol(self) -> str:
+        """The wire protocol: ``fedfs-secagg/2`` (identities + ConsistencyCheck) or ``/1``."""
+        return PROTOCOL_V2 if self.authenticated else PROTOCOL_V1
+
+    def digest(self) -> bytes:
+        """SHA-256 of every agreed parameter: signed into each advertisement (:mod:`.auth`), so
+        devices that were told different parameters cannot be put in one roster."""
+        fp = self.fixed_point
+        doc = [self.protocol, self.round_id, self.dim, repr(float(fp.clip)), fp.scale_bits, fp.max_devices,
+               fp.max_samples, self.threshold, self.neighbours, self.min_devices, self.participants]
+        return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).digest()
 
     @property
     def words(self) -> int:
@@ -72,14 +105,28 @@ class SecAggParams:
             return n_roster
         return self.neighbours + 1
 
+    def share_holders(self, n_roster: int) -> int:
+        """``m``, the share holders per secret the threshold is measured against: those of the
+        invited ``participants`` when set, else of the roster."""
+        return self.holders_per_secret(self.participants if self.participants is not None else n_roster)
+
     def threshold_for(self, n_roster: int) -> int:
         """The threshold of a round whose roster has ``n_roster`` devices; :class:`InputError`
         if the configured one is below the majority minimum."""
-        m = self.holders_per_secret(n_roster)
+        m = self.share_holders(n_roster)
         t = self.threshold if self.threshold is not None else default_threshold(m)
         if t < min_threshold(m):
             raise InputError(f"threshold {t} is below the minimum {min_threshold(m)} for {m} share holders")
         return t
+
+
+def consistency_quorum(params: SecAggParams, t: int) -> int:
+    """Signatures over the same survivor set a device needs before it unmasks (authenticated
+    rounds): ``max(t, ⌊2n/3⌋ + 1)`` of the ``n`` invited devices. Under SecAgg+ ``t`` counts
+    share holders of one neighbourhood (k + 1); a quorum that small would let two disjoint
+    groups of honest devices each sign a different survivor set — see docs/privacy.md."""
+    n = params.participants if params.participants is not None else 0
+    return max(int(t), default_threshold(n) if n else 0)
 
 
 def neighbours(params: SecAggParams, roster: Sequence[int]) -> dict[int, list[int]]:

@@ -13,11 +13,15 @@ from typing import Any
 
 import numpy as np
 
+from .auth import certificate_of
 from .errors import BadMessageError
+from .identity import CaPublicKey
 from .params import SecAggParams, neighbours
 from .server import SecAggServer
 
-FORMAT = "fedfs-secagg-server/1"
+FORMAT = "fedfs-secagg-server/2"
+READS = ("fedfs-secagg-server/1", FORMAT)
+"""/1 snapshots (before authenticated rounds) restore as unauthenticated rounds."""
 
 
 def _int_keys(d: dict[Any, Any]) -> dict[int, Any]:
@@ -35,17 +39,20 @@ def snapshot(srv: SecAggServer) -> dict[str, Any]:
         "masked_from": sorted(srv._masked_from), "unmasked_from": sorted(srv._unmasked_from),
         "b_shares": [[v, h, s] for v, row in sorted(srv.b_shares.items()) for h, s in sorted(row.items())],
         "s_shares": [[v, h, s] for v, row in sorted(srv.s_shares.items()) for h, s in sorted(row.items())],
+        "adverts": [[u, cert, sig] for u, (cert, sig) in sorted(srv.adverts.items())],
+        "u4": srv.u4, "csigs": [[u, s] for u, s in sorted(srv.csigs.items())],
     }
 
 
-def restore(params: SecAggParams, snap: dict[str, Any]) -> SecAggServer:
-    """A server in the state ``snap`` was taken in; the params must be the round's."""
-    if not isinstance(snap, dict) or snap.get("format") != FORMAT:
+def restore(params: SecAggParams, snap: dict[str, Any], *, context: bytes = b"",
+            ca: CaPublicKey | None = None) -> SecAggServer:
+    """A server in the state ``snap`` was taken in; the params (and context, CA) must be the round's."""
+    if not isinstance(snap, dict) or snap.get("format") not in READS:
         raise BadMessageError(f"not a {FORMAT} snapshot")
     if (snap.get("round"), snap.get("dim")) != (params.round_id, params.dim):
         raise BadMessageError(f"snapshot is of round {snap.get('round')} dim {snap.get('dim')}, "
                               f"params say round {params.round_id} dim {params.dim}")
-    srv = SecAggServer(params)
+    srv = SecAggServer(params, context=context, ca=ca)
     srv.step = snap["step"]
     srv.threshold = int(snap["threshold"])
     srv.pks = {int(u): (bytes(c), bytes(s)) for u, c, s in snap["pks"]}
@@ -62,4 +69,10 @@ def restore(params: SecAggParams, snap: dict[str, Any]) -> SecAggServer:
     for key, store in (("b_shares", srv.b_shares), ("s_shares", srv.s_shares)):
         for v, h, s in snap[key]:
             store.setdefault(int(v), {})[int(h)] = bytes(s)
+    for u, cert, sig in snap.get("adverts", []):
+        srv.adverts[int(u)] = (dict(cert), bytes(sig))
+        srv.ids[int(u)] = certificate_of({"cert": cert}, "snapshot").public_key
+    srv.csigs = {int(u): bytes(s) for u, s in snap.get("csigs", [])}
+    # a /1 snapshot at the unmask step: the devices asked to unmask are the survivors
+    srv.u4 = [int(u) for u in snap["u4"]] if "u4" in snap else (list(srv.u3) if srv.step == "unmask" else [])
     return srv

@@ -11,8 +11,14 @@ not answered by then has dropped at that step::
     inboxes = srv.close_share_keys()          # {device: inbox}
     for m in masked_msgs: srv.receive(m)      # y_u summed on arrival, O(dim) memory
     request = srv.close_masked()              # broadcast to survivors
+    # fedfs-secagg/2: request is the consistency request; then
+    #   for m in signature_msgs: srv.receive(m); request = srv.close_consistency()
     for m in unmask_msgs: srv.receive(m)
     result = srv.finalize()                   # weighted FedAvg of the survivors
+
+In an authenticated round (``params.authenticated``) the server checks each advertisement's
+signature (and, given the CA's public key, its certificate) and each consistency signature,
+so that a bad device cannot stall the round — the devices check all of it themselves.
 
 A bad message raises a 4xx :class:`~fedfs_sdk.federation.secagg.errors.SecAggError` and changes
 nothing; too few survivors raise :class:`RoundFailedError` (and the round stays failed).
@@ -26,15 +32,16 @@ import time
 
 import numpy as np
 
-from . import keys, shamir
+from . import auth, keys, shamir
 from . import messages as M
 from .device import CIPHERTEXT_BYTES, SECRET_BYTES, SHARE_BYTES
-from .errors import BadMessageError, RoundFailedError, ReplayError, SecAggError, UnknownDeviceError
-from .params import SecAggParams, neighbours
+from .errors import BadMessageError, RefusedError, RoundFailedError, ReplayError, SecAggError, UnknownDeviceError
+from .identity import CaPublicKey, verify
+from .params import SecAggParams, consistency_quorum, neighbours
 from .prg import add_mask
 
 _STEPS = {"advertise": M.ADVERTISE, "share_keys": M.SHARE_KEYS, "masked": M.MASKED_INPUT,
-          "unmask": M.UNMASK_SHARES}
+          "consistency": M.CONSISTENCY, "unmask": M.UNMASK_SHARES}
 
 
 @dataclass
@@ -48,10 +55,19 @@ class SecAggResult:
 
 
 class SecAggServer:
-    """One round of the server. ``keep_transcript`` keeps every message in and out (tests)."""
+    """One round of the server. ``keep_transcript`` keeps every message in and out (tests);
+    ``context`` is the transport's digest that devices bind into their signatures, ``ca`` the
+    operator CA's key when the server checks certificates too (authenticated rounds)."""
 
-    def __init__(self, params: SecAggParams, keep_transcript: bool = False):
+    def __init__(self, params: SecAggParams, keep_transcript: bool = False, *, context: bytes = b"",
+                 ca: CaPublicKey | None = None):
         self.params = params
+        self.context = auth.context_digest(params, context)
+        self.ca = ca
+        self.adverts: dict[int, tuple[dict[str, Any], bytes]] = {}   # authenticated: device → (cert, sig)
+        self.ids: dict[int, bytes] = {}                                # authenticated: device → identity key
+        self.u4: list[int] = []                                        # devices asked to unmask
+        self.csigs: dict[int, bytes] = {}                              # consistency signatures over U3
         self.step = "advertise"
         self.transcript: list[dict[str, Any]] | None = [] if keep_transcript else None
         self.pks: dict[int, tuple[bytes, bytes]] = {}
@@ -123,6 +139,12 @@ class SecAggServer:
         c_pk, s_pk = (M.get_bytes(msg, k, "advertise_keys", 32) for k in ("c_pk", "s_pk"))
         keys.load_public(c_pk, f"c_pk of device {u}")
         keys.load_public(s_pk, f"s_pk of device {u}")
+        if self.params.authenticated:
+            ident = auth.check_advertisement(msg, self.params.round_id, self.context, self.ca, "advertise_keys")
+            if ident in self.ids.values():
+                raise RefusedError(f"advertise_keys: device {u} presents an identity already in this round")
+            self.ids[u] = ident
+            self.adverts[u] = (dict(msg["cert"]), bytes(msg["sig"]))
         self.pks[u] = (c_pk, s_pk)
 
     def _on_share_keys(self, msg: dict[str, Any]) -> None:
@@ -164,8 +186,15 @@ class SecAggServer:
         np.add(self._sum, vec, out=self._sum)   # wraps mod 2^64, as the masks need
         self._masked_from.add(u)
 
+    def _on_consistency(self, msg: dict[str, Any]) -> None:
+        u = self._sender(msg, set(self.u3), self.csigs, "consistency_signature")
+        sig = M.get_bytes(msg, "sig", "consistency_signature", 64)
+        if not verify(self.ids[u], sig, auth.consistency_payload(self.params.round_id, self.context, self.u3)):
+            raise RefusedError(f"consistency_signature: device {u}'s signature does not cover this round's survivors")
+        self.csigs[u] = sig
+
     def _on_unmask(self, msg: dict[str, Any]) -> None:
-        u = self._sender(msg, set(self.u3), self._unmasked_from, "unmask_shares")
+        u = self._sender(msg, set(self.u4), self._unmasked_from, "unmask_shares")
         dropped = set(self.dropped["masked_input"])
         got: dict[str, dict[int, bytes]] = {"b_shares": {}, "s_shares": {}}
         for key, allowed in (("b_shares", set(self.u3)), ("s_shares", dropped)):
@@ -206,9 +235,16 @@ class SecAggServer:
         if self.threshold > len(self._holders(min(self.pks))):
             raise self._fail(f"{n} devices advertised keys, the threshold is {self.threshold}", n)
         self.step = "share_keys"
-        return self._log({"type": M.ROSTER, "round": self.params.round_id, "threshold": self.threshold,
-                          "neighbours": self.params.neighbours,
-                          "devices": [{"device": v, "c_pk": c, "s_pk": s} for v, (c, s) in sorted(self.pks.items())]})
+        return self._log(self.roster())
+
+    def roster(self) -> dict[str, Any]:
+        """The roster U1 (authenticated: each entry with its certificate and signature)."""
+        entries = [{"device": v, "c_pk": c, "s_pk": s} for v, (c, s) in sorted(self.pks.items())]
+        for e in entries:
+            if e["device"] in self.adverts:
+                e["cert"], e["sig"] = self.adverts[e["device"]]
+        return {"type": M.ROSTER, "round": self.params.round_id, "threshold": self.threshold,
+                "neighbours": self.params.neighbours, "devices": entries}
 
     def close_share_keys(self) -> dict[int, dict[str, Any]]:
         """End ShareKeys; return each sender's inbox (the ciphertexts addressed to it and U2)."""
@@ -230,22 +266,54 @@ class SecAggServer:
                 "senders": self.u2, "ciphertexts": cts}
 
     def close_masked(self) -> dict[str, Any]:
-        """End MaskedInputCollection; return the unmask request (survivors U3, dropped)."""
+        """End MaskedInputCollection; return the unmask request (survivors U3, dropped) — or,
+        authenticated, the consistency request (U3) that precedes it."""
         self._close("masked")
         self.u3 = sorted(self._masked_from)
         self.dropped["masked_input"] = sorted(set(self.u2) - set(self.u3))
         alive = set(self.u3)
         self._check_recoverable(alive, alive | set(self.dropped["masked_input"]), "masked_input")
-        self.step = "unmask"
         self.cts = {}   # delivered; the server keeps no ciphertexts
-        return self._log({"type": M.UNMASK_REQUEST, "round": self.params.round_id,
-                          "survivors": self.u3, "dropped": self.dropped["masked_input"]})
+        if self.params.authenticated:
+            self._check_quorum(len(self.u3), "masked_input")
+            self.step = "consistency"
+            return self._log(self.consistency_request())
+        self.u4 = list(self.u3)
+        self.step = "unmask"
+        return self._log(self.unmask_request())
+
+    def _check_quorum(self, alive: int, step: str) -> None:
+        q = consistency_quorum(self.params, self.threshold)
+        if alive < q:
+            raise self._fail(f"only {alive} devices survived {step}, the consistency check needs {q} of the "
+                             f"{self.params.participants} invited", survivors=alive)
+
+    def consistency_request(self) -> dict[str, Any]:
+        return {"type": M.CONSISTENCY_REQUEST, "round": self.params.round_id, "survivors": self.u3}
+
+    def close_consistency(self) -> dict[str, Any]:
+        """End the ConsistencyCheck (authenticated rounds); return the unmask request for the
+        signers U4: U3, the dropped devices and every signature, for each device to check."""
+        self._close("consistency")
+        self.u4 = sorted(self.csigs)
+        self.dropped["consistency"] = sorted(set(self.u3) - set(self.u4))
+        self._check_quorum(len(self.u4), "the consistency check")
+        self._check_recoverable(set(self.u4), set(self.u3) | set(self.dropped["masked_input"]), "consistency check")
+        self.step = "unmask"
+        return self._log(self.unmask_request())
+
+    def unmask_request(self) -> dict[str, Any]:
+        req: dict[str, Any] = {"type": M.UNMASK_REQUEST, "round": self.params.round_id, "survivors": self.u3,
+                               "dropped": self.dropped["masked_input"]}
+        if self.params.authenticated:
+            req["signatures"] = [{"device": v, "sig": s} for v, s in sorted(self.csigs.items())]
+        return req
 
     def finalize(self) -> SecAggResult:
         """End Unmasking: reconstruct b_v of survivors and s_sk of dropped devices, remove all
         masks and decode the weighted mean. Fails cleanly if any secret lacks t shares."""
         self._close("unmask")
-        self.dropped["unmask"] = sorted(set(self.u3) - self._unmasked_from)
+        self.dropped["unmask"] = sorted(set(self.u4) - self._unmasked_from)
         alive = set(self._unmasked_from)
         self._check_recoverable(alive, set(self.u3) | set(self.dropped["masked_input"]), "unmask")
         assert not set(self.b_shares) & set(self.s_shares), "never both shares of one device"
