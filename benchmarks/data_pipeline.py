@@ -29,6 +29,7 @@ Sections:
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 import weakref
 
@@ -43,6 +44,8 @@ from device_sim.splits import make_splits
 from device_sim.synthfaces import SynthFaces
 from device_sim.synthfaces.generator import CUDA_RENDER_BUDGET_BYTES, RENDER_BYTES_PER_PIXEL
 from device_sim.synthfaces.painter import paint
+
+print = functools.partial(print, flush=True)     # noqa: A001 — rows appear as they are measured (bounded GPU runs)
 
 
 def _sync(dev: torch.device) -> None:

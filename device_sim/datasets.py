@@ -116,15 +116,15 @@ class SynthDataset:
     def batch_uint8(self, identities: IndexLike, indices: IndexLike, device: str | torch.device | None = None,
                     cache: bool = True) -> torch.Tensor:
         """uint8 ``[N, 3, S, S]`` rendered on ``device`` (default: the dataset's), in the
-        renderer's large chunks. ``cache=False`` (or another device than the dataset's)
-        bypasses the LRU: the image store keeps the images itself."""
+        renderer's large chunks. ``cache=False`` (or another device than the dataset's, or an
+        LRU of 0 bytes) bypasses the LRU: the image store keeps the images itself."""
         ids, idx = broadcast_pairs(identities, indices)
         self._check_ids(ids)
         if idx.size and (idx.min() < 0 or idx.max() >= self.images_per_identity):
             raise InputError(f"image index out of range [0, {self.images_per_identity}): "
                              f"{int(idx.min())}..{int(idx.max())}")
         dev = self.device if device is None else torch.device(device)
-        if not cache or dev != self.device:
+        if not cache or dev != self.device or self.cache.max_bytes <= 0:
             self.rendered += int(ids.size)
             return self.faces.render_u8(ids, idx, dev)
         S = self.image_size
@@ -239,14 +239,16 @@ class ImageFolderDataset:
 
         if preload or validate:
             kept_files, kept_names, arrays = [], [], []
+            pool = ThreadPoolExecutor(self._threads()) if self._threads() > 1 else None
             for name, files in zip(names, files_by_id):
                 good, imgs = [], []
-                for f in files:
-                    try:
-                        imgs.append(self._load_u8([f]))
+                self.decoded += len(files)
+                for f, (img, err) in zip(files, (pool.map if pool else map)(self._try_decode, files)):
+                    if err is None:
+                        imgs.append(img)
                         good.append(f)
-                    except FedFSError as e:       # ImageDecodeError, NoFaceError, too small, …
-                        self.skipped_files.append(SkippedFile(f, str(e)))
+                    else:       # ImageDecodeError, NoFaceError, too small, …
+                        self.skipped_files.append(SkippedFile(f, str(err)))
                 if len(good) < need:
                     too_few(self.root / name, len(good), "readable ")
                     continue
@@ -254,6 +256,8 @@ class ImageFolderDataset:
                 kept_names.append(name)
                 if preload:
                     arrays.append(torch.cat(imgs))
+            if pool is not None:
+                pool.shutdown()
             files_by_id, names = kept_files, kept_names
             if preload and arrays:
                 self._preloaded = torch.cat(arrays)
@@ -325,7 +329,7 @@ class ImageFolderDataset:
         S = self.image_size
         if self._preloaded is not None:
             out = self._preloaded[torch.as_tensor(self._offsets[ids] + idx)]
-        elif not cache:
+        elif not cache or self.cache.max_bytes <= 0:
             out = self._load_u8([self.files[i][j] for i, j in zip(ids.tolist(), idx.tolist())]) if ids.size \
                 else torch.empty((0, 3, S, S), dtype=torch.uint8)
         else:
@@ -341,11 +345,21 @@ class ImageFolderDataset:
         """Decode ``paths`` (OpenCV releases the GIL: large lists go to a few threads)."""
         self.decoded += len(paths)
         per = 64
-        if len(paths) <= per or self.decode_threads <= 1:
+        if len(paths) <= per or self._threads() <= 1:
             return self._decode(paths)
         parts = [paths[a:a + per] for a in range(0, len(paths), per)]
-        with ThreadPoolExecutor(self.decode_threads) as pool:
+        with ThreadPoolExecutor(self._threads()) as pool:
             return torch.cat(list(pool.map(self._decode, parts)))
+
+    def _threads(self) -> int:
+        # face detectors (dlib, OpenCV's cascade) are not documented thread-safe: one thread then
+        return 1 if self.detect_face else self.decode_threads
+
+    def _try_decode(self, path: Path) -> tuple[torch.Tensor | None, FedFSError | None]:
+        try:
+            return self._decode([path]), None
+        except FedFSError as e:
+            return None, e
 
     def _decode(self, paths: Sequence[Path]) -> torch.Tensor:
         x = preprocess([str(p) for p in paths], self.image_size, detect_face=self.detect_face)

@@ -45,7 +45,7 @@ from .federation_state import (CHECKPOINT_FORMAT, IDENTITY_PARTS, checkpoint_pat
                                latest_checkpoint, load_federation, save_federation)
 from .executors import ClientTask, LocalConfig, make_executor, train_splitting, unstack
 from .methods.base import FederatedMethod, Params, SimContext, Weights
-from .prefetch import PREFETCH_MODES, ChunkFeed, prefetch_enabled
+from .prefetch import PREFETCH_MODES, ChunkFeed, chunk_images, prefetch_enabled
 from .rank_split import assign_participants
 from .phases import PhaseTimer
 from .xi_cache import XiCache
@@ -273,22 +273,18 @@ class Federation:
             # Size chunks before the first one is built: a probe step of the round's first
             # clients at their real image count, batch size and epochs (executors.memory).
             with self.phases("data"):
-                probe_images = next(iter(ChunkFeed(self.data, mine[:2], lambda: 2, ex.device, False)))[1]
+                probe_images = chunk_images(self.data, mine[:2], ex.device)
             probe = tasks_of(mine[:2], probe_images)
             with self.phases("calibrate"):
                 ex.calibrate(method, plan, probe, cfg.local)
             del probe, probe_images
         # The round's chunks are cut in one place, ChunkFeed._cut, at ex.chunk_size as it is when
-        # the previous chunk is handed out; the next chunk's images are prepared while a chunk
-        # trains (device_sim/prefetch.py). The "data" phase is the time spent waiting for them.
-        feed = iter(ChunkFeed(self.data, mine, lambda: ex.chunk_size, ex.device,
-                              prefetch_enabled(cfg.prefetch, ex.device)))
-        while True:
-            with self.phases("data"):
-                item = next(feed, None)
-            if item is None:
-                break
-            chunk, images = item
+        # the previous chunk is handed out; each comes with its images (uint8 from a Population),
+        # the next chunk's prepared while this one trains (device_sim/prefetch.py). "data" is
+        # the time the loop waited for them.
+        feed = ChunkFeed(self.data, mine, lambda: ex.chunk_size, ex.device, prefetch_enabled(cfg.prefetch, ex.device),
+                         waiting=lambda: self.phases("data"))
+        for chunk, images in feed:
             tasks = tasks_of(chunk, images)
             # out of memory: split in half and retry (clients are independent; executors.splitting)
             with self.phases("train"):

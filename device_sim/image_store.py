@@ -194,6 +194,8 @@ class ClientImageStore:
             raise InputError(f"unknown client in {cl.tolist()[:10]} (there are {len(self.identity)})")
         pos_list = [np.arange(self.lens[c, p]) for c in cl] if positions is None else \
             [np.asarray(x, dtype=np.int64).reshape(-1) for x in positions]
+        if len(pos_list) != cl.size:
+            raise InputError(f"{len(pos_list)} position lists for {cl.size} clients")
         counts = [int(x.size) for x in pos_list]
         who = np.repeat(cl, counts)
         pos = np.concatenate(pos_list) if pos_list else np.zeros(0, np.int64)

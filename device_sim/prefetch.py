@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -30,8 +31,7 @@ import torch
 
 from fedfs_sdk.errors import InputError
 
-
-__all__ = ["ChunkFeed", "PREFETCH_MODES", "prefetch_enabled"]
+__all__ = ["ChunkFeed", "PREFETCH_MODES", "prefetch_enabled", "chunk_images"]
 
 PREFETCH_MODES = ("auto", "on", "off")
 
@@ -42,6 +42,16 @@ def prefetch_enabled(mode: str, device: str | torch.device) -> bool:
     if mode not in PREFETCH_MODES:
         raise InputError(f"prefetch must be one of {', '.join(PREFETCH_MODES)}, got {mode!r}")
     return mode == "on" or (mode == "auto" and torch.device(device).type == "cuda")
+
+
+def chunk_images(data: Any, clients: np.ndarray, device: str | torch.device) -> list[torch.Tensor]:
+    """The training images of ``clients`` on ``device``, one tensor per client: from
+    ``data.train_chunk`` (uint8, all at once) where the data have it, else
+    ``data.train_images`` per client. :class:`~device_sim.executors.ClientTask` takes either."""
+    fn = getattr(data, "train_chunk", None)
+    if callable(fn):
+        return list(fn(clients, device))
+    return [data.train_images(int(c), device) for c in np.asarray(clients).tolist()]
 
 
 class _Ready:
@@ -67,15 +77,19 @@ class ChunkFeed:
         chunk_size: the executor's current chunk size (read when a chunk is cut).
         device: where the images go (the executor's device).
         prefetch: prepare the next chunk's images in a background thread.
+        waiting: a context manager entered while the loop waits for a chunk's images (a
+            phase timer's ``data``).
     """
 
     def __init__(self, data: Any, participants: np.ndarray, chunk_size: Callable[[], int],
-                 device: str | torch.device, prefetch: bool) -> None:
+                 device: str | torch.device, prefetch: bool,
+                 waiting: Callable[[], AbstractContextManager] = nullcontext) -> None:
         self.data = data
         self.participants = np.asarray(participants, dtype=np.int64)
         self.chunk_size = chunk_size
         self.device = torch.device(device)
         self.prefetch = prefetch
+        self.waiting = waiting
         self._pos = 0
         self._cuda = self.device.type == "cuda"
 
@@ -91,10 +105,7 @@ class ChunkFeed:
         return chunk
 
     def _prepare(self, chunk: np.ndarray) -> list[torch.Tensor]:
-        fn = getattr(self.data, "train_chunk", None)
-        if callable(fn):
-            return list(fn(chunk, self.device))
-        return [self.data.train_images(int(c), self.device) for c in chunk.tolist()]
+        return chunk_images(self.data, chunk, self.device)
 
     def _job(self, pool: ThreadPoolExecutor | None, stream: Any, chunk: np.ndarray) -> Future | _Ready:
         if pool is None:
@@ -134,7 +145,8 @@ class ChunkFeed:
                 pending.append((first, self._job(pool, stream, first)))
             while pending:
                 chunk, job = pending.popleft()
-                images = self._receive(job)
+                with self.waiting():
+                    images = self._receive(job)
                 n = self._size()
                 if chunk.size > n:      # the chunk size shrank since this chunk was cut
                     pending.appendleft((chunk[n:], _Ready(value=(images[n:], None))))

@@ -125,6 +125,22 @@ def test_cuda_matches_cpu() -> None:
     assert float(diff.max()) <= 2.01 and float((diff > 0.5).float().mean()) < 0.01
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_large_batches_equal_small_chunks_and_cpu_at_112() -> None:
+    """At the paper's 112 px: one CUDA call of 260 images (default chunks, ~198) equals chunks of
+    7 and single images bit for bit, and the CPU within the renderer's device bound."""
+    f = SynthFaces(seed=2, image_size=112)
+    ids, idx = np.arange(260) % 37, np.arange(260)
+    big = f.render_u8(ids, idx, "cuda")
+    assert f.chunk_images("cuda") < 260 and big.is_cuda and big.dtype == torch.uint8
+    assert torch.equal(big, SynthFaces(seed=2, image_size=112, chunk_size=7).render_u8(ids, idx, "cuda"))
+    for j in (0, 131, 259):
+        assert torch.equal(f.render_u8(int(ids[j]), int(idx[j]), "cuda")[0], big[j])
+    diff = (big[:24].cpu().int() - f.render_u8(ids[:24], idx[:24]).int()).abs()
+    assert int(diff.max()) <= 2 and float((diff > 0).float().mean()) < 0.01
+
+
 def test_scoped_threads_same_pixels_and_restored() -> None:
     before = torch.get_num_threads()
     one = SynthFaces(seed=3, image_size=32, num_threads=1)
