@@ -1,7 +1,7 @@
 """Wall time per phase of the round loop (data, ξ, training, FedAvg, client store, …).
 
 The federation wraps each phase of a round in ``with timer("train"):``; the times add up over
-the run. Work on a GPU is asynchronous, so a phase's time is only its own when the device is
+the run. Work on a GPU is asynchronous, so a phase's time is only its own when the training stream is
 synchronized at its edges: ``PhaseTimer(sync=device)`` does that (``benchmarks/gpu_paper_scale.py``),
 the default does not (no stalls in normal runs, and the times then say where the host waited).
 """
@@ -30,8 +30,10 @@ class PhaseTimer:
         return self._stack[-1] if self._stack else None
 
     def _barrier(self) -> None:
+        # the current stream only: a device-wide synchronize would also wait for the next chunk's
+        # images being prepared on the prefetch side stream and undo the overlap being measured
         if self.sync is not None and self.sync.type == "cuda":
-            torch.cuda.synchronize(self.sync)
+            torch.cuda.current_stream(self.sync).synchronize()
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:

@@ -287,20 +287,40 @@ def test_cuda_store_matches_cpu_render_and_is_where_asked(location: str) -> None
     assert page.is_cuda if location == "device" else (page.is_pinned() and not page.is_cuda)
     for c, x in zip([0, 2, 4], chunk):
         diff = (x.cpu().float() - (ref.train_images(c) * 127.5 + 127.5)).abs()
-        assert float(diff.max()) <= 2.01 and float((diff > 0.5).float().mean()) < 0.01   # the renderer's CUDA bound
+        # CUDA's float rounding in the renderer (transcendentals, fused multiply-adds) moves a few pixel
+        # levels near soft edges: measured up to 5 levels at 112 px on an H200 (2026-11-26; 2 at 32 px)
+        assert float(diff.max()) <= 6.01 and float((diff > 0.5).float().mean()) < 0.01
     again = pop.train_chunk([4, 0], "cuda")
     assert torch.equal(again[0], chunk[2]) and torch.equal(again[1], chunk[0])
 
 
 @pytest.mark.gpu
 def test_cuda_prefetch_on_a_side_stream_changes_no_result(xi) -> None:
-    def run(prefetch: str) -> Federation:
+    """What prefetching controls — the images each chunk trains on — is bit-equal; the weights
+    agree to float tolerance (on CUDA two runs of the same training are not bit-equal: the
+    convolution backward kernels reduce with atomics; measured on an H200, 2026-11-26)."""
+    def run(prefetch: str) -> tuple[Federation, list[bytes]]:
         pop = _pop(num_clients=5)
         pop.use_image_store(CachePlan("host", "cuda", True, pop.image_store_bytes(), None, "test"))
         cfg = FederationConfig(rounds=2, participation=0.7, seed=3, device="cuda", executor="batched", chunk_size=2,
                                prefetch=prefetch, local=LocalConfig(batch_size=3))
         f = Federation(parse_method("fedfs"), pop, xi, cfg)
-        f.run()
-        return f
+        seen: list[bytes] = []
+        train = f.executor.train
 
-    _same(run("off"), run("on"))
+        def recording(method, plan, tasks, local, max_steps=None):
+            seen.extend(t.images.cpu().numpy().tobytes() for t in tasks)
+            return train(method, plan, tasks, local, max_steps)
+        f.executor.train = recording
+        f.run()
+        return f, seen
+
+    (a, seen_a), (b, seen_b) = run("off"), run("on")
+    assert seen_a == seen_b and len(seen_a) >= 7
+    for k, v in a.global_weights.items():
+        torch.testing.assert_close(v, b.global_weights[k], rtol=1e-4, atol=1e-5)
+    for c in a.store.touched().tolist():
+        pa, pb = a.private_weights(c), b.private_weights(c)
+        for g in pa:
+            for k in pa[g]:
+                torch.testing.assert_close(pa[g][k].float(), pb[g][k].float(), rtol=1e-4, atol=1e-4)

@@ -17,6 +17,7 @@ import torch
 
 from fedfs_sdk.errors import InputError
 
+from ..image_cache import normalize
 from ..methods.base import FederatedMethod, Params, RoundPlan
 
 AMP_MODES = ("off", "bf16", "fp16")
@@ -232,10 +233,9 @@ def autocast(device: torch.device, amp: str):
 
 
 def normalized(images: torch.Tensor) -> torch.Tensor:
-    """float32 ``(x − 127.5)/127.5`` of uint8 pixel levels; float images unchanged."""
-    if images.dtype == torch.uint8:
-        return (images.to(torch.float32) - 127.5) / 127.5
-    return images.to(torch.float32)
+    """float32 ``(x − 127.5)/127.5`` of uint8 pixel levels (:func:`device_sim.image_cache.normalize`);
+    float images only cast to float32."""
+    return normalize(images).to(torch.float32)
 
 
 def check_tasks(tasks: Sequence[ClientTask]) -> None:
