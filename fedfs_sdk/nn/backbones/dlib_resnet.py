@@ -10,7 +10,7 @@ type (``tools/python/src/face_recognition.cpp``, bottom-up):
   affine: 3 × 32; a down unit to 64 then 3 × 64; down to 128, 2 × 128; down to 256, 2 × 256;
   down to 256. A *down* unit's first conv has stride 2 and **no padding** (dlib's default padding
   is ``k/2`` at stride 1 and 0 otherwise) and its shortcut is a 2×2/2 average pool of ``x``;
-  dlib's ``add_prev`` then adds tensors of different sizes by **zero-padding the smaller one**
+  (a depthwise conv with weights ¼ here, :func:`average_pool_2x2`); dlib's ``add_prev`` then adds tensors of different sizes by **zero-padding the smaller one**
   (channels, and rows/columns at the bottom/right): at 150 px the block gives 3×3 where the pool
   gives 4×4 (level 256), and 1×1 where the pool gives 2×2 (the last unit);
 * global average pool → ``fc_no_bias`` 256 → 128: the 128-d descriptor (no normalization; dlib's
@@ -50,6 +50,19 @@ def _conv_out(size: int, k: int, stride: int, pad: int) -> int:
     return (size + 2 * pad - k) // stride + 1
 
 
+def average_pool_2x2(x: torch.Tensor) -> torch.Tensor:
+    """dlib's ``avg_pool<2,2,2,2>`` as a depthwise 2×2/2 convolution with constant weights ¼.
+
+    The same function as ``F.avg_pool2d(x, 2, 2)`` (to float rounding), but ONNX Runtime training
+    (1.19) mis-sizes ``AveragePoolGrad`` under a dynamic batch axis, so a residual unit's two
+    gradients (block and shortcut) could not be summed ("Can broadcast 0 by 0 or 1"); a
+    convolution's gradient is sized from its input. The weight is a constant of the graph (made
+    here, not a parameter or buffer: nothing to train, nothing in the state dict)."""
+    c = x.shape[1]
+    w = torch.full((int(c), 1, 2, 2), 0.25, dtype=x.dtype, device=x.device)
+    return F.conv2d(x, w, stride=2, groups=int(c))
+
+
 class DlibResUnit(nn.Module):
     """``relu(shortcut(x) ⊞ block(x))``; ``⊞`` is dlib's ``add_prev``: the two summands are
     zero-padded (channels; rows and columns at the bottom/right) to the larger of their sizes.
@@ -76,7 +89,7 @@ class DlibResUnit(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.block(x)
-        s = F.avg_pool2d(x, 2, 2) if self.down else x
+        s = average_pool_2x2(x) if self.down else x
         if any(self.block_pad):
             y = F.pad(y, self.block_pad)
         if any(self.skip_pad):
