@@ -9,12 +9,14 @@ from .dlib_resnet import DlibResNet
 from .feduv_cnn import FedUVCNN
 from .insightface_mbf import InsightFaceMBF
 from .layers import ChannelAffine, GroupNormP, PReLUP, l2_normalize
-from .mobilefacenet import MobileFaceNet, MobileFaceNetAffine
+from .mobilefacenet import MobileFaceNet, MobileFaceNetAffine, MobileFaceNetAffine112x96, MobileFaceNetReLU6
 from .tiny import TinyFaceNet
 
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "mobilefacenet": MobileFaceNet,
     "mobilefacenet-affine": MobileFaceNetAffine,
+    "mobilefacenet-affine-112x96": MobileFaceNetAffine112x96,
+    "mobilefacenet-relu6": MobileFaceNetReLU6,
     "insightface-mbf": InsightFaceMBF,
     "dlib-resnet": DlibResNet,
     "feduv_cnn": FedUVCNN,
@@ -24,6 +26,8 @@ BACKBONES: dict[str, Callable[..., nn.Module]] = {
 DEFAULTS: dict[str, dict[str, int]] = {
     "mobilefacenet": {"embedding_dim": 128, "input_size": 112},
     "mobilefacenet-affine": {"embedding_dim": 128, "input_size": 112},
+    "mobilefacenet-affine-112x96": {"embedding_dim": 128, "input_size": 112},
+    "mobilefacenet-relu6": {"embedding_dim": 128, "input_size": 112},
     "insightface-mbf": {"embedding_dim": 512, "input_size": 112},
     "dlib-resnet": {"embedding_dim": 128, "input_size": 150},
     "feduv_cnn": {"embedding_dim": 1024, "input_size": 64},
@@ -32,8 +36,8 @@ DEFAULTS: dict[str, dict[str, int]] = {
 
 
 def get_backbone(name: str, **kwargs: Any) -> nn.Module:
-    """Build backbone ``name`` (``mobilefacenet``, ``mobilefacenet-affine``, ``insightface-mbf``,
-    ``dlib-resnet``, ``feduv_cnn``, ``tiny``).
+    """Build backbone ``name`` (``mobilefacenet``, ``mobilefacenet-affine`` and its ``-112x96`` /
+    ``mobilefacenet-relu6`` variants, ``insightface-mbf``, ``dlib-resnet``, ``feduv_cnn``, ``tiny``).
 
     Every backbone maps ``[B, 3, S, S]`` normalized RGB to ``[B, embedding_dim]`` and has
     ``input_size`` and ``embedding_dim`` attributes; one trained on a particular face crop says
@@ -56,4 +60,4 @@ def face_alignment(name: str) -> str | None:
 
 
 __all__ = ["BACKBONES", "DEFAULTS", "get_backbone", "face_alignment", "DlibResNet", "ChannelAffine", "GroupNormP", "PReLUP", "l2_normalize",
-           "MobileFaceNet", "MobileFaceNetAffine", "InsightFaceMBF", "FedUVCNN", "TinyFaceNet"]
+           "MobileFaceNet", "MobileFaceNetAffine", "MobileFaceNetAffine112x96", "MobileFaceNetReLU6", "InsightFaceMBF", "FedUVCNN", "TinyFaceNet"]
