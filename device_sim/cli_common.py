@@ -144,8 +144,8 @@ def apply_real_face_default(args: argparse.Namespace) -> list[str]:
             raise InputError(f"--pretrained {name} takes {size} px inputs; drop --image-size {args.image_size}")
         args.image_size = size
         args.detect_face = face_alignment(backbone) or args.detect_face
-        notes.append(f"ξ: the built-in {name} ({BUILTIN_MODELS[name].description}; {args.detect_face} "
-                     f"preprocessing); no public identities held out")
+        notes.append(f"ξ: the built-in {name} — {BUILTIN_MODELS[name].description}; photos read as "
+                     f"{args.detect_face} at {size} px; no public identities held out")
     elif pretrained and Path(pretrained).is_file():
         # a ξ checkpoint of a backbone trained on one face crop (an imported dlib-resnet) gets that crop
         from fedfs_sdk.nn.checkpoint import read_checkpoint
