@@ -161,6 +161,36 @@ def _pad(a: dict[str, Any]) -> Any:
     return F.pad(_t(a["x"]), flat, value=float(a.get("constant_val", 0.0) or 0.0))
 
 
+def _slice_by_index(a: dict[str, Any]) -> Any:
+    """MIL ``slice_by_index``: ``x[begin:end:stride]`` per axis; a set ``begin_mask`` / ``end_mask``
+    bit means "from the start" / "to the end", ``squeeze_mask`` drops the axis (positive strides)."""
+    x = _raw(a["x"])
+    n = x.dim()
+
+    def flags(key: str) -> list[bool]:
+        v = a.get(key)
+        return [False] * n if v is None else [bool(f) for f in np.atleast_1d(np.asarray(v))]
+
+    begin, end = _ints(a["begin"]), _ints(a["end"])
+    stride = _ints(a["stride"]) if a.get("stride") is not None else [1] * n
+    bmask, emask, squeeze = flags("begin_mask"), flags("end_mask"), flags("squeeze_mask")
+    if any(st <= 0 for st in stride):
+        raise CoreMLReferenceError(f"slice_by_index with stride {stride} is not implemented")
+    index, drop = [], []
+    for i in range(n):
+        size = x.shape[i]
+        b = 0 if bmask[i] else (begin[i] + size if begin[i] < 0 else begin[i])
+        e = size if emask[i] else (end[i] + size if end[i] < 0 else end[i])
+        index.append(slice(b, b + 1) if squeeze[i] else slice(b, e, stride[i]))
+        if squeeze[i]:
+            drop.append(i)
+    # the program is traced at batch 1: a batch axis sliced to [0:1] keeps the whole batch
+    if n and not squeeze[0] and index[0] == slice(0, 1, 1) and x.shape[0] > 1:
+        index[0] = slice(None)
+    y = x[tuple(index)]
+    return y.squeeze(tuple(drop)) if drop else y
+
+
 def _cast(a: dict[str, Any]) -> Any:
     import torch
 
@@ -216,6 +246,7 @@ OPS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "avg_pool": _avg_pool,
     "max_pool": _max_pool,
     "pad": _pad,
+    "slice_by_index": _slice_by_index,
     "batch_norm": _batch_norm,
     "reshape": _reshape,
     "transpose": lambda a: _raw(a["x"]).permute(_ints(a["perm"])),

@@ -97,15 +97,14 @@ def _parity_112x96(reference: nn.Module, imported: FaceNet, std: float) -> float
     return float((ref - got).abs().max() / ref.abs().max())
 
 
-@pytest.mark.parametrize("wrap", ["net_state_dict", "model_state_dict+module", "nested", "plain"])
+@pytest.mark.parametrize("wrap", ["net_state_dict", "model_state_dict+module+nested"])
 def test_wrapped_checkpoints_are_unwrapped(tmp_path: Path, wrap: str) -> None:
     ref = _randomized(Mfn112x96())
     sd = ref.state_dict()
-    obj = {"plain": sd,
-           "net_state_dict": {"epoch": 68, "net_state_dict": sd},
-           "model_state_dict+module": {"epoch": 3, "optimizer_state_dict": {"state": {}},
-                                       "model_state_dict": {f"module.{k}": v for k, v in sd.items()}},
-           "nested": {"model": {"state_dict": sd}, "config": {"lr": 0.1}}}[wrap]
+    obj = {"net_state_dict": {"epoch": 68, "net_state_dict": sd},          # Xiaoccer's layout
+           "model_state_dict+module+nested": {"epoch": 3, "optimizer_state_dict": {"state": {}},
+                                              "model": {"model_state_dict": {f"module.{k}": v for k, v in sd.items()}}},
+           }[wrap]
     path = tmp_path / "w.ckpt"
     torch.save(obj, path)
     state = read_state_dict(path)
@@ -151,3 +150,50 @@ def test_real_facegate_relu6_onnx(tmp_path: Path) -> None:
     assert model.config.backbone == "mobilefacenet-relu6"
     assert rep.max_rel_diff is not None and rep.max_rel_diff <= 1e-4
     assert main(["import-model", str(FACEGATE), "--out", str(tmp_path / "fg.safetensors")]) == 0
+
+
+def _trained_like(name: str) -> FaceNet:
+    torch.manual_seed(1)
+    model = FaceNet(ModelConfig(name, code_length=127)).eval()
+    with torch.no_grad():
+        for n, p in model.backbone.named_parameters():
+            if p.dim() == 1:
+                (p.uniform_(-0.1, 0.1) if n.endswith(".bias") else p.uniform_(0.5, 1.5))
+    return model
+
+
+@pytest.mark.slow
+def test_112x96_centre_crop_through_core_ml_fp16() -> None:
+    """The centre-column Slice (MIL slice_by_index) in Core ML's fp16 reference."""
+    pytest.importorskip("coremltools")
+    import tempfile
+
+    from export.coreml import NUMERICS_TOLERANCE, check_coreml_numerics, export_coreml
+    from fedfs_sdk.nn.model import VerifierNet
+
+    model = _trained_like("mobilefacenet-affine-112x96")
+    verifier = VerifierNet(model.backbone, model.uv_head).eval()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = export_coreml(verifier, Path(tmp) / "v.mlpackage", precision="fp16", check_numerics=False)
+        bounds = check_coreml_numerics(path, verifier)["max_score_change"]
+    assert 0 < max(bounds.values()) <= NUMERICS_TOLERANCE            # measured 1.1e-3
+
+
+def test_relu6_trains_in_onnx_runtime_like_torch(tmp_path: Path) -> None:
+    """ReLU6 exports as Clip, which ONNX Runtime training differentiates: one FedUV step equals torch's."""
+    pytest.importorskip("onnxruntime.training")
+    from export.ort_training import export_training_artifacts, train_config_of
+    from fedfs_sdk.runtime.codes import make_codeword
+    from fedfs_sdk.training.ort_device import OrtDeviceTrainer
+    from fedfs_sdk.training.trainer import LocalTrainer
+
+    model = _trained_like("mobilefacenet-relu6")
+    info = export_training_artifacts("feduv", model, tmp_path / "art", lr=0.05, local_epochs=1, batch_size=4)
+    x = np.random.default_rng(3).uniform(-1, 1, size=(4, 3, 112, 112)).astype(np.float32)
+    cw = make_codeword(11, 127, rng=np.random.default_rng(0))[0]
+    w0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ref = LocalTrainer(model.config, train_config_of(info)).train(w0, x, codeword=cw)
+    got = OrtDeviceTrainer(tmp_path / "art").train({k: v.numpy() for k, v in w0.items()}, x, codeword=cw)
+    err = sum(float(((torch.from_numpy(got.weights[k]) - ref.weights[k]) ** 2).sum()) for k in w0)
+    size = sum(float(((ref.weights[k] - w0[k]) ** 2).sum()) for k in w0)
+    assert size > 1e-4 and (err / size) ** 0.5 <= 1e-4               # measured 7.5e-7
