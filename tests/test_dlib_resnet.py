@@ -56,7 +56,7 @@ def test_zero_padded_add_is_dlibs_add_prev_by_hand() -> None:
 def test_backbone_shape_params_and_alignment() -> None:
     m = get_backbone("dlib-resnet")
     assert (m.input_size, m.embedding_dim) == (150, 128)
-    assert sum(p.numel() for p in m.parameters()) == 5_611_040
+    assert sum(p.numel() for p in m.parameters()) == 5_611_040 + 2 * 128      # dlib's + the identity embed_norm
     assert face_alignment("dlib-resnet") == "dlib-chip" and face_alignment("mobilefacenet") is None
     assert m(torch.zeros(2, 3, 150, 150)).shape == (2, 128)
     # the geometry dlib has at 150 px: 35 → 17 → 8 → 4 (block 3, zero-padded) → 2 (block 1)

@@ -14,7 +14,8 @@ every convolution's kernel, stride and padding and every pool against the module
   stored in the file); fedfs feeds ``u = (x − 127.5)/127.5``. Since ``x = 127.5·u + 127.5``, the
   stem conv becomes ``W·127.5/256`` and its constant ``Σ W·(127.5 − mean_c)/256`` joins the bias
   above — exact because dlib's 7×7/2 stem has no padding (checked);
-* ``fc_no_bias`` (``out = x · W``, W stored ``[256, 128]``) becomes ``Linear.weight = Wᵀ``.
+* ``fc_no_bias`` (``out = x · W``, W stored ``[256, 128]``) becomes ``Linear.weight = Wᵀ``; the
+  ``embed_norm`` affine after it (fedfs', not dlib's) is the identity.
 
 Nothing here needs dlib itself: the parity against dlib's own forward pass is a test
 (``tests/test_dlib_resnet.py``) and a benchmark (``benchmarks/dlib_parity.py``).
@@ -95,7 +96,7 @@ def convert_dlib_resnet(path: str | os.PathLike[str]) -> tuple[FaceNet, dict[str
     model = FaceNet(ModelConfig("dlib-resnet", embedding_dim=128, input_size=size))
     net: DlibResNet = model.backbone  # type: ignore[assignment]
     convs = [m for m in net.modules() if isinstance(m, nn.Conv2d)]
-    affines = [m for m in net.modules() if isinstance(m, ChannelAffine)]
+    affines = [m for m in net.modules() if isinstance(m, ChannelAffine) and m is not net.embed_norm]
     pools = [u for u in net.units if u.down]
     con_layers = [lyr for lyr in layers if lyr.name.startswith("con_")]
     aff_layers = [lyr for lyr in layers if lyr.name.startswith(("affine_", "bn_"))]
@@ -136,6 +137,8 @@ def convert_dlib_resnet(path: str | os.PathLike[str]) -> tuple[FaceNet, dict[str
     _expect(tuple(fc["weights"].shape) == (net.embed.in_features, net.embed.out_features),
             f"fc weights {tuple(fc['weights'].shape)}")
     state["embed.weight"] = torch.from_numpy(np.ascontiguousarray(fc["weights"].T))
+    state["embed_norm.weight"] = torch.ones(net.embedding_dim)        # fedfs' own, identity: see DlibResNet
+    state["embed_norm.bias"] = torch.zeros(net.embedding_dim)
     missing = set(net.state_dict()) - set(state)
     _expect(not missing, f"module tensors left without weights: {sorted(missing)}")
     net.load_state_dict(state)

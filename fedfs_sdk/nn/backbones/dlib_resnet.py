@@ -14,7 +14,10 @@ type (``tools/python/src/face_recognition.cpp``, bottom-up):
   (channels, and rows/columns at the bottom/right): at 150 px the block gives 3×3 where the pool
   gives 4×4 (level 256), and 1×1 where the pool gives 2×2 (the last unit);
 * global average pool → ``fc_no_bias`` 256 → 128: the 128-d descriptor (no normalization; dlib's
-  users compare descriptors by Euclidean distance, "same person" below 0.6).
+  users compare descriptors by Euclidean distance, "same person" below 0.6). fedfs adds a
+  per-channel affine ``embed_norm`` after it, identity when imported (the same function), which
+  every fedfs backbone ends with: ``norm-adapt`` and ``fedfs+feduv``'s ``norm_init`` fold their
+  re-standardization of the embedding into it.
 
 :class:`DlibResNet` (backbone ``dlib-resnet``) is that network from the project's trainable
 layers: every affine (dlib's folded BatchNorm) is a :class:`ChannelAffine`, the convolutions have
@@ -127,7 +130,10 @@ class DlibResNet(nn.Module):
                 units.append(DlibResUnit(width, width, 1, size))
         self.units = nn.Sequential(*units)
         self.embed = nn.Linear(cin, embedding_dim, bias=False)       # dlib fc_no_bias
+        # not in dlib's network (identity when imported): the per-channel affine every fedfs
+        # backbone ends with, where norm-adapt / fedfs+feduv's norm_init fold a re-standardization
+        self.embed_norm = ChannelAffine(embedding_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.units(self.stem(x))
-        return self.embed(x.mean(dim=(2, 3)))          # dlib avg_pool_everything, then fc
+        return self.embed_norm(self.embed(x.mean(dim=(2, 3))))      # dlib avg_pool_everything, fc
