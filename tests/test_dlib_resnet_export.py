@@ -5,7 +5,6 @@ verification-score bound of torch). Random trained-like weights at 104 px (the s
 the network takes) where the real weights are not needed; the built-in weights where installed."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,7 +249,3 @@ def read_dlib_net(path: str | os.PathLike[str], structure: list[Wrapper]) -> tup
         raise s.fail(f"{len(data) - s.pos} bytes left after the network")
     return loss, layers
 
-
-def float32_le(values: np.ndarray) -> bytes:  # pragma: no cover - helper for writers in tests
-    """``values`` as dlib writes tensor data (little-endian float32)."""
-    return struct.pack(f"<{values.size}f", *np.asarray(values, np.float32).reshape(-1))
