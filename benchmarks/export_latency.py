@@ -4,7 +4,7 @@ ONNX int8, single thread, batch 1 — plus verification AUROC of torch, fp32 and
 Usage: PYTHONPATH=. python benchmarks/export_latency.py [--models tiny mobilefacenet]
        [--checkpoint NAME=PATH ...] [--pretrain-steps 400] [--runs 100] [--coreml]
 
-Models without a ``--checkpoint`` are: ``tiny`` trained here for a few hundred steps on
+Models without a ``--checkpoint`` are: a built-in model (``dlib-resnet``) with its real weights; ``tiny`` trained here for a few hundred steps on
 SynthFaces (CosFace head of ``device_sim.pretrain``) so its AUROC means something; other
 backbones random-initialized (their latency and size are exact, their AUROC is not a
 quality figure). Every model carries a FedUV head (c = 127). Latency: median, p90 and min of
@@ -32,6 +32,7 @@ import torch
 from export.onnx_inference import export_onnx
 from export.quantize import (INT8_MAX_FLIP_RATE, compare_int8, quantize_int8, synthetic_calibration,
                              synthetic_eval_set)
+from fedfs_sdk.nn.builtin_models import available, builtin_name, load_builtin
 from fedfs_sdk.nn.checkpoint import load_checkpoint, save_checkpoint
 from fedfs_sdk.nn.model import FaceNet, FedUVHead, ModelConfig, VerifierNet
 from fedfs_sdk.runtime.onnx_backend import OnnxBackend
@@ -168,6 +169,10 @@ def main() -> None:
                     torch.manual_seed(0)
                     model.uv_head = FedUVHead(int(model.config.embedding_dim), 127)
                     source += " + random FedUV head"
+            elif builtin_name(name) is not None and available(name):     # dlib-resnet: its real weights
+                model, source = load_builtin(name)[0], f"built-in {name} + random FedUV head"
+                torch.manual_seed(0)
+                model.uv_head = FedUVHead(int(model.config.embedding_dim), 127)
             elif name == "tiny":
                 model, source = pretrained_tiny(a.pretrain_steps), f"CosFace {a.pretrain_steps} steps, SynthFaces"
             else:

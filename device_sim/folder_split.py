@@ -109,7 +109,7 @@ def plan_folder_split(counts: np.ndarray, args: argparse.Namespace, pretrain_her
              + (f"{train} train + {test} test images per client" if fixed else "80/20 train/test images per identity")
              + (f" + {warm} warm-up" if warm else "")]
     if not pretrain_here and not _given(args.public):
-        notes.append("no public identities held out: ξ is pre-trained on --pretrain-data")
+        notes.append("no public identities held out: ξ is pre-trained elsewhere (--pretrain-data, or a built-in ξ)")
     return FolderPlan(public, clients, new, train, test, per_user, notes)
 
 

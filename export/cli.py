@@ -16,7 +16,8 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="fedfs .safetensors checkpoint (the global model), or a "
+    p.add_argument("--checkpoint", required=True, help="fedfs .safetensors checkpoint (the global model), a built-in "
+                   "model's name (dlib-resnet), or a "
                    "simulation checkpoint (fedfs simulate … --checkpoint-every K: "
                    "DIR/checkpoints/<method>/round_N.safetensors) — its global model, or --client N's verifier")
     p.add_argument("--client", type=int, default=None,
@@ -25,7 +26,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--formats", default="onnx",
                    help="comma-separated: onnx, onnx-int8, coreml, ort-training")
     p.add_argument("--out", required=True, help="output folder (must be empty or absent unless --overwrite)")
-    p.add_argument("--xi", default=None, help="frozen pre-trained model ξ (.safetensors), needed for FedFS training artifacts")
+    p.add_argument("--xi", default=None, help="frozen pre-trained model ξ (.safetensors, or a built-in model's name: "
+                   "dlib-resnet), needed for FedFS training artifacts")
     p.add_argument("--methods", default=None,
                    help="training artifacts to build: feduv, fedfs, fedfs+feduv (default: all the checkpoint supports)")
     p.add_argument("--train", default=None,
@@ -65,6 +67,19 @@ def _export(args: argparse.Namespace, options, progress) -> dict:
 
     from .pipeline import run_export
 
+    from dataclasses import replace
+
+    from fedfs_sdk.nn.builtin_models import builtin_name, save_builtin
+
+    if builtin_name(args.checkpoint) or builtin_name(options.xi):
+        # a built-in model (dlib-resnet) as --checkpoint / --xi: written to a scratch checkpoint first
+        with tempfile.TemporaryDirectory() as tmp:
+            if builtin_name(options.xi):
+                options = replace(options, xi=str(save_builtin(options.xi, Path(tmp) / f"{options.xi}.safetensors")))
+            if builtin_name(args.checkpoint):
+                ck = save_builtin(args.checkpoint, Path(tmp) / f"{args.checkpoint}.safetensors")
+                args = argparse.Namespace(**{**vars(args), "checkpoint": str(ck)})
+            return _export(args, options, progress)
     if not is_simulation_checkpoint(args.checkpoint):
         if args.client is not None:
             raise InputError(f"--client picks a client of a simulation checkpoint; {args.checkpoint} is a single model")

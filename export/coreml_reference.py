@@ -135,6 +135,62 @@ def _avg_pool(a: dict[str, Any]) -> Any:
                         ceil_mode=bool(a.get("ceil_mode", False)))
 
 
+def _max_pool(a: dict[str, Any]) -> Any:
+    import torch.nn.functional as F
+
+    x = _t(a["x"])
+    pad_type = str(a.get("pad_type", "valid"))
+    if pad_type == "custom":
+        p = _ints(a["pad"])                                            # [top, bottom, left, right]
+        x = F.pad(x, (p[2], p[3], p[0], p[1]), value=float("-inf"))
+    elif pad_type != "valid":
+        raise CoreMLReferenceError(f"max_pool pad_type {pad_type!r} is not implemented")
+    return F.max_pool2d(x, _ints(a["kernel_sizes"]), _ints(a["strides"]), ceil_mode=bool(a.get("ceil_mode", False)))
+
+
+def _pad(a: dict[str, Any]) -> Any:
+    """MIL ``pad``: ``pad`` = (before, after) pairs for the *last* N dims, first of them first."""
+    import torch.nn.functional as F
+
+    mode = str(a.get("mode", "constant"))
+    if mode != "constant":
+        raise CoreMLReferenceError(f"pad mode {mode!r} is not implemented")
+    p = _ints(a["pad"])
+    pairs = [(p[2 * i], p[2 * i + 1]) for i in range(len(p) // 2)]
+    flat = [v for before_after in reversed(pairs) for v in before_after]     # F.pad: last dim first
+    return F.pad(_t(a["x"]), flat, value=float(a.get("constant_val", 0.0) or 0.0))
+
+
+def _slice_by_index(a: dict[str, Any]) -> Any:
+    """MIL ``slice_by_index``: ``x[begin:end:stride]`` per axis; a set ``begin_mask`` / ``end_mask``
+    bit means "from the start" / "to the end", ``squeeze_mask`` drops the axis (positive strides)."""
+    x = _raw(a["x"])
+    n = x.dim()
+
+    def flags(key: str) -> list[bool]:
+        v = a.get(key)
+        return [False] * n if v is None else [bool(f) for f in np.atleast_1d(np.asarray(v))]
+
+    begin, end = _ints(a["begin"]), _ints(a["end"])
+    stride = _ints(a["stride"]) if a.get("stride") is not None else [1] * n
+    bmask, emask, squeeze = flags("begin_mask"), flags("end_mask"), flags("squeeze_mask")
+    if any(st <= 0 for st in stride):
+        raise CoreMLReferenceError(f"slice_by_index with stride {stride} is not implemented")
+    index, drop = [], []
+    for i in range(n):
+        size = x.shape[i]
+        b = 0 if bmask[i] else (begin[i] + size if begin[i] < 0 else begin[i])
+        e = size if emask[i] else (end[i] + size if end[i] < 0 else end[i])
+        index.append(slice(b, b + 1) if squeeze[i] else slice(b, e, stride[i]))
+        if squeeze[i]:
+            drop.append(i)
+    # the program is traced at batch 1: a batch axis sliced to [0:1] keeps the whole batch
+    if n and not squeeze[0] and index[0] == slice(0, 1, 1) and x.shape[0] > 1:
+        index[0] = slice(None)
+    y = x[tuple(index)]
+    return y.squeeze(tuple(drop)) if drop else y
+
+
 def _cast(a: dict[str, Any]) -> Any:
     import torch
 
@@ -188,6 +244,9 @@ OPS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "linear": _linear,
     "matmul": _matmul,
     "avg_pool": _avg_pool,
+    "max_pool": _max_pool,
+    "pad": _pad,
+    "slice_by_index": _slice_by_index,
     "batch_norm": _batch_norm,
     "reshape": _reshape,
     "transpose": lambda a: _raw(a["x"]).permute(_ints(a["perm"])),

@@ -11,7 +11,20 @@ def load_backend(model_path: str, device: str = "cpu", client: int | None = None
     """An :class:`~fedfs_sdk.runtime.inference.InferenceBackend` for a ``.onnx`` file (ONNX
     Runtime, no torch), a fedfs ``.safetensors`` checkpoint (torch), or a simulation
     checkpoint (``fedfs-federation/1`` from ``fedfs simulate --checkpoint-every``): its
-    global model, or client ``client``'s verifier (:mod:`device_sim.sim_export`)."""
+    global model, or client ``client``'s verifier (:mod:`device_sim.sim_export`); or a built-in
+    model's name (``dlib-resnet``, :mod:`fedfs_sdk.nn.builtin_models`)."""
+    from ..nn.builtin_models import builtin_name
+
+    name = builtin_name(model_path)
+    if name is not None:
+        if client is not None:
+            raise InputError(f"--client picks a client of a simulation checkpoint; {name} is a built-in model")
+        from ..nn.builtin_models import load_builtin
+        from ..nn.model import VerifierNet
+        from ..runtime.inference import TorchBackend
+
+        model, meta = load_builtin(name)
+        return TorchBackend(VerifierNet(model.backbone).eval(), meta["model_id"], device=device)
     p = Path(model_path)
     if not p.is_file():
         raise InputError(f"model not found: {p}" + (" (a folder, not a model file)" if p.is_dir() else ""))

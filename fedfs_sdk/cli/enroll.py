@@ -8,7 +8,9 @@ from .common import env_default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="verifier: a fedfs .safetensors checkpoint, an exported .onnx, or "
+    p.add_argument("--model", required=True, help="verifier: a fedfs .safetensors checkpoint, an exported .onnx, "
+                   "a built-in model's name (dlib-resnet: dlib's face recognizer, the 'faces' extra; it cuts dlib's "
+                   "face chip itself), or "
                    "a simulation checkpoint (fedfs simulate … --checkpoint-every K: "
                    "DIR/checkpoints/<method>/round_N.safetensors; its global model, or --client N's)")
     p.add_argument("--client", type=int, default=None,
@@ -75,8 +77,11 @@ def run(args: argparse.Namespace) -> int:
     backend = load_backend(args.model, client=args.client)
     codeword = _codeword(args.device_state, key) if args.device_state else None
     files = list_images(args.images)
+    from ..nn.builtin_models import builtin_name
+
+    recorded = builtin_name(args.model) or str(Path(args.model).resolve())    # a built-in model by name
     e = enroll(backend, [str(f) for f in files], q=args.q, codeword=codeword, detect_face=args.detect_face,
-               meta={"model_path": str(Path(args.model).resolve()),
+               meta={"model_path": recorded,
                      **({"model_client": args.client} if args.client is not None else {})}, outliers=args.outliers,
                template_output=args.template_output)
     created = key is None

@@ -167,27 +167,62 @@ def read_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
             obj = torch.load(str(p), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any reader failure is "not a weights file"
         raise InputError(f"{p} is not a readable state dict ({e})") from None
-    # "state_dict_backbone": arcface_torch's resume files (checkpoint_gpu_N.pt)
-    for key in ("state_dict", "state_dict_backbone", "model", "backbone"):
-        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
-            obj = obj[key]
-    if not isinstance(obj, dict) or not obj or not all(torch.is_tensor(v) for v in obj.values()):
-        raise InputError(f"{p} does not hold a state dict (a mapping of names to tensors)")
-    return dict(obj)
+    obj, path = unwrap_state_dict(obj)
+    if obj is None:
+        raise InputError(f"{p} does not hold a state dict (a mapping of names to tensors): {path}; pass the "
+                         "state dict itself (e.g. torch.save(ckpt['<key>'], 'weights.pt'))")
+    return obj
+
+
+WRAPPER_KEYS = ("state_dict", "net_state_dict", "model_state_dict", "state_dict_backbone", "model", "net",
+                "network", "backbone", "module", "params", "weights", "ema", "model_ema")
+"""Keys under which training scripts keep the weights (tried in this order, level by level):
+torch-lightning / timm ``state_dict``, Xiaoccer's MobileFaceNet ``net_state_dict``, the PyTorch
+tutorial's ``model_state_dict``, arcface_torch's resume ``state_dict_backbone``, …"""
+
+
+def unwrap_state_dict(obj: Any) -> tuple[dict[str, torch.Tensor] | None, str]:
+    """The tensors of a loaded checkpoint: ``obj`` itself when it maps names to tensors (non-tensor
+    entries such as an epoch counter alongside are dropped only inside a wrapper), else the mapping
+    under one of :data:`WRAPPER_KEYS`, level by level (``{"model": {"state_dict": …}}``); a
+    ``module.`` prefix (DataParallel) is removed later by the mapping. Returns ``(state, how)`` —
+    ``how`` names the keys followed — or ``(None, what was seen)`` for the error message."""
+    path: list[str] = []
+    for _ in range(4):
+        if isinstance(obj, dict) and obj and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items()):
+            return dict(obj), " → ".join(path) or "top level"
+        if not isinstance(obj, dict):
+            break
+        key = next((k for k in WRAPPER_KEYS if isinstance(obj.get(k), dict) and obj[k]), None)
+        if key is None:
+            break
+        path.append(repr(key))
+        obj = obj[key]
+    if isinstance(obj, dict):
+        seen = ", ".join(f"{k!r} ({type(v).__name__}{f' of {len(v)}' if isinstance(v, dict) else ''})"
+                         for k, v in list(obj.items())[:12])
+        more = f" … and {len(obj) - 12} more" if len(obj) > 12 else ""
+        where = f" under {' → '.join(path)}" if path else ""
+        return None, f"the keys it holds{where} are {seen or 'none'}{more}, and none is a mapping of names to tensors"
+    return None, f"it holds a {type(obj).__name__}"
 
 
 MBF = "insightface-mbf"
+AFFINE_96 = "mobilefacenet-affine-112x96"
+RELU6 = "mobilefacenet-relu6"
 
 TOPOLOGIES: dict[str, str] = {
     GROUP: "the project's MobileFaceNet (GroupNorm)",
     AFFINE: "the project's MobileFaceNet (BatchNorm, folded)",
+    AFFINE_96: "a MobileFaceNet for 112×96 crops (GDC 7×6, BatchNorm folded)",
+    RELU6: "a ReLU6 MobileFaceNet with a pointwise stem conv (BatchNorm folded)",
     MBF: "insightface's mbf MobileFaceNet (arcface_torch get_mbf; buffalo_s/buffalo_sc w600k_mbf)",
 }
 """Backbones a source can import onto, tried in this order; a BatchNorm source (kept or folded)
 goes to the ``ChannelAffine`` ones, a source without BatchNorm to the GroupNorm one."""
 
 def _candidates(batchnorm: bool) -> tuple[str, ...]:
-    return (AFFINE, MBF) if batchnorm else (GROUP,)
+    return (AFFINE, AFFINE_96, RELU6, MBF) if batchnorm else (GROUP,)
 
 
 def _fit(source: Mapping[str, torch.Tensor] | list[tuple[str, torch.Tensor]], backbones: tuple[str, ...],
@@ -240,7 +275,7 @@ def _foreign_hint(tensors: list[tuple[str, torch.Tensor]]) -> str:
 
 def import_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig | None = None,
                       require_complete: bool = True, bn_eps: float = 1e-5,
-                      rgb: bool = True) -> tuple[FaceNet, MappingReport]:
+                      rgb: bool = True, input_std: float = 127.5) -> tuple[FaceNet, MappingReport]:
     """Map a state dict onto the backbone of a :class:`FaceNet` of ``config`` (default: the
     first of :data:`TOPOLOGIES` it fills — the project's MobileFaceNet, or with BatchNorm
     (found by :func:`state_dict_backbone`, folded with :func:`fold_batchnorm` and ``bn_eps``)
@@ -248,7 +283,9 @@ def import_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig | N
     ``get_mbf``; 112 px, embedding size taken from the last layer). With an explicit
     GroupNorm ``mobilefacenet`` config, BatchNorm statistics are not folded but reported as
     unmapped (a starting point for ϕ, not the same function). ``rgb=False``: the weights were
-    trained on BGR input (the first convolution's input channels are swapped). With
+    trained on BGR input (the first convolution's input channels are swapped); ``input_std``: the
+    source's ``(x − 127.5)/input_std`` (e.g. 128 for SphereFace-era models), absorbed into the first
+    convolution (exact: the mean is fedfs', so zero padding keeps its meaning). With
     ``require_complete`` a model key left at its initial value is an :class:`InputError`
     listing them (pass False to keep a partial import as ϕ's starting point)."""
     state = _strip_prefix(state)
@@ -260,6 +297,8 @@ def import_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig | N
         state, folded = fold_batchnorm(state, bn_eps)
     if not rgb:
         state = _bgr_to_rgb_state(state)
+    if input_std != 127.5:
+        state = _scaled_input_state(state, 127.5 / float(input_std))
     if config is not None:
         cfg = replace(config, proj_dim=None, code_length=None).resolved()
         model = FaceNet(cfg)
@@ -268,14 +307,25 @@ def import_state_dict(state: Mapping[str, torch.Tensor], config: ModelConfig | N
     else:
         model, rep, tried = _fit(state, backbones, emb, 112)
     rep.folded = folded
-    rep.input_convention = {"source": f"{'RGB' if rgb else 'BGR'}, (x − 127.5) / 127.5 (arcface_torch's)",
-                            "fedfs": FEDFS_INPUT, "absorbed": "" if rgb else "BGR → RGB (input channels swapped)"}
+    absorbed = ([] if rgb else ["BGR → RGB (input channels swapped)"]) + (
+        [f"input scaled by {127.5 / float(input_std):.6g}"] if input_std != 127.5 else [])
+    rep.input_convention = {"source": f"{'RGB' if rgb else 'BGR'}, (x − 127.5) / {float(input_std):g}",
+                            "fedfs": FEDFS_INPUT, "absorbed": "; ".join(absorbed)}
     if require_complete and not rep.complete:
         if config is None and len(tried) > 1:
             raise InputError(_refusal("the state dict", tried, list(state.items())))
         raise InputError("the state dict does not fill the model (not the same architecture?)\n" + rep.summary()
                          + "\n(pass require_complete=False, or --partial to fedfs import-model, to keep what maps as a starting point for ϕ)")
     return model.eval(), rep
+
+
+def _scaled_input_state(state: dict[str, torch.Tensor], scale: float) -> dict[str, torch.Tensor]:
+    out = dict(state)
+    for k, v in out.items():
+        if torch.is_floating_point(v) and v.dim() == 4 and v.shape[1] == 3:
+            out[k] = v * scale
+            return out
+    raise InputError("the state dict has no convolution over 3 input channels to absorb the input scale into")
 
 
 def _bgr_to_rgb_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -388,5 +438,5 @@ def save_imported(path: str | os.PathLike[str], model: FaceNet, report: MappingR
     return Path(path)
 
 
-__all__ = ["MappingReport", "TOPOLOGIES", "map_onto", "read_state_dict", "import_state_dict", "import_onnx",
+__all__ = ["MappingReport", "TOPOLOGIES", "WRAPPER_KEYS", "map_onto", "read_state_dict", "unwrap_state_dict", "import_state_dict", "import_onnx",
            "fold_batchnorm", "state_dict_backbone", "onnx_initializers_in_use_order", "save_imported"]
