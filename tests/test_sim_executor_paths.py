@@ -149,6 +149,9 @@ def test_folding_refuses_what_it_cannot_prove() -> None:
         check_folding(mixer, fold_module(mixer), 8, torch.device("cpu"))
     with pytest.raises(NotFoldable, match="BatchNorm2d"):
         fold_module(_Odd())
+    dlib = get_backbone("dlib-resnet")            # zero-pads channels in its residual adds: not per client
+    with pytest.raises(NotFoldable, match="not per channel"):
+        check_folding(dlib, fold_module(dlib), 150, torch.device("cpu"), batch=1)
 
 
 def test_folded_call_gradients_match_autograd_per_client() -> None:

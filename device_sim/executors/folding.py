@@ -161,7 +161,11 @@ def check_folding(backbone: nn.Module, folded: nn.Module, input_size: int, devic
     try:
         with torch.no_grad():
             ref = vmap(lambda p, xx: functional_call(ref_net, p, (xx,)))(params, x)
-            got = folded_call(folded.to(device), params, x)
+            try:
+                got = folded_call(folded.to(device), params, x)
+            except (RuntimeError, ValueError) as e:   # e.g. a residual that pads channels (dlib-resnet)
+                raise NotFoldable(f"the folded backbone fails ({str(e).splitlines()[0]}): its forward is not "
+                                  f"per channel") from None
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
     err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-12))
