@@ -283,27 +283,6 @@ def test_federation_xi_cache_computes_each_client_once(xi, data) -> None:
 # ---- CUDA ----------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("spec", ["fedfs", "fedfs+feduv"])
-def test_folded_cuda_matches_sequential_cpu(spec: str, xi, data) -> None:
-    m_cpu = setup_method(spec, xi)
-    plan, tasks = make_tasks(m_cpu, data, [0, 1, 2, 3])
-    cfg = LocalConfig(batch_size=4)
-    ref = SequentialExecutor().train(m_cpu, plan, tasks, cfg)
-    m_gpu = setup_method(spec, xi, device="cuda")
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    for pointwise in ("conv", "matmul"):
-        ex = BatchedExecutor("cuda", chunk_size=4, pointwise=pointwise)
-        got = ex.train(m_gpu, plan, tasks, cfg)
-        assert ex.path == "folded"
-        assert max_diff(ref.params, {g: {k: v.cpu() for k, v in w.items()} for g, w in got.params.items()}) < 1e-4
-    amp = BatchedExecutor("cuda", chunk_size=4).train(m_gpu, plan, tasks, LocalConfig(batch_size=4, amp="bf16"))
-    start = {g: {k: torch.stack([t.params[g][k] for t in tasks]) for k in w} for g, w in tasks[0].params.items()}
-    moved = max_diff(ref.params, start)
-    # bf16 forward/backward: close to the float32 updates, not equal (H200: 1.5e-3 with the weights moving 1.3e-2)
-    assert max_diff(ref.params, {g: {k: v.cpu() for k, v in w.items()} for g, w in amp.params.items()}) < 0.25 * moved
-
-
-@pytest.mark.gpu
 def test_real_cuda_out_of_memory_is_split_and_retried(data) -> None:
     """A real CUDA OOM: the process is capped so that a chunk of 4 MobileFaceNet@112 clients does
     not fit but 2 do; the split result equals the unsplit one."""
