@@ -34,12 +34,14 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError
-from .model import FaceNet, ModelConfig
+
+if TYPE_CHECKING:   # torch stays unimported until a model is loaded: the runtime-only install asks
+    import torch    # builtin_name() on every --model (fedfs verify with an .onnx file, no torch)
+
+    from .model import FaceNet, ModelConfig
 
 FACES_INSTALL = "pip install 'fedfs[faces]'"
 
@@ -118,7 +120,7 @@ def default_real_face_model() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _converted(name: str, path: str, mtime_ns: int) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+def _converted(name: str, path: str, mtime_ns: int) -> tuple["ModelConfig", dict[str, "torch.Tensor"], dict[str, Any]]:
     from .checkpoint import model_id_of
     from .dlib_import import convert_dlib_resnet
 
@@ -128,7 +130,7 @@ def _converted(name: str, path: str, mtime_ns: int) -> tuple[ModelConfig, dict[s
     return model.config, state, meta
 
 
-def load_builtin(name: str) -> tuple[FaceNet, dict[str, Any]]:
+def load_builtin(name: str) -> tuple["FaceNet", dict[str, Any]]:
     """A fresh :class:`FaceNet` (eval mode, trainable) of built-in model ``name`` and the meta
     a checkpoint of it records (``builtin``, ``imported_from``, the file's sha256, ``model_id``,
     ``face_alignment``, …). :class:`~fedfs_sdk.extras.MissingExtraError` (one line: what to
@@ -140,6 +142,8 @@ def load_builtin(name: str) -> tuple[FaceNet, dict[str, Any]]:
         raise MissingExtraError(reason)
     f = model_file(name)
     assert f is not None
+    from .model import FaceNet
+
     config, state, meta = _converted(name, str(f), f.stat().st_mtime_ns)
     model = FaceNet(config)
     model.load_state_dict(state)
