@@ -18,6 +18,7 @@ from .folder_split import plan_folder_split, unused_identities
 from .pretrain import PretrainConfig, load_xi, pretrain_cached
 from .scenarios import SCENARIOS, apply_scenario, scenario_help
 from .splits import FaceSplits, UserSplit, make_splits
+from .capture_shifts import CAPTURE_SHIFTS, CaptureShiftDataset
 from .synth_domains import DOMAINS
 from .synthfaces import SynthFaces
 
@@ -60,6 +61,9 @@ def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users
                    help="SynthFaces nuisance strength of ξ's images (default: --difficulty)")
     g.add_argument("--pretrain-public", type=int, default=300,
                    help="public SynthFaces identities of ξ when --pretrain-data synth differs from --data")
+    g.add_argument("--capture-shift", default="none", choices=sorted(CAPTURE_SHIFTS),
+                   help="folders: capture conditions applied to the clients' and new users' photos (the phones'), "
+                        "seeded by --split-seed (device_sim.capture_shifts); ξ's public identities stay as they are")
     g.add_argument("--scenario", default=None, choices=sorted(SCENARIOS),
                    help="a named setting of the options above: " + scenario_help())
     p.set_defaults(synth_defaults={"clients": clients, "new_users": new_users, "public": public,
@@ -83,6 +87,9 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     folder and identity left out are in ``splits.meta["plan"]`` / ``["skipped"]``."""
     apply_scenario(args)
     if args.data == "synth":
+        if (getattr(args, "capture_shift", "none") or "none") != "none":
+            raise InputError("--capture-shift applies to a folder of real photos (--data PATH); "
+                             "SynthFaces renders its looks itself: use --domain")
         apply_synth_defaults(args)
         ds = _synth_dataset(args, args.domain, args.difficulty)
         splits = make_splits(SYNTH_UNIVERSE, args.public, args.clients, args.new_users,
@@ -103,6 +110,13 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     skipped = ds.skip_summary()
     skipped["identities"] += [s.to_dict() for s in unused_identities(ds.names, counts, splits, plan.per_user)]
     splits.meta.update({"plan": plan.notes, "skipped": skipped})
+    shift = getattr(args, "capture_shift", "none") or "none"
+    if shift != "none":
+        phones = np.r_[splits.identities("clients"), splits.identities("new_users")]
+        ds = CaptureShiftDataset(ds, shift, args.split_seed, phones, cache_bytes=1 << 30)
+        splits.meta["plan"] = list(splits.meta["plan"]) + [
+            f"capture shift '{shift}' on the {phones.size} clients' and new users' photos (seed {args.split_seed}); "
+            f"the {len(splits.public)} public identities' photos as they are"]
     return ds, splits
 
 
@@ -171,6 +185,24 @@ def build_pretrain_data(args: argparse.Namespace, ds: IdentityDataset,
     pub = _all_public(src_ds)
     pub.meta["skipped"] = src_ds.skip_summary()
     return src_ds, pub
+
+
+def public_impostor_images(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits,
+                           limit: int = 1000) -> torch.Tensor:
+    """The public impostor set a simulated device ships with: up to ``limit`` photos (a seeded
+    sample, ``--split-seed``) of ξ's public identities as ξ saw them (:func:`build_pretrain_data`:
+    ``--pretrain-data``'s look; a folder's public identities without any capture shift). Never a
+    client's or new user's photo. Empty when there are no public identities."""
+    src_ds, src_splits = build_pretrain_data(args, ds, splits)
+    ids, idx, _ = src_splits.pairs("public", "train")
+    if ids.size > limit:
+        keep = np.sort(np.random.default_rng([args.split_seed, 0x1A90]).choice(ids.size, limit, replace=False))
+        ids, idx = ids[keep], idx[keep]
+    if ids.size == 0:
+        return torch.zeros(0, 3, ds.image_size, ds.image_size)
+    if isinstance(src_ds, CaptureShiftDataset) and src_ds.shifted[ids].any():
+        raise InputError("the public impostor set would hold a phone's photos")    # a split bug: never ship them
+    return src_ds.batch(ids, idx)
 
 
 def add_pretrain_arguments(p: argparse.ArgumentParser, epochs: int = 10) -> None:
@@ -273,5 +305,5 @@ def setup_device(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-__all__ = ["add_data_arguments", "apply_synth_defaults", "skipped_lines", "build_data", "add_pretrain_arguments", "pretrain_config", "run_pretrain",
+__all__ = ["public_impostor_images", "add_data_arguments", "apply_synth_defaults", "skipped_lines", "build_data", "add_pretrain_arguments", "pretrain_config", "run_pretrain",
            "resolve_xi", "check_xi_disjoint", "build_pretrain_data", "add_device_argument", "setup_device", "progress_bar", "SYNTH_UNIVERSE"]

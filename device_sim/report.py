@@ -25,7 +25,10 @@ COLUMNS: tuple[tuple[str, str | tuple[str, ...]], ...] = (
     ("TPIR@FPIR 0.1 / 0.01 (other clients)", ("identification_clients.tpir_at_fpir.0.1.mean",
                                               "identification_clients.tpir_at_fpir.0.01.mean")),
     ("Δ TPIR@0.1 ±SE", "delta:tpir_clients@0.1"),
-    ("TAR@FAR=1e-2", "verification.tar_at_far.0.01.mean"),
+    ("TAR@FAR=1e-3", "verification.tar_at_far.0.001.mean"),
+    ("Δ ±SE", "delta:tar@0.001"),
+    ("pairwise TAR@FAR=1e-3", "pairwise.tar_at_far.0.001.mean"),
+    ("Δ ±SE", "delta:pairwise_tar@0.001"),
     ("TPIR@FPIR 0.1 / 0.01 / 0.001 (new users)", ("identification.tpir_at_fpir.0.1.mean",
                                                   "identification.tpir_at_fpir.0.01.mean",
                                                   "identification.tpir_at_fpir.0.001.mean")),
@@ -38,11 +41,15 @@ COLUMNS: tuple[tuple[str, str | tuple[str, ...]], ...] = (
 """Table columns: (header, source). A source is a dotted path into one method's ``eval``
 dict (means over clients), a tuple of such paths (one cell, values joined by `` / ``), or
 ``"delta:KEY"`` — the row's paired Δ ± SE against the reference method (:func:`add_deltas`).
-EER and TAR@FAR=1e-3 are left out of the table; they stay in ``results.json``."""
+EER and TAR@FAR=1e-2 are left out of the table; they stay in ``results.json``. TAR@FAR=1e-3
+(template) is usually a floor (``†``: fewer than 1,000 impostor images per client); the pairwise
+TAR@FAR=1e-3 scores ``n·m`` impostor pairs per client and resolves it."""
 
 DELTA_METRICS: dict[str, str] = {
     "template_auroc": "verification.per_client_auroc",
     "pairwise_auroc": "pairwise.per_client_auroc",
+    "tar@0.001": "verification.per_client_tar_at_far.0.001",
+    "pairwise_tar@0.001": "pairwise.per_client_tar_at_far.0.001",
     "tpir_clients@0.1": "identification_clients.per_client.0.1",
     "tpir_clients@0.01": "identification_clients.per_client.0.01",
     "tpir_new@0.1": "identification.per_client.0.1",
@@ -58,6 +65,8 @@ HEADLINE: dict[str, str] = {
     "tpir_new@0.1": "identification.tpir_at_fpir.0.1.mean",
     "tpir_new@0.01": "identification.tpir_at_fpir.0.01.mean",
     "tar@0.01": "verification.tar_at_far.0.01.mean",
+    "tar@0.001": "verification.tar_at_far.0.001.mean",
+    "pairwise_tar@0.001": "pairwise.tar_at_far.0.001.mean",
     "warmup_tpr": "warmup.tpr.mean",
     "fpr_others": "warmup.fpr_participants.mean",
     "fpr_new": "warmup.fpr_new_users.mean",
@@ -260,6 +269,18 @@ def _dp_cell(dp: Mapping[str, Any] | None) -> str:
     return f"{eps if isinstance(eps, str) else format(eps, '.3g')} ({dp['delta']:.2g}; σ={dp['noise_multiplier']:.3g})"
 
 
+SELECTION_HEAD = "chose ξ / global / personalized"
+
+
+def selection_cell(sel: Mapping[str, Any] | None) -> str:
+    """``12 / 3 / 87``: clients whose do-no-harm check (``select=on``) kept ξ, the global model,
+    their personalized model; ``–`` for a method without the check."""
+    if not sel:
+        return "–"
+    c = sel.get("counts") or {}
+    return " / ".join(str(c.get(k, 0)) for k in ("xi", "global", "personalized"))
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,
                    reference: str = "pretrained") -> str:
     """One row per method: ``{"label", "eval", "rounds", "seconds"[, "delta"]}``.
@@ -273,11 +294,14 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,
         rows = annotate_rows([dict(r) for r in rows])
     ref_label = next((r.get("delta_reference") for r in rows if "delta_reference" in r), None)
     dp = any(r.get("dp") for r in rows)     # user-level DP-FedAvg runs (device_sim.dp_sim): ε (δ) column
-    head = ["method", *(["ε (δ)"] if dp else []), *(h for h, _ in COLUMNS), "rounds", "train s"]
+    sel = any(r.get("selection") for r in rows)     # do-no-harm selection: how many clients chose which model
+    head = ["method", *(["ε (δ)"] if dp else []), *(h for h, _ in COLUMNS), *([SELECTION_HEAD] if sel else []),
+            "rounds", "train s"]
     lines = [f"### {title}", ""] if title else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["label"], *([_dp_cell(r.get("dp"))] if dp else []), *(_cell(r, src, ref_label) for _, src in COLUMNS),
+                 *([selection_cell(r.get("selection"))] if sel else []),
                  str(r.get("rounds", 0)), f"{r.get('seconds', 0.0):.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     foot = notes_lines(rows)
@@ -340,6 +364,7 @@ def combine_seeds(per_seed_results: Sequence[Mapping[str, Any]], reference: str 
             "delta": {},
             "delta_reference": next((r["delta_reference"] for _, r in runs if "delta_reference" in r), None),
             "rounds": [r.get("rounds") for _, r in runs],
+            "selection": [(r.get("selection") or {}).get("counts") for _, r in runs],
             "seconds": _mean_sd([r.get("seconds", nan) for _, r in runs]),
         }
         keys = [k for k in DELTA_METRICS if any(k in (r.get("delta") or {}) for _, r in runs)]
@@ -384,7 +409,10 @@ SEED_COLUMNS: tuple[tuple[str, str], ...] = (
     ("TPIR@FPIR 0.1 (other clients)", "metrics:tpir_clients@0.1"),
     ("TPIR@FPIR 0.01 (other clients)", "metrics:tpir_clients@0.01"),
     ("Δ TPIR@0.1", "delta:tpir_clients@0.1"),
-    ("TAR@FAR=1e-2", "metrics:tar@0.01"),
+    ("TAR@FAR=1e-3", "metrics:tar@0.001"),
+    ("Δ", "delta:tar@0.001"),
+    ("pairwise TAR@FAR=1e-3", "metrics:pairwise_tar@0.001"),
+    ("Δ", "delta:pairwise_tar@0.001"),
     ("TPIR@FPIR 0.1 (new users)", "metrics:tpir_new@0.1"),
     ("warm-up TPR", "metrics:warmup_tpr"),
     ("FPR others", "metrics:fpr_others"),
@@ -397,7 +425,9 @@ def seeds_markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = 
     """Markdown of :func:`combine_seeds` rows: a table of mean ± sd over seeds (Δ cells add
     on how many seeds the paired Δ exceeds 2 SE), then a per-seed table of the paired
     ``Δ ± SE (wins/losses)`` of each method against the reference."""
-    head = ["method", "seeds", *(h for h, _ in SEED_COLUMNS), "train s"]
+    sel = any(any(r.get("selection") or []) for r in rows)
+    head = ["method", "seeds", *(h for h, _ in SEED_COLUMNS), *([SELECTION_HEAD + " (per seed)"] if sel else []),
+            "train s"]
     lines = [f"### {title}", ""] if title else []
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     ref = next((r.get("delta_reference") for r in rows if r.get("delta_reference")), None)
@@ -409,6 +439,8 @@ def seeds_markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = 
                 cells.append(_fmt_ms(r["metrics"].get(key)))
             else:
                 cells.append("ref" if r["label"] == ref else fmt_seed_delta(r["delta"].get(key)))
+        if sel:
+            cells.append(", ".join(selection_cell({"counts": c}) for c in r.get("selection") or [] if c) or "–")
         s = r.get("seconds") or {}
         cells.append(f"{s['mean']:.0f}" if _finite(s.get("mean")) else "–")
         lines.append("| " + " | ".join(cells) + " |")
@@ -498,4 +530,4 @@ def _json_default(o: Any) -> Any:
 
 __all__ = ["column_notes", "annotate_rows", "notes_lines", "BELOW_RESOLUTION", "EMPTY_WHY",
            "markdown_table", "write_results", "headroom", "headroom_line", "lookup", "slug", "COLUMNS", "DELTA_METRICS", "HEADLINE",
-           "add_deltas", "fmt_delta", "combine_seeds", "fmt_seed_delta", "seeds_markdown_table", "SEED_COLUMNS"]
+           "add_deltas", "fmt_delta", "selection_cell", "SELECTION_HEAD", "combine_seeds", "fmt_seed_delta", "seeds_markdown_table", "SEED_COLUMNS"]

@@ -103,6 +103,13 @@ class VerifierSpec:
     reference)`` instead of a template enrolled from warm-up images. The warm-up threshold
     rule is unchanged."""
 
+    trunk: Any = None
+    """``scope="top"`` methods (:mod:`fedfs_sdk.training.scope`): a callable giving ξ's trunk
+    features of images (cached, :mod:`device_sim.trunk_cache`); evaluation then runs only
+    :attr:`top` on them. ``net``/``weights`` still describe the whole verifier."""
+    top: nn.Module | None = None
+    """The part of ``net`` after the trunk (same parameter names, top-only subset)."""
+
     @property
     def mode(self) -> str:
         return "codeword" if self.codeword is not None else "template"

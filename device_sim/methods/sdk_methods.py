@@ -28,11 +28,16 @@ from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
 from fedfs_sdk.nn.model import DualVerifierNet, FaceNet, ModelConfig, personal_config
 from fedfs_sdk.training.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
 from fedfs_sdk.training.methods import DEFAULT_UV_WEIGHT, DEFAULT_VERIFICATION, PAPER_LR
+from fedfs_sdk.training.scope import TopFaceNet, check_scope, top_state
+from fedfs_sdk.training.selection import DEFAULT_HOLDOUT, holdout_count
 from fedfs_sdk.training.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initial_global_weights
+
+from ..trunk_cache import trunk_cache
 
 from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, VerifierSpec, Weights,
                    backbone_weights, frozen, verifier_net)
 from .reference import fold_standardization, norm_fold
+from .selection import SimSelection, top_verifier
 
 NEG_MODES = ("none", "all", "early")
 
@@ -134,7 +139,8 @@ class SDKMethod(FederatedMethod):
                  logits: str | None = None, logit_scale: float | None = None, top_k: float | None = None,
                  gamma: float | None = None, lam: float | None = None, soft_score: str | None = None,
                  score: str | None = None, lr: float | None = None, epochs: int | None = None,
-                 preset: str = "default", norm_init: str | None = None) -> None:
+                 preset: str = "default", norm_init: str | None = None, scope: str | None = None,
+                 select: str | None = None, holdout: float | None = None) -> None:
         super().__init__()
         chosen = PRESETS.get(self.sdk_method, {}).get(preset)
         if chosen is None:
@@ -157,6 +163,13 @@ class SDKMethod(FederatedMethod):
         if (lr is not None and not lr > 0) or (epochs is not None and epochs < 1):
             raise InputError(f"lr must be > 0 and epochs ≥ 1, got lr={lr}, epochs={epochs}")
         self.score, self.lr, self.epochs = score, lr, epochs
+        self.scope = check_scope(scope if scope is not None else chosen.get("scope", "all"))
+        self.select = select if select is not None else chosen.get("select", "off")
+        if self.select not in ("on", "off"):
+            raise InputError(f"select must be 'on' or 'off', got {self.select!r}")
+        self.holdout = float(holdout if holdout is not None else DEFAULT_HOLDOUT)
+        holdout_count(20, self.holdout)          # validates the fraction
+        self.selection = SimSelection(self) if self.select == "on" else None
         if uses_feduv(self.sdk_method) and code_length not in KNOWN_CODES:
             raise InputError(f"code_length must be one of {sorted(KNOWN_CODES)} (FedUV Table 1), got {code_length}")
         if neg not in NEG_MODES:
@@ -197,7 +210,8 @@ class SDKMethod(FederatedMethod):
         # options that differ from the preset's (the preset's own values are its name)
         for key, value, unset in (("verify", self.verify, "personal"), ("score", self.score, "codeword"),
                                   ("norm_init", self.norm_init, "none"), ("lr", self.lr, None),
-                                  ("epochs", self.epochs, None)):
+                                  ("epochs", self.epochs, None), ("scope", self.scope, "all"),
+                                  ("select", self.select, "off")):
             if value is not None and value != self._preset_values.get(key, unset):
                 opts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
         if self.code_length is not None:
@@ -214,6 +228,10 @@ class SDKMethod(FederatedMethod):
             opts["uv_weight"] = self.uv_weight
             opts["verify"] = self.verify
         opts["preset"] = self.preset
+        if self.scope != "all":
+            opts["scope"] = self.scope
+        if self.select != "off":
+            opts.update(select=self.select, holdout=self.holdout)
         if self.norm_init != "none":
             opts["norm_init"] = self.norm_init
         if self.score != "codeword":
@@ -255,10 +273,19 @@ class SDKMethod(FederatedMethod):
         if self.verify == "both":
             face, glob = FaceNet(self.model_config), FaceNet(self.model_config)
             self._dual_vnet = DualVerifierNet(face.backbone, glob.backbone, face.uv_head)
+        self._tops: dict[int, torch.nn.Module] = {}
+        if self.scope == "top":     # ξ, global and personal share ξ's trunk: train and verify on its features
+            self._trunk = trunk_cache(ctx.xi.backbone)
+            self._global_top = TopFaceNet(self.global_net)
+            self._personal_top = TopFaceNet(self.personal_net) if self.personal_net is not None else None
+            self._xi_top = TopFaceNet(self.xi) if self.xi is not None else None
 
     def prepare(self, data: Any) -> None:
         """``norm_init``: start ϕ from ξ with its embedding normalization re-fitted to the
-        clients' pooled statistics (``norm-adapt``'s fold, :mod:`.reference`)."""
+        clients' pooled statistics (``norm-adapt``'s fold, :mod:`.reference`); ``select=on``:
+        keep the data's hold-out and public impostors for :meth:`verifier`."""
+        if self.selection is not None:
+            self.selection.bind(data)
         if self.norm_init != "none":
             net = frozen(verifier_net(self.context.model_config.resolved(), with_head=False))
             self._norm_fold = norm_fold(net, backbone_weights(self.context.xi.state_dict()), data, self.norm_init)
@@ -336,6 +363,13 @@ class SDKMethod(FederatedMethod):
 
     def objective(self, plan: RoundPlan, params: Params, consts: Mapping[str, torch.Tensor],
                   x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.scope == "top":     # the trunk's tensors get no gradient: they stay ξ's
+            return local_objective(
+                self.sdk_method, plan.extras["objective"], self._trunk(x), self._global_top,
+                personal_model=self._personal_top, xi=self._xi_top,
+                codeword=consts.get("codeword"), neg_codewords=consts.get("neg_codewords"),
+                global_params=top_state(params["global"]),
+                personal_params=top_state(params["personal"]) if "personal" in params else None, mask=mask)
         return local_objective(
             self.sdk_method, plan.extras["objective"], x, self.global_net,
             personal_model=self.personal_net, xi=self.xi,
@@ -352,6 +386,30 @@ class SDKMethod(FederatedMethod):
 
     # ---- evaluation --------------------------------------------------------------------
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
+        """The client's verifier (:meth:`_verifier`); with ``select=on`` the one of ξ, the global
+        model and it that did best on the client's hold-out (:mod:`.selection`)."""
+        spec = self._split(self._verifier(state, global_weights, private))
+        if self.selection is None:
+            return spec
+        return self.selection.choose(state.client, {
+            "xi": self._split(self.xi_verifier()),
+            "global": self._split(self.new_user_verifier(state, global_weights)),
+            "personalized": spec})
+
+    def xi_verifier(self) -> VerifierSpec:
+        """ξ as it is, with a cosine template (what the device had before any training)."""
+        return VerifierSpec(self._personal_vnet, backbone_weights(self.context.xi.state_dict()), None, shared_key="xi")
+
+    def _split(self, spec: VerifierSpec) -> VerifierSpec:
+        """``scope="top"``: the spec runs its top on ξ's cached trunk features."""
+        if self.scope != "top" or spec.trunk is not None:
+            return spec
+        top = self._tops.get(id(spec.net))
+        if top is None:
+            top = self._tops[id(spec.net)] = top_verifier(spec.net)
+        return replace(spec, trunk=self._trunk, top=top)
+
+    def _verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
         """A trained client verifies with its ``θ_c`` backbone (FedFS) or the global model
         (FedUV, ``verify=global``). A client that never trained has no ``θ_c``: it verifies
         with the current global backbone — the ``θ_c`` it would start from, the model a new
@@ -376,9 +434,10 @@ class SDKMethod(FederatedMethod):
         """A new user starts from the shipped global model: ``r'`` template for FedFS,
         global backbone + head + a fresh codeword for the FedUV methods."""
         if self.code_length is None:
-            return VerifierSpec(self._personal_vnet, backbone_weights(global_weights), None, shared_key="global")
-        return VerifierSpec(self._global_vnet, self._global_head_weights(global_weights), self._codeword_for(state),
-                            shared_key="global")
+            return self._split(VerifierSpec(self._personal_vnet, backbone_weights(global_weights), None,
+                                            shared_key="global"))
+        return self._split(VerifierSpec(self._global_vnet, self._global_head_weights(global_weights),
+                                        self._codeword_for(state), shared_key="global"))
 
     @staticmethod
     def _global_head_weights(global_weights: Weights) -> Weights:

@@ -1,0 +1,130 @@
+"""Do no harm in the simulator: each client keeps the verifier it can show is better.
+
+The same rule as a device (:mod:`fedfs_sdk.training.selection`): a client trains on all but a
+few of its training photos (:class:`HoldoutView` — the federation sees only the rest), and after
+training scores them and a public impostor set with ξ, the global model and its personalized
+verifier; :func:`~fedfs_sdk.training.selection.choose` picks one. The public impostor set is
+photos of ξ's public identities as ξ saw them (``--pretrain-data``'s look, the folder's public
+identities without a capture shift): what ships with the model, never a client's photos.
+
+Evaluation enrolls with all of a client's training photos, as a device does after choosing.
+:meth:`SimSelection.counts` says how many clients chose which model (``results.json``:
+``selection``; the table's "chose ξ / global / personalized" column).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from fedfs_sdk.errors import InputError
+from fedfs_sdk.nn.model import DualVerifierNet, VerifierNet
+from fedfs_sdk.training.scope import EmbeddingTop
+from fedfs_sdk.training.selection import DEFAULT_HOLDOUT, check_candidate, choose, holdout_split
+
+from .base import VerifierSpec
+
+CANDIDATES = ("xi", "global", "personalized")
+
+
+def top_verifier(net: torch.nn.Module) -> torch.nn.Module:
+    """The verifier ``net`` after ξ's trunk: the same heads on :class:`EmbeddingTop` backbones
+    (shared modules, so its parameter names are the top-only subset of ``net``'s)."""
+    if isinstance(net, DualVerifierNet):
+        return DualVerifierNet(EmbeddingTop(net.backbone), EmbeddingTop(net.global_backbone), net.uv_head)
+    if isinstance(net, VerifierNet):
+        return VerifierNet(EmbeddingTop(net.backbone), net.uv_head, project=net.project)
+    raise InputError(f"scope='top' cannot split a {type(net).__name__} verifier")
+
+
+class HoldoutView:
+    """A :class:`~device_sim.population.Population` whose clients train without their hold-out.
+
+    ``train_images(c)`` is client ``c``'s training photos less its hold-out
+    (:func:`~fedfs_sdk.training.selection.holdout_split`, seeded by ``(seed, c)``);
+    ``holdout_images(c)`` the rest; ``public_impostors`` the shipped impostor photos. Everything
+    else is the population's.
+    """
+
+    def __init__(self, pop: Any, public_impostors: torch.Tensor, fraction: float = DEFAULT_HOLDOUT,
+                 seed: int = 0) -> None:
+        self.pop, self.fraction, self.seed = pop, float(fraction), int(seed)
+        self.public_impostors = public_impostors
+        self._parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "pop":
+            raise AttributeError(name)
+        return getattr(self.pop, name)
+
+    def parts(self, client: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(train, holdout)`` image indices of ``client`` (dataset indices of its identity)."""
+        if client not in self._parts:
+            idx = self.pop.splits.clients[client].train
+            tr, ho = holdout_split(len(idx), self.seed * 1_000_003 + client, self.fraction)
+            self._parts[client] = (idx[tr], idx[ho])
+        return self._parts[client]
+
+    def _load(self, client: int, idx: np.ndarray, device) -> torch.Tensor:
+        u = self.pop.splits.clients[client]
+        x = self.pop.dataset.images(u.identity, idx)
+        return x if device is None else x.to(device)
+
+    def train_images(self, client: int, device: str | torch.device | None = None) -> torch.Tensor:
+        return self._load(client, self.parts(client)[0], device)
+
+    def holdout_images(self, client: int, device: str | torch.device | None = None) -> torch.Tensor:
+        return self._load(client, self.parts(client)[1], device)
+
+    def num_train(self, client: int) -> int:
+        return int(self.parts(client)[0].size)
+
+
+class SimSelection:
+    """One method's per-client choice among ξ, the global model and its personalized verifier."""
+
+    def __init__(self, method: Any) -> None:
+        self.method = method
+        self.data: HoldoutView | None = None
+        self.choices: dict[int, str] = {}
+        self.details: dict[int, dict] = {}
+
+    def bind(self, data: Any) -> None:
+        if not isinstance(data, HoldoutView):
+            raise InputError(f"{self.method.label}: select=on needs the clients' hold-out and a public impostor set "
+                             "(run it through `fedfs simulate`, which provides them)")
+        self.data = data
+
+    def choose(self, client: int, specs: Mapping[str, VerifierSpec]) -> VerifierSpec:
+        from ..evaluate import embed
+
+        if self.data is None:
+            raise RuntimeError("SimSelection.choose before bind()")
+        dev = torch.device(self.method.context.device)
+        train_x = self.data.train_images(client)
+        hold_x = self.data.holdout_images(client)
+        if hold_x.shape[0] == 0:            # too few photos to hold any out: nothing to show, keep ξ
+            self.choices[client] = "xi"
+            self.details[client] = {"chosen": "xi", "reason": "no hold-out photos (too few training photos)"}
+            return specs["xi"]
+        checks = []
+        for name in CANDIDATES:
+            spec = specs[name]
+            out = [embed(spec, x, dev)["embedding"].numpy() for x in (train_x, hold_x, self.data.public_impostors)]
+            checks.append(check_candidate(name, *out, far=1e-3))
+        sel = choose(checks)
+        self.choices[client] = sel.chosen
+        self.details[client] = sel.to_dict()
+        return specs[sel.chosen]
+
+    def counts(self, clients: list[int] | None = None) -> dict[str, int]:
+        """How many of ``clients`` (default: every client chosen for) use each candidate."""
+        keys = self.choices if clients is None else [c for c in clients if c in self.choices]
+        out = {name: 0 for name in CANDIDATES}
+        for c in keys:
+            out[self.choices[c]] += 1
+        return out
+
+
+__all__ = ["HoldoutView", "SimSelection", "top_verifier", "CANDIDATES"]
