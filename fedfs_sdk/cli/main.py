@@ -25,6 +25,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import-model": ("fedfs_sdk.cli.import_model", "import a pre-trained face recognizer (ONNX or torch state dict) "
                                                    "as a fedfs checkpoint (ξ / pre-trained model)"),
     "enroll": ("fedfs_sdk.cli.enroll", "enroll the device owner from a folder of images"),
+    "impostors": ("fedfs_sdk.cli.impostors", "build the public impostor set that ships with a model (photos of "
+                                             "public identities; for enroll --far and the do-no-harm check)"),
     "verify": ("fedfs_sdk.cli.verify", "verify an image (or each image of a folder) against an enrollment "
                                        "(exit 0 accept, 1 reject, 2 error)"),
 }

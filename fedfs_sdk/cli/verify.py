@@ -48,6 +48,7 @@ def recorded_model(enrollment_path: str, meta: dict) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from ..runtime.enrollment import load_enrollment, verify
     from ..errors import InputError
+    from ..runtime.operating_point import describe
     from ..runtime.preprocess import list_images
     from .common import load_backend, read_key
 
@@ -58,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
                          "verifier.safetensors / verifier.onnx next to it): pass --model")
     client = args.client if args.client is not None else (None if args.model else e.meta.get("model_client"))
     backend = load_backend(model, client=client)
+    print(describe(e.meta))
     target = Path(args.image)
     if not target.is_dir():
         r = verify(backend, e, args.image, detect_face=args.detect_face)

@@ -34,7 +34,7 @@ from .device_config import DeviceConfig, check_local_inputs
 from .device_runtime import DeviceRuntime, OrtRuntime, TorchRuntime
 from .device_state import DeviceState, DeviceStateError
 from ..errors import InputError, ProtocolError
-from ..training.methods import check_method, check_verification
+from ..training.methods import check_method, check_verification, uses_fedfs, uses_feduv
 from .secagg.http_device import SecAggRoundLost
 from .server_client import ServerClient, ServerError, is_transient
 from .wire_format import MODEL_FORMAT, read_header, sha256_hex
@@ -213,12 +213,34 @@ class DeviceAgent:
         self._emit("server_unreachable", {"error": str(e), "retrying_until": until})
         self._sleep(min(1.0, left))
 
-    def images_array(self, input_size: int) -> np.ndarray:
-        """The owner's images preprocessed for the model (cached per input size)."""
+    def all_images_array(self, input_size: int) -> np.ndarray:
+        """Every one of the owner's images preprocessed for the model (cached per input size)."""
         if input_size not in self._batches:
             from ..runtime.preprocess import preprocess
             self._batches[input_size] = preprocess(self.images, input_size, detect_face=self.config.detect_face)
         return self._batches[input_size]
+
+    def images_array(self, input_size: int) -> np.ndarray:
+        """The images the device trains on: all of them, less the hold-out when it will check
+        its models against a public impostor set (``config.impostors``: the do-no-harm check)."""
+        x = self.all_images_array(input_size)
+        return x[self.holdout_split()[0]] if self.config.impostors is not None else x
+
+    def holdout_split(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(train, holdout)`` positions of the owner's images: photos held out by a hash of their
+        name (stable when photos are added), at least two when there are enough
+        (:func:`~fedfs_sdk.training.selection.holdout_count`)."""
+        import hashlib
+
+        from ..training.selection import holdout_count
+
+        n = len(self.images)
+        k = holdout_count(n, self.config.holdout)
+        keys = [hashlib.sha256(str(Path(x).name if isinstance(x, (str, Path)) else i).encode()).digest()
+                for i, x in enumerate(self.images)]
+        order = sorted(range(n), key=lambda i: keys[i])
+        hold = np.sort(np.asarray(order[:k], dtype=np.int64))
+        return np.setdiff1d(np.arange(n), hold), hold
 
     def model_bytes(self, version: int, sha: str) -> bytes:
         """Global model ``version`` (a fedfs checkpoint body), cached in the state by hash."""
@@ -367,23 +389,74 @@ class DeviceAgent:
                   else ("feduv" if info["config"].get("code_length") else "fedfs"))
         version = int(info["version"])
         score, model = check_verification(check_method(method), self.config.score, self.config.verify)
-        backend = self.runtime.verifier(method, self.model_bytes(version, info["sha256"]), self, version, model)
-        codeword = self.state.load_codeword() if score == "codeword" else None
-        # a single model's head-template is the cosine of its uv output (σ keeps W g's direction);
-        # the dual verifier's embedding is already unit(W q') ⊕ unit(W r')
-        template_output = "uv" if score == "head-template" and model != "both" else "embedding"
+        mbytes = self.model_bytes(version, info["sha256"])
+        impostors, selection, chosen = None, None, "personalized"
+        if self.config.impostors is not None:
+            from ..runtime.impostors import load_impostors
+
+            impostors = load_impostors(self.config.impostors)
+            chosen, selection = self._choose_model(method, mbytes, version, score, model, impostors)
+        backend = self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen)
+        mode, template_output = candidate_mode(method, score, model, chosen)
+        codeword = self.state.load_codeword() if mode == "codeword" else None
         enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
                             detect_face=self.config.detect_face, outliers=self.config.outliers,
-                            template_output=template_output,
+                            template_output=template_output, far=self.config.far, impostors=impostors,
                             meta={"global_version": version, "method": method, "runtime": self.runtime.name,
-                                  "score": score, "verify": model})
+                                  "score": score, "verify": model, "model_choice": chosen,
+                                  **({"selection": selection} if selection is not None else {})})
         key = self.config.enrollment_key or self.state.enrollment_key()
         save_enrollment(self.state.file("enrollment.fedfs"), enrollment, key, overwrite=True)
         self._emit("enrollment_outliers", {"rule": enrollment.meta["outlier_rule"], "dropped": enrollment.meta["dropped"],
                                            "n_given": enrollment.meta["n_given"]})
         self._emit("enrolled", {"mode": enrollment.mode, "threshold": enrollment.threshold,
-                                "model_id": backend.model_id, "n_warmup": enrollment.n_warmup})
+                                "model_id": backend.model_id, "n_warmup": enrollment.n_warmup, "model_choice": chosen,
+                                **({"operating_point": enrollment.meta["operating_point"]}
+                                   if "operating_point" in enrollment.meta else {})})
         return enrollment
+
+    def _choose_model(self, method: str, model: bytes, version: int, score: str, verify: str,
+                      impostors) -> tuple[str, dict]:
+        """Do no harm (:mod:`fedfs_sdk.training.selection`): score the hold-out photos (never trained
+        on) and the public impostors with ξ, the global model and the personalized one; keep the
+        best, ties to the earlier (ξ first)."""
+        from ..training.selection import candidate_scores, check_scores, choose
+
+        train, hold = self.holdout_split()
+        names = (["xi"] if self._has_xi() else []) + ["global"] + (["personalized"] if uses_fedfs(method) else [])
+        if hold.size == 0 or len(names) < 2:
+            return ("xi" if "xi" in names else "personalized"), {
+                "chosen": "xi" if "xi" in names else "personalized",
+                "reason": "no hold-out photos (too few photos)" if hold.size == 0 else "nothing to compare with"}
+        checks = []
+        for name in names:
+            backend = self.runtime.verifier(method, model, self, version, verify, candidate=name)
+            x = self.all_images_array(backend.input_size)
+            mode, output = candidate_mode(method, score, verify, name)
+            codeword = self.state.load_codeword() if mode == "codeword" else None
+            g, i = candidate_scores(backend, x[train], x[hold], impostors.batch(backend.input_size), mode, output,
+                                    codeword)
+            checks.append(check_scores(name, g, i, self.config.far or 1e-3))
+        sel = choose(checks)
+        self._emit("model_chosen", {"chosen": sel.chosen, "reason": sel.reason})
+        return sel.chosen, sel.to_dict()
+
+    def _has_xi(self) -> bool:
+        return self.config.xi_path is not None or self.state.file("xi.safetensors").is_file()
+
+
+def candidate_mode(method: str, score: str, verify: str, candidate: str) -> tuple[str, str]:
+    """``(mode, template_output)`` a candidate verifier enrolls with: ξ — a template of its
+    embedding; the global model — its method's scoring (codeword, or a head-space template of
+    ``uv``); the personalized one — the method's verification (the dual verifier's embedding is
+    already ``unit(W q') ⊕ unit(W r')``; a single model's head-template is the cosine of ``uv``)."""
+    if candidate == "xi" or not uses_feduv(method):
+        return "template", "embedding"
+    if score == "codeword":
+        return "codeword", "embedding"
+    if candidate == "global":
+        return "template", "uv"
+    return "template", ("uv" if verify != "both" else "embedding")
 
 
 __all__ = ["DeviceAgent", "DeviceReport", "LOST_ROUND_CODES"]

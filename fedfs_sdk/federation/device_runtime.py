@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
@@ -111,8 +111,10 @@ class DeviceRuntime(Protocol):
         ...
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
-                 verify: str | None = None) -> "InferenceBackend":
-        """The backend the owner verifies with (global model version ``version``), by
+                 verify: str | None = None, candidate: str = "personalized") -> "InferenceBackend":
+        """The backend the owner verifies with (global model version ``version``). ``candidate``
+        (the do-no-harm check, :meth:`DeviceAgent.enroll`): ``xi`` — the frozen ξ as it is;
+        ``global`` — the global model (with its FedUV head); ``personalized`` — by
         ``verify`` (:data:`fedfs_sdk.training.methods.VERIFY_MODELS`; ``None``: ``θ_c`` for FedFS methods,
         else the global model): ``personal`` → ``θ_c``'s backbone, ``global`` → the global
         one, ``both`` → the dual verifier ``unit(W q') ⊕ unit(W r')`` (``fedfs+feduv``); plus
@@ -191,17 +193,21 @@ class TorchRuntime:
         return LocalUpdate(body, result.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
-                 verify: str | None = None) -> "InferenceBackend":
-        from ..nn.checkpoint import load_verifier, save_verifier
+                 verify: str | None = None, candidate: str = "personalized") -> "InferenceBackend":
+        from ..nn.checkpoint import load_checkpoint, load_verifier, save_verifier
         from ..nn.dual_verifier import save_dual_verifier
         from ..runtime.inference import TorchBackend
         from ..nn.model import FaceNet, ModelConfig, personal_config
 
-        chosen = verifier_model(method, verify)
+        chosen = {"xi": "xi", "global": "global"}.get(candidate) or verifier_model(method, verify)
         weights, meta = self._decode(model)
         config = ModelConfig.from_json(meta["model_config"]).resolved()
         global_net = FaceNet(config)
         global_net.load_state_dict(weights)
+        if chosen == "xi":
+            xi = load_checkpoint(xi_path(agent))[0]
+            global_net = FaceNet(replace(config, code_length=None, proj_dim=None))
+            global_net.backbone.load_state_dict(xi.backbone.state_dict())
         personal_backbone = None
         if chosen in ("personal", "both"):
             loaded = agent.state.load_weights("personal")
@@ -210,7 +216,7 @@ class TorchRuntime:
             personal = FaceNet(personal_config(config))
             personal.load_state_dict(loaded[0])
             personal_backbone = personal.backbone
-        head = global_net.uv_head if uses_feduv(method) else None
+        head = global_net.uv_head if uses_feduv(method) and chosen != "xi" else None
         path = agent.state.file("verifier.safetensors")    # what `fedfs verify --model` takes
         vmeta = {"global_version": int(version), "method": method, "verify": chosen}
         if chosen == "both":
@@ -221,6 +227,18 @@ class TorchRuntime:
         path.chmod(0o600)
         verifier, model_id = load_verifier(path)
         return TorchBackend(verifier, model_id, device=self.device)
+
+
+def xi_path(agent: DeviceContext) -> Path:
+    """The device's ξ file: the one it was given (``--xi``), else the one it downloaded to train."""
+    cfg = getattr(agent, "config", None)
+    if cfg is not None and getattr(cfg, "xi_path", None) is not None:
+        return Path(cfg.xi_path)
+    path = agent.state.file("xi.safetensors")
+    if not path.is_file():
+        raise InputError("this device has no ξ (it trained no FedFS round and was given no --xi): "
+                         "it cannot compare its model with ξ")
+    return path
 
 
 def _differences(expected: Mapping[str, Any], given: Mapping[str, Any], prefix: str = "") -> list[str]:
@@ -267,6 +285,9 @@ def ort_settings_for(task: Mapping[str, Any], info: Mapping[str, Any]) -> OrtTra
     for k in ("momentum", "weight_decay"):
         if scalars.get(k):
             problems.append(f"train.{k}={scalars[k]}: the ORT training artifacts run plain SGD only")
+    if scalars.get("scope", info.get("scope", "all")) != info.get("scope", "all"):
+        problems.append(f"train.scope={scalars['scope']}: the ORT training artifact trains "
+                        f"{'every layer' if info.get('scope', 'all') == 'all' else 'the top only'} (its scope is baked in)")
     lr = float(scalars["lr"]) if scalars.get("lr") is not None else DEFAULT_LR[method]
     if not lr > 0:
         problems.append(f"train.lr must be > 0, got {lr}")
@@ -384,11 +405,11 @@ class OrtRuntime:
         return LocalUpdate(body, up.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
-                 verify: str | None = None) -> "InferenceBackend":
+                 verify: str | None = None, candidate: str = "personalized") -> "InferenceBackend":
         from ..runtime.onnx_backend import OnnxBackend, with_weights
         from ..training.ort_device import decode_model, dual_verifier_weights, verifier_weights
 
-        chosen = verifier_model(method, verify)
+        chosen = {"xi": "xi", "global": "global"}.get(candidate) or verifier_model(method, verify)
         rel = DUAL_ONNX_FILE if chosen == "both" else "onnx/verifier.onnx"
         onnx = self.root / rel
         if not onnx.is_file():
@@ -396,6 +417,13 @@ class OrtRuntime:
                                   "export with --formats onnx,ort-training"
                                   + (" --methods fedfs+feduv" if chosen == "both" else ""))
         weights, _ = decode_model(model)
+        if chosen == "xi":      # ξ's backbone in the verifier graph (its FedUV head, if any, stays the global one)
+            from safetensors.numpy import load_file
+
+            xi = load_file(str(xi_path(agent)))
+            weights = {**{k: v for k, v in weights.items() if not k.startswith("backbone.")},
+                       **{k: v for k, v in xi.items() if k.startswith("backbone.")}}
+            chosen = "global"
         personal = None
         if chosen in ("personal", "both"):
             personal = agent.state.load_arrays("personal")

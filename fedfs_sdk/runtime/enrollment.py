@@ -42,6 +42,7 @@ import numpy as np
 from ..errors import (EnrollmentError, EnrollmentExistsError, InputError, InsufficientWarmupError)
 from ..exact import as_written
 from .inference import InferenceBackend
+from .operating_point import operating_point
 
 # ---- outlier rejection (applied to the warm-up scores before τ is set) ------------------
 OUTLIER_RULES = ("mad", "none")
@@ -253,7 +254,8 @@ def _loo_scores(emb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.ndarray | None = None,
            detect_face: bool = False, meta: dict[str, Any] | None = None, outliers: str = "mad",
-           outlier_k: float = OUTLIER_K, template_output: str = "embedding") -> Enrollment:
+           outlier_k: float = OUTLIER_K, template_output: str = "embedding", far: float | None = None,
+           impostors: Any = None) -> Enrollment:
     """Enroll the owner from ``n`` warm-up images with target TPR ``q`` (FedUV Alg. 2).
 
     ``images``: paths / bytes / uint8 arrays, or an already preprocessed float32 batch.
@@ -276,6 +278,15 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
     never below the leave-one-out one, so this moves ``τ`` by float noise at most. The stored
     ``τ`` is then lowered by :data:`WARMUP_TOLERANCE` (1e-6) in case the backend's bits for
     one image are not reproducible between runs (float32 noise is ~1e-7).
+
+    ``impostors`` (a public :class:`~fedfs_sdk.runtime.impostors.ImpostorSet`, or a preprocessed
+    float32 batch) are scored against the enrollment: the stored operating point
+    (``meta["operating_point"]``) then says how many of them the threshold accepts. With ``far``
+    the threshold is set for that false-accept rate instead of ``q``
+    (:mod:`fedfs_sdk.runtime.operating_point`: at most ``⌊far·(n+1)⌋ − 1`` public impostors pass,
+    so an exchangeable impostor passes with probability ≤ ``far``), provided the warm-up still
+    accepts at least ``q`` of the owner's photos; :class:`~fedfs_sdk.errors.OperatingPointError`
+    otherwise, naming both rates.
     """
     if outliers not in OUTLIER_RULES:
         raise InputError(f"outliers must be one of {', '.join(OUTLIER_RULES)}, got {outliers!r}")
@@ -340,12 +351,31 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
                           for j in np.flatnonzero(keep)])
         tau = min(tau, float(alone[scores >= tau].min()))
     tau -= WARMUP_TOLERANCE
+    op = None
+    if far is not None or impostors is not None:
+        imp = None if impostors is None else _impostor_scores(backend, impostors, mode, v, template, template_output)
+        tau, op = operating_point(scores, q, far, imp, tau)
+        op["n_warmup"] = int(keep.sum())
+        if impostors is not None and hasattr(impostors, "digest"):
+            op["impostor_set"] = {"sha256": impostors.digest(), "photos": len(impostors),
+                                  "identities": impostors.num_identities}
     info = {**dict(meta or {}), "dropped": sorted(dropped, key=lambda d: d["index"]),
-            "outlier_rule": outlier_rule(mode, outliers, k), "n_given": n}
+            "outlier_rule": outlier_rule(mode, outliers, k), "n_given": n,
+            **({"operating_point": op} if op is not None else {})}
     if template_output != "embedding":
         info["template_output"] = template_output
     return Enrollment(backend.model_id, mode, tau, q_stored, int(keep.sum()), codeword=v, template=template,
                       meta=info)
+
+
+def _impostor_scores(backend: InferenceBackend, impostors: Any, mode: str, codeword: np.ndarray | None,
+                     template: np.ndarray | None, output: str, chunk: int = 64) -> np.ndarray:
+    """Verification scores of the public impostor photos against a new enrollment (in chunks)."""
+    batch = impostors.batch(backend.input_size) if hasattr(impostors, "batch") else np.asarray(impostors, np.float32)
+    if batch.ndim != 4 or batch.shape[0] == 0:
+        raise InputError(f"impostors must be an ImpostorSet or a float32 [N, 3, S, S] batch, got shape {list(batch.shape)}")
+    return np.concatenate([_verify_scores(backend.run(batch[a:a + chunk]), mode, codeword, template, output)
+                           for a in range(0, batch.shape[0], chunk)])
 
 
 def score(backend: InferenceBackend, enrollment: Enrollment, images: Any, detect_face: bool = False) -> np.ndarray:

@@ -110,8 +110,15 @@ def check_candidate(name: str, enroll: np.ndarray, holdout: np.ndarray, impostor
         raise InputError(f"candidate {name!r}: needs enrollment photos, held-out photos and ≥ 2 impostors "
                          f"(got {len(enroll)}, {len(holdout)}, {len(impostors)})")
     template = _unit(_unit(enroll).sum(0))
-    g = _unit(holdout) @ template
-    i = _unit(impostors) @ template
+    return check_scores(name, _unit(holdout) @ template, _unit(impostors) @ template, far)
+
+
+def check_scores(name: str, genuine: np.ndarray, impostor: np.ndarray, far: float = 1e-3) -> CandidateCheck:
+    """:class:`CandidateCheck` of one verifier's scores: ``genuine`` (held-out photos against the
+    enrollment) and ``impostor`` (public impostors against it)."""
+    g, i = np.asarray(genuine, dtype=np.float64).ravel(), np.asarray(impostor, dtype=np.float64).ravel()
+    if g.size == 0 or i.size < 2:
+        raise InputError(f"candidate {name!r}: needs held-out photos and ≥ 2 impostors (got {g.size}, {i.size})")
     if not (np.isfinite(g).all() and np.isfinite(i).all()):
         return CandidateCheck(name, 0.0, -MARGIN_CLIP, 0.0, math.inf, len(g), len(i))
     desc = np.sort(i)[::-1]
@@ -121,6 +128,26 @@ def check_candidate(name: str, enroll: np.ndarray, holdout: np.ndarray, impostor
     tar = float((g > tau).mean())
     auroc = float(((g[:, None] > i[None, :]).sum() + 0.5 * (g[:, None] == i[None, :]).sum()) / (len(g) * len(i)))
     return CandidateCheck(name, tar, margin, auroc, tau, len(g), len(i))
+
+
+def candidate_scores(backend, train: np.ndarray, holdout: np.ndarray, impostors: np.ndarray, mode: str = "template",
+                     output: str = "embedding", codeword: np.ndarray | None = None,
+                     chunk: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """``(genuine, impostor)`` scores of one verifier on a device: an enrollment from ``train``
+    (a cosine template of the backend's ``output``, or the FedUV ``codeword``), scoring the
+    ``holdout`` photos and the public ``impostors`` (float32 ``[N, 3, S, S]`` batches)."""
+    def run(x: np.ndarray) -> np.ndarray:
+        outs = [backend.run(x[a:a + chunk]) for a in range(0, x.shape[0], chunk)]
+        key = "uv" if (mode == "codeword" or output == "uv") else "embedding"
+        return np.concatenate([o[key] for o in outs]).astype(np.float64)
+
+    if mode == "codeword":
+        if codeword is None:
+            raise InputError("codeword scoring needs the device's codeword")
+        v = np.asarray(codeword, dtype=np.float64)
+        return run(holdout) @ v / v.size, run(impostors) @ v / v.size
+    template = _unit(_unit(run(train)).sum(0))
+    return _unit(run(holdout)) @ template, _unit(run(impostors)) @ template
 
 
 def choose(checks: Sequence[CandidateCheck], min_gain: float = MIN_GAIN,
@@ -139,5 +166,5 @@ def choose(checks: Sequence[CandidateCheck], min_gain: float = MIN_GAIN,
     return Selection(best.name, tuple(checks), reason)
 
 
-__all__ = ["CandidateCheck", "Selection", "check_candidate", "choose", "holdout_count", "holdout_split", "far_index",
+__all__ = ["CandidateCheck", "Selection", "check_candidate", "check_scores", "candidate_scores", "choose", "holdout_count", "holdout_split", "far_index",
            "MARGIN_CLIP", "MIN_GAIN", "AUROC_SLACK", "DEFAULT_HOLDOUT", "MIN_HOLDOUT"]
