@@ -112,7 +112,7 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
     data = pop
     if getattr(method, "scope", "all") == "top" and args.weight_decay:
         raise InputError(f"{method.label}: scope=top keeps the trunk at ξ's weights; --weight-decay would shrink it")
-    if getattr(method, "select", "off") == "on":    # do no harm: train without the hold-out, choose after
+    if getattr(method, "select", "off") != "off":    # do no harm: train without the hold-out, choose after
         imp = public_impostors(args, pop)
         if imp.shape[0] < 2:
             raise InputError(f"{method.label}: select=on needs a public impostor set, i.e. public identities "
@@ -150,7 +150,8 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
     selection = None
     if getattr(method, "selection", None) is not None and result is not None:
         selection = {"counts": method.selection.counts(result["clients"]),
-                     "per_client": [method.selection.choices.get(c) for c in result["clients"]]}
+                     "per_client": [method.selection.choices.get(c) for c in result["clients"]],
+                     "checks": [method.selection.details.get(c) for c in result["clients"]]}
     return {"method": method.name, "label": method.label, "options": method.options(), "rounds": fed.round,
             **({"selection": selection} if selection is not None else {}),
             "seconds": train_s, "touched_clients": int(fed.store.touched().size) if fed.store is not None else None,

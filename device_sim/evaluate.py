@@ -247,6 +247,7 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
     ident_clients: list[dict[float, float]] = []
     pairwise: list[float] = []
     pairwise_tar: list[float] = []
+    pairwise_eer: list[float] = []
     fars = tuple(float(f) for f in config.fars)
     has_new = probes.new.shape[0] > 0
     done = 0
@@ -286,9 +287,11 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
                 pg, pi = M.pairwise_scores(own_test["embedding"].numpy(), f["pool"]["embedding"].numpy()[others])
                 pairwise.append(M.auroc(pg, pi) if pg.size else float("nan"))
                 pairwise_tar.append(M.tar_at_far(pg, pi, PAIRWISE_FAR) if pg.size and pi.size else float("nan"))
+                pairwise_eer.append(M.eer(pg, pi) if pg.size and pi.size else float("nan"))
             except InputError:
                 pairwise.append(float("nan"))
                 pairwise_tar.append(float("nan"))
+                pairwise_eer.append(float("nan"))
             warm_p.append((scorer.warmup, genuine, impostor))
             if has_new:
                 nonmated = scorer(f["new"])
@@ -317,7 +320,8 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
     result["pairwise"] = {"auroc": M.aggregate(pairwise), "per_client_auroc": pairwise,
                           # each client's pairs: ~n·m impostor pairs resolve FAR 1e-3 where templates cannot
                           "tar_at_far": {f"{PAIRWISE_FAR:g}": M.aggregate(pairwise_tar)},
-                          "per_client_tar_at_far": {f"{PAIRWISE_FAR:g}": pairwise_tar}}
+                          "per_client_tar_at_far": {f"{PAIRWISE_FAR:g}": pairwise_tar},
+                          "per_client_eer": pairwise_eer}
     result["identification_clients"] = {
         "tpir_at_fpir": _keys({f: M.aggregate([d[f] for d in ident_clients]) for f in fars}),
         "per_client": _keys({f: [d[f] for d in ident_clients] for f in fars})}

@@ -27,7 +27,7 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
 from fedfs_sdk.nn.model import DualVerifierNet, FaceNet, ModelConfig, personal_config
 from fedfs_sdk.training.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
-from fedfs_sdk.training.methods import DEFAULT_UV_WEIGHT, DEFAULT_VERIFICATION, PAPER_LR
+from fedfs_sdk.training.methods import DEFAULT_SCOPE, DEFAULT_UV_WEIGHT, DEFAULT_VERIFICATION, PAPER_LR, PAPER_SCOPE
 from fedfs_sdk.training.scope import TopFaceNet, check_scope, top_state
 from fedfs_sdk.training.selection import DEFAULT_HOLDOUT, holdout_count
 from fedfs_sdk.training.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initial_global_weights
@@ -43,12 +43,14 @@ NEG_MODES = ("none", "all", "early")
 
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "fedfs": {"paper": {"lr": PAPER_LR["fedfs"]}, "default": {"lr": DEFAULT_LR["fedfs"]}},
-    "feduv": {"paper": {"lr": PAPER_LR["feduv"]}, "default": {"lr": DEFAULT_LR["feduv"]}},
+    "fedfs": {"paper": {"lr": PAPER_LR["fedfs"], "scope": PAPER_SCOPE},
+              "default": {"lr": DEFAULT_LR["fedfs"], "scope": DEFAULT_SCOPE["fedfs"], "select": "on"}},
+    "feduv": {"paper": {"lr": PAPER_LR["feduv"], "scope": PAPER_SCOPE},
+              "default": {"lr": DEFAULT_LR["feduv"], "scope": DEFAULT_SCOPE["feduv"]}},
     "fedfs+feduv": {
-        "paper": {"lr": PAPER_LR["fedfs+feduv"]},
-        "default": {"lr": DEFAULT_LR["fedfs+feduv"], "norm_init": "standardize",
-                    **dict(zip(("score", "verify"), DEFAULT_VERIFICATION["fedfs+feduv"]))}},
+        "paper": {"lr": PAPER_LR["fedfs+feduv"], "scope": PAPER_SCOPE},
+        "default": {"lr": DEFAULT_LR["fedfs+feduv"], "norm_init": "standardize", "scope": DEFAULT_SCOPE["fedfs+feduv"],
+                    "select": "on", **dict(zip(("score", "verify"), DEFAULT_VERIFICATION["fedfs+feduv"]))}},
 }
 """Named configurations of each method. ``paper``: the papers' values as printed (FedFS lr
 5e-3, 2 epochs, Eq. 5 dot-product soft scores; FedUV lr 0.1, codeword scoring). ``default``:
@@ -165,11 +167,12 @@ class SDKMethod(FederatedMethod):
         self.score, self.lr, self.epochs = score, lr, epochs
         self.scope = check_scope(scope if scope is not None else chosen.get("scope", "all"))
         self.select = select if select is not None else chosen.get("select", "off")
-        if self.select not in ("on", "off"):
-            raise InputError(f"select must be 'on' or 'off', got {self.select!r}")
+        if self.select not in ("on", "off", "audit"):
+            raise InputError(f"select must be 'on', 'off' or 'audit' (check and record, keep the personalized "
+                             f"model), got {self.select!r}")
         self.holdout = float(holdout if holdout is not None else DEFAULT_HOLDOUT)
         holdout_count(20, self.holdout)          # validates the fraction
-        self.selection = SimSelection(self) if self.select == "on" else None
+        self.selection = SimSelection(self, audit=self.select == "audit") if self.select != "off" else None
         if uses_feduv(self.sdk_method) and code_length not in KNOWN_CODES:
             raise InputError(f"code_length must be one of {sorted(KNOWN_CODES)} (FedUV Table 1), got {code_length}")
         if neg not in NEG_MODES:

@@ -84,8 +84,8 @@ class HoldoutView:
 class SimSelection:
     """One method's per-client choice among ξ, the global model and its personalized verifier."""
 
-    def __init__(self, method: Any) -> None:
-        self.method = method
+    def __init__(self, method: Any, audit: bool = False) -> None:
+        self.method, self.audit = method, audit
         self.data: HoldoutView | None = None
         self.choices: dict[int, str] = {}
         self.details: dict[int, dict] = {}
@@ -114,8 +114,11 @@ class SimSelection:
             out = [embed(spec, x, dev)["embedding"].numpy() for x in (train_x, hold_x, self.data.public_impostors)]
             checks.append(check_candidate(name, *out, far=1e-3))
         sel = choose(checks)
-        self.choices[client] = sel.chosen
         self.details[client] = sel.to_dict()
+        if self.audit:      # select=audit: record what the rule would choose, verify with the personalized model
+            self.choices[client] = "personalized"
+            return specs["personalized"]
+        self.choices[client] = sel.chosen
         return specs[sel.chosen]
 
     def counts(self, clients: list[int] | None = None) -> dict[str, int]:
