@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from fedfs_sdk.nn.backbones import BACKBONES
+from fedfs_sdk.nn.backbones import BACKBONES, DEFAULTS, face_alignment
+from fedfs_sdk.nn.builtin_models import BUILTIN_MODELS, FACES_INSTALL, builtin_name, default_real_face_model, load_builtin
 from fedfs_sdk.cli.progress import progress_bar
 from fedfs_sdk.errors import CheckpointError, InputError
 
@@ -25,13 +26,18 @@ from .synthfaces import SynthFaces
 SYNTH_UNIVERSE = 1_000_000
 """Identities of the synthetic universe the splits draw from."""
 
+DEFAULT_IMAGE_SIZE = 32
+DEFAULT_BACKBONE = "tiny"
+"""``--image-size`` / ``--backbone`` when neither they nor a ξ say otherwise."""
+
 
 def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users: int = 20,
                        public: int = 300) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data", default="synth", help="'synth' (SynthFaces, generated) or an ImageFolder root "
                    "(root/<identity>/*.jpg|png|pgm, one client per identity)")
-    g.add_argument("--image-size", type=int, default=32, help="input side in pixels (32 suits the tiny backbone)")
+    g.add_argument("--image-size", type=int, default=None, help=f"input side in pixels (default {DEFAULT_IMAGE_SIZE}, "
+                   "which suits the tiny backbone; a given ξ's own size: 150 for dlib-resnet)")
     g.add_argument("--difficulty", type=float, default=1.0, help="SynthFaces nuisance strength (0 clean … 1 default)")
     g.add_argument("--synth-seed", type=int, default=0, help="SynthFaces universe seed")
     g.add_argument("--clients", type=int, default=None, help=f"number of clients, one identity each (synth: "
@@ -86,6 +92,7 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     (:func:`~device_sim.folder_split.plan_folder_split`); what was chosen and every file,
     folder and identity left out are in ``splits.meta["plan"]`` / ``["skipped"]``."""
     apply_scenario(args)
+    real_face_notes = apply_real_face_default(args)
     if args.data == "synth":
         if (getattr(args, "capture_shift", "none") or "none") != "none":
             raise InputError("--capture-shift applies to a folder of real photos (--data PATH); "
@@ -103,8 +110,9 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     ds = ImageFolderDataset(root, args.image_size, detect_face=args.detect_face, validate=True, cache_bytes=1 << 30)
     counts = ds.counts
     src = args.pretrain_data
-    pretrain_here = not src or (src != "synth" and Path(src) == root)
+    pretrain_here = (not src or (src != "synth" and Path(src) == root)) and not builtin_name(getattr(args, "pretrained", None))
     plan = plan_folder_split(counts, args, pretrain_here)
+    plan.notes[:0] = real_face_notes
     splits = make_splits(ds, plan.public, plan.clients, plan.new_users, plan.train, plan.test,
                          seed=args.split_seed, public_images=None, warmup_per_user=args.warmup_per_client or 0)
     skipped = ds.skip_summary()
@@ -118,6 +126,52 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
             f"capture shift '{shift}' on the {phones.size} clients' and new users' photos (seed {args.split_seed}); "
             f"the {len(splits.public)} public identities' photos as they are"]
     return ds, splits
+
+
+def apply_real_face_default(args: argparse.Namespace) -> list[str]:
+    """The ξ of a real-photo run and the input it dictates; returns lines for the notes.
+
+    ``fedfs simulate --data DIR`` with no ξ asked for (no ``--pretrained``, ``--pretrain-data``,
+    ``--scenario``, ``--backbone``, ``--width``, ``--embedding-dim``) takes the built-in real face
+    recognizer (:func:`fedfs_sdk.nn.builtin_models.default_real_face_model`: ``dlib-resnet`` with
+    the ``faces`` extra) as ξ and ϕ's start; without the extra it pre-trains ξ on the folder's
+    public identities as before and says, in one line, what to install. A built-in ξ (also when
+    named, ``--pretrained dlib-resnet``) fixes the input: its size (150) and its face crop
+    (dlib's chip), and holds out no public identities (it was trained elsewhere). Unset
+    ``--image-size`` / ``--backbone`` then get their defaults."""
+    notes: list[str] = []
+    asked = [getattr(args, k, None) for k in ("pretrained", "pretrain_data", "scenario", "backbone", "width",
+                                              "embedding_dim")]
+    if hasattr(args, "pretrained") and args.data != "synth" and not any(asked):
+        name = default_real_face_model()
+        if name is None:
+            notes.append(f"ξ: pre-trained on the folder's public identities; for a real face recognizer as ξ "
+                         f"(dlib-resnet): {FACES_INSTALL}")
+        else:
+            args.pretrained = name
+    pretrained = getattr(args, "pretrained", None)
+    name = builtin_name(pretrained)
+    if name is not None:
+        backbone = BUILTIN_MODELS[name].backbone
+        size = int(DEFAULTS[backbone]["input_size"])
+        if args.image_size not in (None, size):
+            raise InputError(f"--pretrained {name} takes {size} px inputs; drop --image-size {args.image_size}")
+        args.image_size = size
+        args.detect_face = face_alignment(backbone) or args.detect_face
+        notes.append(f"ξ: the built-in {name} ({BUILTIN_MODELS[name].description}; {args.detect_face} "
+                     f"preprocessing); no public identities held out")
+    elif pretrained and Path(pretrained).is_file():
+        # a ξ checkpoint of a backbone trained on one face crop (an imported dlib-resnet) gets that crop
+        from fedfs_sdk.nn.checkpoint import read_checkpoint
+
+        _, cfg, _ = read_checkpoint(pretrained)
+        if face_alignment(cfg.backbone):
+            args.detect_face = face_alignment(cfg.backbone)
+            if args.image_size is None:
+                args.image_size = int(cfg.resolved().input_size)
+    if args.image_size is None:
+        args.image_size = DEFAULT_IMAGE_SIZE
+    return notes
 
 
 def skipped_lines(skipped: dict[str, list[dict[str, str]]], limit: int = 20, where: str = "") -> list[str]:
@@ -207,8 +261,9 @@ def public_impostor_images(args: argparse.Namespace, ds: IdentityDataset, splits
 
 def add_pretrain_arguments(p: argparse.ArgumentParser, epochs: int = 10) -> None:
     g = p.add_argument_group("pre-training of ξ")
-    g.add_argument("--backbone", default="tiny", choices=sorted(BACKBONES),
-                   help="backbone of ξ and of the federated models")
+    g.add_argument("--backbone", default=None, choices=sorted(BACKBONES),
+                   help=f"backbone of a ξ pre-trained here and of the federated models (default {DEFAULT_BACKBONE}; "
+                        "a real-photo folder with no ξ asked for uses the built-in dlib-resnet where installed)")
     g.add_argument("--width", type=int, default=None, help="backbone width multiplier (tiny, feduv_cnn)")
     g.add_argument("--embedding-dim", type=int, default=None, help="embedding size (backbone default)")
     g.add_argument("--margin-loss", default="cosface", choices=["cosface", "arcface"], help="pre-training loss of ξ")
@@ -223,7 +278,7 @@ def add_pretrain_arguments(p: argparse.ArgumentParser, epochs: int = 10) -> None
 
 def pretrain_config(args: argparse.Namespace) -> PretrainConfig:
     margin = args.margin if args.margin is not None else (0.2 if args.margin_loss == "cosface" else 0.5)
-    return PretrainConfig(backbone=args.backbone, width=args.width, embedding_dim=args.embedding_dim,
+    return PretrainConfig(backbone=args.backbone or DEFAULT_BACKBONE, width=args.width, embedding_dim=args.embedding_dim,
                           loss=args.margin_loss, scale=args.scale, margin=margin, epochs=args.pretrain_epochs, optimizer=args.pretrain_optimizer,
                           batch_size=args.pretrain_batch_size, lr=args.pretrain_lr, seed=args.split_seed)
 
@@ -277,6 +332,11 @@ def check_xi_disjoint(xi_meta: dict[str, Any], splits: FaceSplits, dataset: Iden
 def resolve_xi(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits, quiet: bool = False):
     """ξ from ``--pretrained`` or pre-trained (cached) on the public identities of
     :func:`build_pretrain_data` (``--pretrain-data``, ``--pretrain-domain``)."""
+    name = builtin_name(getattr(args, "pretrained", None))
+    if name is not None:
+        xi, meta = load_builtin(name)
+        return xi.requires_grad_(False), {"path": f"builtin:{name}", "builtin": name, "cached": True, "stats": {},
+                                          "model_id": meta["model_id"], "source_sha256": meta["source_sha256"]}
     if getattr(args, "pretrained", None):
         from fedfs_sdk.nn.checkpoint import read_checkpoint
         _, _, meta = read_checkpoint(args.pretrained)

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     res = run_pretrain(args, src_ds, src_splits, out=args.out, force=args.force, quiet=args.quiet)
     st = res.stats
-    print(f"ξ: {args.backbone} on {st.get('num_classes')} public identities, {st.get('num_images')} images, "
+    print(f"ξ: {res.model.config.backbone} on {st.get('num_classes')} public identities, {st.get('num_images')} images, "
           f"{st.get('steps')} steps{' (from cache)' if res.cached else ''}: "
           f"final loss {st.get('final_loss', float('nan')):.3f}, train acc {st.get('final_train_acc', float('nan')):.3f}")
     ev = new_identity_auroc(res.model, ds, splits)

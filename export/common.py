@@ -50,16 +50,22 @@ class InputContract:
     color: str = "RGB"
     mean: float = 127.5
     std: float = 127.5
+    face_alignment: str | None = None
+    """The face crop the model was trained on, when it needs one whatever the app's detection
+    choice (``"dlib-chip"`` for ``dlib-resnet``: ``fedfs_sdk.runtime.align.dlib_chip``)."""
 
     @property
     def normalization(self) -> str:
         return f"(x - {self.mean:g}) / {self.std:g}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout, "dtype": self.dtype, "color": self.color,
-                "shape": ["N", 3, self.input_size, self.input_size],
-                "normalization": self.normalization, "mean": self.mean, "std": self.std,
-                "pixel_range": "uint8 RGB 0..255 before normalization; model input in [-1, 1]"}
+        out = {"layout": self.layout, "dtype": self.dtype, "color": self.color,
+               "shape": ["N", 3, self.input_size, self.input_size],
+               "normalization": self.normalization, "mean": self.mean, "std": self.std,
+               "pixel_range": "uint8 RGB 0..255 before normalization; model input in [-1, 1]"}
+        if self.face_alignment:
+            out["face_alignment"] = self.face_alignment
+        return out
 
 
 def quiet_onnxruntime() -> None:

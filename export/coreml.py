@@ -118,7 +118,9 @@ def export_coreml(verifier: torch.nn.Module, path: str | os.PathLike[str], *, pr
     model.short_description = ("fedfs face verifier: embedding" + (" + FedUV head σ(W g)" if OUTPUT_UV in outputs else "")
                                + f"; input RGB {s}x{s} image, normalized in-model as (x-127.5)/127.5")
     model.version = model_version
-    model.input_description[IMAGE_INPUT] = f"RGB {s}x{s} aligned face crop"
+    crop = {"dlib-chip": "dlib face chip (dlib.get_face_chip, 5 points, padding 0.25)"}.get(
+        meta.get("fedfs.face_alignment", ""), "aligned face crop")
+    model.input_description[IMAGE_INPUT] = f"RGB {s}x{s} {crop}"
     model.output_description[OUTPUT_EMBEDDING] = "embedding g(x) (not L2-normalized)"
     if OUTPUT_UV in outputs:
         model.output_description[OUTPUT_UV] = "sigma(W g(x)), norm sqrt(c); score = dot(uv, codeword)/c"

@@ -135,6 +135,32 @@ def _avg_pool(a: dict[str, Any]) -> Any:
                         ceil_mode=bool(a.get("ceil_mode", False)))
 
 
+def _max_pool(a: dict[str, Any]) -> Any:
+    import torch.nn.functional as F
+
+    x = _t(a["x"])
+    pad_type = str(a.get("pad_type", "valid"))
+    if pad_type == "custom":
+        p = _ints(a["pad"])                                            # [top, bottom, left, right]
+        x = F.pad(x, (p[2], p[3], p[0], p[1]), value=float("-inf"))
+    elif pad_type != "valid":
+        raise CoreMLReferenceError(f"max_pool pad_type {pad_type!r} is not implemented")
+    return F.max_pool2d(x, _ints(a["kernel_sizes"]), _ints(a["strides"]), ceil_mode=bool(a.get("ceil_mode", False)))
+
+
+def _pad(a: dict[str, Any]) -> Any:
+    """MIL ``pad``: ``pad`` = (before, after) pairs for the *last* N dims, first of them first."""
+    import torch.nn.functional as F
+
+    mode = str(a.get("mode", "constant"))
+    if mode != "constant":
+        raise CoreMLReferenceError(f"pad mode {mode!r} is not implemented")
+    p = _ints(a["pad"])
+    pairs = [(p[2 * i], p[2 * i + 1]) for i in range(len(p) // 2)]
+    flat = [v for before_after in reversed(pairs) for v in before_after]     # F.pad: last dim first
+    return F.pad(_t(a["x"]), flat, value=float(a.get("constant_val", 0.0) or 0.0))
+
+
 def _cast(a: dict[str, Any]) -> Any:
     import torch
 
@@ -188,6 +214,8 @@ OPS: dict[str, Callable[[dict[str, Any]], Any]] = {
     "linear": _linear,
     "matmul": _matmul,
     "avg_pool": _avg_pool,
+    "max_pool": _max_pool,
+    "pad": _pad,
     "batch_norm": _batch_norm,
     "reshape": _reshape,
     "transpose": lambda a: _raw(a["x"]).permute(_ints(a["perm"])),

@@ -31,6 +31,14 @@ THRESHOLD_SEMANTICS = {
 }
 
 
+_ALIGNMENTS = {
+    "dlib-chip": "required: dlib's face chip, dlib.get_face_chip(rgb, shape_predictor_5(rgb, face box), "
+                 "size=input_size, padding=0.25) (fedfs_sdk.runtime.align.dlib_chip; preprocess(..., "
+                 "detect_face='dlib-chip')), the crop the model was trained on; for Core ML too",
+}
+"""What a ``face_alignment`` of the model means, in the manifest's words."""
+
+
 def file_entries(root: Path) -> dict[str, dict[str, Any]]:
     """``{relative path: {"sha256", "bytes"}}`` for every file below ``root`` but the manifest;
     a link or other non-regular entry (not a folder) is ``{"type": "link" | "other"}``."""
@@ -60,11 +68,14 @@ def build_manifest(root: Path, *, source: dict[str, Any], model: dict[str, Any],
         "model_id": model_id,
         "model_version": model_version,
         "input_contract": {
-            "onnx_and_ort_training": InputContract(int(model["input_size"])).to_dict(),
+            "onnx_and_ort_training": InputContract(int(model["input_size"]),
+                                                   face_alignment=model.get("face_alignment")).to_dict(),
             "coreml": {"input": "image", "type": f"RGB image {model['input_size']}x{model['input_size']}",
                        "normalization": "in-model: x * (1/127.5) - 1 (ImageType scale/bias) == (x - 127.5) / 127.5"},
             "preprocessing": "fedfs_sdk.runtime.preprocess.preprocess: RGB, center square crop (or detected face), "
                              "resize to input_size, (x - 127.5) / 127.5, NCHW",
+            **({"face_alignment": _ALIGNMENTS.get(model["face_alignment"], model["face_alignment"])}
+               if model.get("face_alignment") else {}),
         },
         "outputs": {
             "embedding": f"[N, {model['embedding_dim']}] g(x), not L2-normalized",

@@ -45,7 +45,7 @@ def inference_metadata(verifier: torch.nn.Module, *, model_id: str, model_versio
                        precision: str = "fp32") -> dict[str, str]:
     """``metadata_props`` of an exported verifier: input contract, dims, ids, semantics."""
     backbone = verifier.backbone
-    contract = InputContract(int(backbone.input_size))
+    contract = InputContract(int(backbone.input_size), face_alignment=getattr(backbone, "face_alignment", None))
     head = getattr(verifier, "uv_head", None)
     return {
         "fedfs.format": FORMAT_ONNX,
@@ -66,6 +66,8 @@ def inference_metadata(verifier: torch.nn.Module, *, model_id: str, model_versio
         "fedfs.code_length": str(int(head.code_length)) if head is not None else "0",
         "fedfs.outputs": ",".join(verifier_outputs(verifier)),
         "fedfs.score": SCORE_SEMANTICS,
+        # the face crop the model needs (OnnxBackend.alignment; enroll / verify cut it themselves)
+        **({"fedfs.face_alignment": contract.face_alignment} if contract.face_alignment else {}),
     }
 
 

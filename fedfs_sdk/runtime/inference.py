@@ -20,6 +20,10 @@ class InferenceBackend(Protocol):
         model_id: identifies the weights; enrollments are bound to it (thresholds never
             carry over between models).
         outputs: names ``run`` returns: ``("embedding",)`` or ``("embedding", "uv")``.
+
+    Optional: ``alignment`` — the face crop the model was trained on (``"dlib-chip"`` for
+    ``dlib-resnet``), which enroll / verify then cut whatever their ``detect_face`` says; a
+    backend without it (or None) leaves the choice to ``detect_face``.
     """
 
     input_size: int
@@ -68,6 +72,7 @@ class TorchBackend:
         self.device = device
         self.model_id = model_id
         self.input_size = int(verifier.input_size)
+        self.alignment: str | None = getattr(getattr(verifier, "backbone", verifier), "face_alignment", None)
         self.batch_size = batch_size
         names = getattr(verifier, "output_names", None)     # VerifierNet / DualVerifierNet say it
         if names is None:                                   # a FaceNet: its head (if any) is its uv output

@@ -201,7 +201,8 @@ class OnnxBackend:
             verifies with ``q'``); ``model_id`` then identifies these weights.
 
     Attributes (the :class:`~fedfs_sdk.runtime.inference.InferenceBackend` protocol):
-        input_size, model_id, outputs; plus ``metadata`` (all ``fedfs.*`` props) and
+        input_size, model_id, outputs, alignment (``fedfs.face_alignment``: the face crop the
+        model needs, e.g. ``"dlib-chip"``, or None); plus ``metadata`` (all ``fedfs.*`` props) and
         ``precision`` (``fp32`` / ``int8``).
     """
 
@@ -242,6 +243,7 @@ class OnnxBackend:
                                   f"{meta.get('fedfs.input_color')} (x-{mean:g})/{std:g}, but fedfs preprocessing "
                                   "produces NCHW/float32/RGB (x-127.5)/127.5")
         self.precision = meta.get("fedfs.precision", "fp32")
+        self.alignment: str | None = meta.get("fedfs.face_alignment") or None
         if override_id is not None:
             if self.precision != "fp32":
                 raise InputError(f"weights can only replace those of an fp32 model, {p} is {self.precision}")

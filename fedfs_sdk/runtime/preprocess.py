@@ -11,8 +11,9 @@ Every model input must be at least :data:`MIN_IMAGE_SIDE` pixels on its short si
 Face detection (``detect_face``): ``"align"`` (or ``True``) detects the face and its five
 landmarks with dlib and warps it onto the 112×112 ArcFace template (:mod:`fedfs_sdk.runtime.align`;
 falls back to the Haar crop, with a logged warning, when dlib is not installed); ``"haar"``
-crops the largest face found by OpenCV's bundled Haar cascade (with a margin), no alignment.
-No face → :class:`NoFaceError`.
+crops the largest face found by OpenCV's bundled Haar cascade (with a margin), no alignment;
+``"dlib-chip"`` cuts dlib's own face chip (``dlib.get_face_chip``, 5-point, padding 0.25; the
+input of ``dlib-resnet``; needs dlib, no fallback). No face → :class:`NoFaceError`.
 """
 from __future__ import annotations
 
@@ -238,7 +239,8 @@ def preprocess(images: ImageSource | Sequence[ImageSource], input_size: int,
 
     Accepts one source, a list of sources, or a uint8 batch ``[N, H, W, C]``.
     ``detect_face``: ``False`` (centre square), ``True`` / ``"align"`` (five-point alignment,
-    :func:`fedfs_sdk.runtime.align.align_face`) or ``"haar"`` (Haar crop, no alignment).
+    :func:`fedfs_sdk.runtime.align.align_face`), ``"haar"`` (Haar crop, no alignment) or
+    ``"dlib-chip"`` (dlib's face chip at ``input_size``, :func:`fedfs_sdk.runtime.align.dlib_chip`).
     Returns float32 ``[N, 3, input_size, input_size]``. A file that cannot be used raises
     an :class:`~fedfs_sdk.errors.InputError` subclass whose message names it (see
     :func:`check_image` to test one file and skip it by name).
@@ -274,31 +276,45 @@ def _one(src: ImageSource, input_size: int, mode: str | None, what: str) -> np.n
             rgb = crop_face(rgb)
         except NoFaceError as e:
             raise NoFaceError(f"{what}: {e}") from None
-    elif mode == "align":
-        from .align import align_face
+    elif mode in ("align", "dlib-chip"):
+        from .align import align_face, dlib_chip
 
-        res = align_face(rgb, input_size)
+        res = (align_face if mode == "align" else dlib_chip)(rgb, input_size)
         if res.image is None:
             raise NoFaceError(f"{what}: {res.reason} (drop the file, or pass a photo with one frontal face)")
         rgb = res.image
     return to_model_input(rgb, input_size)
 
 
+FACE_MODES = ("align", "haar", "dlib-chip")
+"""What ``detect_face`` may name besides ``False``/``True``/``"none"``."""
+
+
 def face_mode(detect_face: bool | str | None) -> str | None:
-    """Normalize a ``detect_face`` argument: ``None`` (no detection), ``"align"`` or ``"haar"``."""
+    """Normalize a ``detect_face`` argument: ``None`` (no detection), ``"align"``, ``"haar"`` or
+    ``"dlib-chip"``."""
     if detect_face is None or detect_face is False or detect_face == "none":
         return None
     if detect_face is True or detect_face == "align":
         return "align"
-    if detect_face == "haar":
-        return "haar"
-    raise InputError(f"detect_face must be False, True, 'align' or 'haar', got {detect_face!r}")
+    if detect_face in FACE_MODES:
+        return str(detect_face)
+    raise InputError(f"detect_face must be False, True, 'align', 'haar' or 'dlib-chip', got {detect_face!r}")
+
+
+def model_face_mode(detect_face: bool | str | None, model_alignment: str | None) -> str | None:
+    """The face mode to feed a model: the crop it was trained on (``model_alignment``, e.g.
+    ``"dlib-chip"`` for ``dlib-resnet``: a backend's ``alignment``) whatever ``detect_face``
+    asks for, else :func:`face_mode` of ``detect_face``."""
+    if model_alignment:
+        return face_mode(model_alignment)
+    return face_mode(detect_face)
 
 
 def face_mode_key(detect_face: bool | str | None) -> str:
     """What ``detect_face`` really does here, for cache keys and reports: ``"none"``,
-    ``"haar"``, ``"align-dlib"`` or ``"align-haar-fallback"`` (dlib not installed). A cache
-    keyed on the bare ``True`` would mix Haar crops and aligned faces."""
+    ``"haar"``, ``"align-dlib"``, ``"align-haar-fallback"`` (dlib not installed) or ``"dlib-chip"``.
+    A cache keyed on the bare ``True`` would mix Haar crops and aligned faces."""
     mode = face_mode(detect_face)
     if mode == "align":
         from .align import landmarks_available

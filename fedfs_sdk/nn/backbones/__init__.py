@@ -5,6 +5,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from .dlib_resnet import DlibResNet
 from .feduv_cnn import FedUVCNN
 from .insightface_mbf import InsightFaceMBF
 from .layers import ChannelAffine, GroupNormP, PReLUP, l2_normalize
@@ -15,6 +16,7 @@ BACKBONES: dict[str, Callable[..., nn.Module]] = {
     "mobilefacenet": MobileFaceNet,
     "mobilefacenet-affine": MobileFaceNetAffine,
     "insightface-mbf": InsightFaceMBF,
+    "dlib-resnet": DlibResNet,
     "feduv_cnn": FedUVCNN,
     "tiny": TinyFaceNet,
 }
@@ -23,6 +25,7 @@ DEFAULTS: dict[str, dict[str, int]] = {
     "mobilefacenet": {"embedding_dim": 128, "input_size": 112},
     "mobilefacenet-affine": {"embedding_dim": 128, "input_size": 112},
     "insightface-mbf": {"embedding_dim": 512, "input_size": 112},
+    "dlib-resnet": {"embedding_dim": 128, "input_size": 150},
     "feduv_cnn": {"embedding_dim": 1024, "input_size": 64},
     "tiny": {"embedding_dim": 64, "input_size": 32},
 }
@@ -30,10 +33,11 @@ DEFAULTS: dict[str, dict[str, int]] = {
 
 def get_backbone(name: str, **kwargs: Any) -> nn.Module:
     """Build backbone ``name`` (``mobilefacenet``, ``mobilefacenet-affine``, ``insightface-mbf``,
-    ``feduv_cnn``, ``tiny``).
+    ``dlib-resnet``, ``feduv_cnn``, ``tiny``).
 
     Every backbone maps ``[B, 3, S, S]`` normalized RGB to ``[B, embedding_dim]`` and has
-    ``input_size`` and ``embedding_dim`` attributes.
+    ``input_size`` and ``embedding_dim`` attributes; one trained on a particular face crop says
+    which in ``face_alignment`` (:func:`face_alignment`).
     """
     try:
         ctor = BACKBONES[name]
@@ -44,5 +48,12 @@ def get_backbone(name: str, **kwargs: Any) -> nn.Module:
     return ctor(**args)
 
 
-__all__ = ["BACKBONES", "DEFAULTS", "get_backbone", "ChannelAffine", "GroupNormP", "PReLUP", "l2_normalize",
+def face_alignment(name: str) -> str | None:
+    """The face crop backbone ``name`` must be fed (a :func:`fedfs_sdk.runtime.preprocess.face_mode`
+    value, e.g. ``"dlib-chip"`` for ``dlib-resnet``), or None when the caller's ``detect_face``
+    choice applies."""
+    return getattr(BACKBONES.get(name), "face_alignment", None)
+
+
+__all__ = ["BACKBONES", "DEFAULTS", "get_backbone", "face_alignment", "DlibResNet", "ChannelAffine", "GroupNormP", "PReLUP", "l2_normalize",
            "MobileFaceNet", "MobileFaceNetAffine", "InsightFaceMBF", "FedUVCNN", "TinyFaceNet"]
