@@ -151,7 +151,8 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
     if getattr(method, "selection", None) is not None and result is not None:
         selection = {"counts": method.selection.counts(result["clients"]),
                      "per_client": [method.selection.choices.get(c) for c in result["clients"]],
-                     "checks": [method.selection.details.get(c) for c in result["clients"]]}
+                     "checks": [method.selection.details.get(c) for c in result["clients"]],
+                     "verdicts": {k: v.to_dict() for k, v in method.selection.verdicts.items()}}
     return {"method": method.name, "label": method.label, "options": method.options(), "rounds": fed.round,
             **({"selection": selection} if selection is not None else {}),
             "seconds": train_s, "touched_clients": int(fed.store.touched().size) if fed.store is not None else None,

@@ -233,6 +233,7 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
     n = population.num_clients
     rng = np.random.default_rng([config.seed, 0xC11E])
     clients = np.arange(n) if n <= config.max_clients else np.sort(rng.choice(n, config.max_clients, replace=False))
+    method.prepare_evaluation(global_weights, private, [int(c) for c in clients])
     probes = _probes(population, clients, config)
     shared_cache: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
 

@@ -22,12 +22,12 @@ _CACHES: "weakref.WeakKeyDictionary[torch.nn.Module, TrunkCache]" = weakref.Weak
 
 
 def _is_concrete(x: torch.Tensor) -> bool:
-    try:
-        from torch._C._functorch import is_batchedtensor, is_gradtrackingtensor
+    try:        # any functorch wrapper (vmap's BatchedTensor, grad's GradTrackingTensor around it …)
+        from torch._C._functorch import is_functorch_wrapped_tensor
 
-        return not (is_batchedtensor(x) or is_gradtrackingtensor(x))
-    except ImportError:     # pragma: no cover — older torch: treat as concrete
-        return True
+        return not is_functorch_wrapped_tensor(x)
+    except ImportError:     # pragma: no cover — older torch: never cache
+        return False
 
 
 class TrunkCache:
@@ -39,13 +39,19 @@ class TrunkCache:
         self._d: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.hits = self.misses = 0
 
-    @torch.no_grad()
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Trunk features of ``x`` ``[N, 3, S, S]`` (on ``x``'s device)."""
         if not _is_concrete(x):
-            return self.trunk.to(x.device)(x)
+            # inside vmap/grad: the trunk's weights need no gradient, no graph is built. Never move the
+            # module here (Module.to under a functorch transform would leave wrapped tensors in it)
+            return self.trunk(x)
+        with torch.no_grad():
+            return self._cached(x)
+
+    def _cached(self, x: torch.Tensor) -> torch.Tensor:
+        dev = next(self.trunk.parameters()).device      # where ξ lives (the method moved it)
         if x.shape[0] == 0:
-            return self.trunk.to(x.device)(x)
+            return self.trunk(x.to(dev)).to(x.device)
         cpu = x.detach().to("cpu", torch.float32).contiguous()
         keys = [hashlib.blake2b(cpu[i].numpy().tobytes(), digest_size=16).digest() for i in range(cpu.shape[0])]
         missing = [i for i, k in enumerate(keys) if k not in self._d]
@@ -53,7 +59,7 @@ class TrunkCache:
         self.misses += len(missing)
         for a in range(0, len(missing), self.batch_size):
             part = missing[a:a + self.batch_size]
-            feats = self.trunk.to("cpu")(cpu[part])
+            feats = self.trunk(cpu[part].to(dev)).to("cpu")
             for i, f in zip(part, feats):
                 self._d[keys[i]] = f.clone()
         out = torch.stack([self._d[k] for k in keys])

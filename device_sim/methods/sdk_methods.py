@@ -278,7 +278,7 @@ class SDKMethod(FederatedMethod):
             self._dual_vnet = DualVerifierNet(face.backbone, glob.backbone, face.uv_head)
         self._tops: dict[int, torch.nn.Module] = {}
         if self.scope == "top":     # ξ, global and personal share ξ's trunk: train and verify on its features
-            self._trunk = trunk_cache(ctx.xi.backbone)
+            self._trunk = trunk_cache(frozen(ctx.xi).to(dev).backbone)
             self._global_top = TopFaceNet(self.global_net)
             self._personal_top = TopFaceNet(self.personal_net) if self.personal_net is not None else None
             self._xi_top = TopFaceNet(self.xi) if self.xi is not None else None
@@ -391,13 +391,20 @@ class SDKMethod(FederatedMethod):
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
         """The client's verifier (:meth:`_verifier`); with ``select=on`` the one of ξ, the global
         model and it that did best on the client's hold-out (:mod:`.selection`)."""
-        spec = self._split(self._verifier(state, global_weights, private))
         if self.selection is None:
-            return spec
-        return self.selection.choose(state.client, {
-            "xi": self._split(self.xi_verifier()),
-            "global": self._split(self.new_user_verifier(state, global_weights)),
-            "personalized": spec})
+            return self._split(self._verifier(state, global_weights, private))
+        return self.selection.choose(state.client, self._candidates(state, global_weights, private))
+
+    def _candidates(self, state: ClientState, global_weights: Weights, private: Params | None) -> dict[str, VerifierSpec]:
+        return {"xi": self._split(self.xi_verifier()),
+                "global": self._split(self.new_user_verifier(state, global_weights)),
+                "personalized": self._split(self._verifier(state, global_weights, private))}
+
+    def prepare_evaluation(self, global_weights: Weights, private: Any, clients) -> None:
+        """``select=on``: every evaluated client's check first, then the federation's verdicts."""
+        if self.selection is not None:
+            self.selection.prepare(clients, lambda c: self._candidates(self.client_state_init(c), global_weights,
+                                                                        private(c)))
 
     def xi_verifier(self) -> VerifierSpec:
         """ξ as it is, with a cosine template (what the device had before any training)."""

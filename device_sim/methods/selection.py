@@ -19,9 +19,10 @@ import numpy as np
 import torch
 
 from fedfs_sdk.errors import InputError
+from fedfs_sdk.runtime.capture_match import match_capture
 from fedfs_sdk.nn.model import DualVerifierNet, VerifierNet
 from fedfs_sdk.training.scope import EmbeddingTop
-from fedfs_sdk.training.selection import DEFAULT_HOLDOUT, check_candidate, choose, holdout_split
+from fedfs_sdk.training.selection import CHECK_IMPOSTORS, DEFAULT_HOLDOUT, check_candidate, choose, holdout_split, population_verdict
 
 from .base import VerifierSpec
 
@@ -81,6 +82,14 @@ class HoldoutView:
         return int(self.parts(client)[0].size)
 
 
+def _to_u8(x: torch.Tensor) -> np.ndarray:
+    return torch.round(x * 127.5 + 127.5).clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def _from_u8(u8: np.ndarray) -> torch.Tensor:
+    return (torch.from_numpy(u8).permute(0, 3, 1, 2).float() - 127.5) / 127.5
+
+
 class SimSelection:
     """One method's per-client choice among ξ, the global model and its personalized verifier."""
 
@@ -89,6 +98,9 @@ class SimSelection:
         self.data: HoldoutView | None = None
         self.choices: dict[int, str] = {}
         self.details: dict[int, dict] = {}
+        self.verdicts: dict = {}
+        self._checks: dict[int, list | None] = {}
+        self._unmatched: dict[int, list] = {}
 
     def bind(self, data: Any) -> None:
         if not isinstance(data, HoldoutView):
@@ -96,25 +108,44 @@ class SimSelection:
                              "(run it through `fedfs simulate`, which provides them)")
         self.data = data
 
-    def choose(self, client: int, specs: Mapping[str, VerifierSpec]) -> VerifierSpec:
+    def check(self, client: int, specs: Mapping[str, VerifierSpec]) -> list | None:
+        """Client ``client``'s check of every candidate (hold-out vs its capture-matched public
+        impostors); None when it has no hold-out (too few photos)."""
         from ..evaluate import embed
 
         if self.data is None:
-            raise RuntimeError("SimSelection.choose before bind()")
+            raise RuntimeError("SimSelection used before bind()")
         dev = torch.device(self.method.context.device)
         train_x = self.data.train_images(client)
         hold_x = self.data.holdout_images(client)
-        if hold_x.shape[0] == 0:            # too few photos to hold any out: nothing to show, keep ξ
+        if hold_x.shape[0] == 0:
+            return None
+        imp = self.data.public_impostors[:CHECK_IMPOSTORS]
+        matched = _from_u8(match_capture(_to_u8(imp), _to_u8(train_x), seed=client))
+        checks, raw = [], []
+        for name in CANDIDATES:
+            spec = specs[name]
+            tr, ho, im, mi = (embed(spec, x, dev)["embedding"].numpy() for x in (train_x, hold_x, imp, matched))
+            checks.append(check_candidate(name, tr, ho, mi, far=1e-3))
+            raw.append(check_candidate(name, tr, ho, im, far=1e-3))
+        self._unmatched[client] = [c.to_dict() for c in raw]
+        return checks
+
+    def prepare(self, clients, specs_of) -> None:
+        """Every client's check, then the federation's verdict for each candidate
+        (:func:`~fedfs_sdk.training.selection.population_verdict`)."""
+        self._checks = {c: self.check(c, specs_of(c)) for c in clients}
+        done = [v for v in self._checks.values() if v is not None]
+        self.verdicts = {name: population_verdict(name, done) for name in CANDIDATES[1:]}
+
+    def choose(self, client: int, specs: Mapping[str, VerifierSpec]) -> VerifierSpec:
+        checks = self._checks[client] if client in self._checks else self.check(client, specs)
+        if checks is None:              # too few photos to hold any out: nothing to show, keep ξ
             self.choices[client] = "xi"
             self.details[client] = {"chosen": "xi", "reason": "no hold-out photos (too few training photos)"}
             return specs["xi"]
-        checks = []
-        for name in CANDIDATES:
-            spec = specs[name]
-            out = [embed(spec, x, dev)["embedding"].numpy() for x in (train_x, hold_x, self.data.public_impostors)]
-            checks.append(check_candidate(name, *out, far=1e-3))
-        sel = choose(checks)
-        self.details[client] = sel.to_dict()
+        sel = choose(checks, self.verdicts)
+        self.details[client] = {**sel.to_dict(), "checks_unmatched": self._unmatched.get(client)}
         if self.audit:      # select=audit: record what the rule would choose, verify with the personalized model
             self.choices[client] = "personalized"
             return specs["personalized"]

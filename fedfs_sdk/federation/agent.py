@@ -23,6 +23,7 @@ discards it — ``θ_c`` never advances for an update the server did not accept.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -420,7 +421,8 @@ class DeviceAgent:
         """Do no harm (:mod:`fedfs_sdk.training.selection`): score the hold-out photos (never trained
         on) and the public impostors with ξ, the global model and the personalized one; keep the
         best, ties to the earlier (ξ first)."""
-        from ..training.selection import candidate_scores, check_scores, choose
+        from ..runtime.capture_match import match_capture
+        from ..training.selection import CHECK_IMPOSTORS, Verdict, candidate_scores, check_scores, choose
 
         train, hold = self.holdout_split()
         names = (["xi"] if self._has_xi() else []) + ["global"] + (["personalized"] if uses_fedfs(method) else [])
@@ -428,21 +430,34 @@ class DeviceAgent:
             return ("xi" if "xi" in names else "personalized"), {
                 "chosen": "xi" if "xi" in names else "personalized",
                 "reason": "no hold-out photos (too few photos)" if hold.size == 0 else "nothing to compare with"}
-        checks = []
+        checks, matched = [], {}
         for name in names:
             backend = self.runtime.verifier(method, model, self, version, verify, candidate=name)
-            x = self.all_images_array(backend.input_size)
+            size = backend.input_size
+            x = self.all_images_array(size)
+            if size not in matched:   # the public impostors as this phone would have taken them (its photos' statistics)
+                impostors.batch(size)             # the set fits this model (or a clear error)
+                matched[size] = _from_u8(match_capture(impostors.images[:CHECK_IMPOSTORS], _to_u8(x[train]),
+                                                       seed=len(self.images)))
             mode, output = candidate_mode(method, score, verify, name)
             codeword = self.state.load_codeword() if mode == "codeword" else None
-            g, i = candidate_scores(backend, x[train], x[hold], impostors.batch(backend.input_size), mode, output,
-                                    codeword)
+            g, i = candidate_scores(backend, x[train], x[hold], matched[size], mode, output, codeword)
             checks.append(check_scores(name, g, i, self.config.far or 1e-3))
-        sel = choose(checks)
+        verdicts = {n: Verdict(n, True, math.nan, math.nan, math.nan, 0) for n in self.config.helps}
+        sel = choose(checks, verdicts)
         self._emit("model_chosen", {"chosen": sel.chosen, "reason": sel.reason})
         return sel.chosen, sel.to_dict()
 
     def _has_xi(self) -> bool:
         return self.config.xi_path is not None or self.state.file("xi.safetensors").is_file()
+
+
+def _to_u8(x: np.ndarray) -> np.ndarray:
+    return np.clip(np.rint(x * 127.5 + 127.5), 0, 255).astype(np.uint8).transpose(0, 2, 3, 1).copy()
+
+
+def _from_u8(u8: np.ndarray) -> np.ndarray:
+    return ((u8.astype(np.float32) - 127.5) / 127.5).transpose(0, 3, 1, 2).copy()
 
 
 def candidate_mode(method: str, score: str, verify: str, candidate: str) -> tuple[str, str]:

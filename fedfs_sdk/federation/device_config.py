@@ -58,6 +58,11 @@ class DeviceConfig:
             the enrollment records the choice and its operating point.
         holdout: share of the owner's photos held out for that check (at least 2).
         far: the enrollment's false-accept target on the impostor set (None: FedUV's q only).
+        helps: candidates (``global``, ``personalized``) the federation found better than ξ
+            across its devices (:func:`fedfs_sdk.training.selection.population_verdict`); for
+            them the device only checks that they do no harm *here*. Empty (the default, and all
+            a device knows today: the protocol does not carry the verdict yet): a candidate must
+            show on the device's own photos that it is better.
     """
 
     rounds: int = 1
@@ -77,6 +82,7 @@ class DeviceConfig:
     impostors: Path | None = None
     holdout: float = 0.2
     far: float | None = None
+    helps: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.holdout < 1:

@@ -14,11 +14,12 @@ what sits after it: the backbone's embedding layer (``embed``) and its normaliza
   back-propagation through the convolutions;
 * what is averaged and stored still has the full model's shape (the trunk is ξ's), so
   checkpoints, FedAvg, exports and verifiers are unchanged;
-* a backbone whose embedding does not end in ``embed`` → ``embed_norm`` cannot be split
+* a backbone whose embedding does not end in an ``embed`` layer cannot be split
   (:func:`check_splittable` names it).
 """
 from __future__ import annotations
 
+import copy
 import re
 from typing import Mapping
 
@@ -42,12 +43,12 @@ def check_scope(scope: str) -> str:
 
 
 def check_splittable(backbone: nn.Module) -> None:
-    """:class:`InputError` unless ``backbone`` ends in ``embed`` → ``embed_norm`` (every fedfs
-    MobileFaceNet, insightface's mbf and ``tiny`` do)."""
-    if not (isinstance(getattr(backbone, "embed", None), nn.Module)
-            and isinstance(getattr(backbone, "embed_norm", None), nn.Module)):
-        raise InputError(f"backbone {type(backbone).__name__} has no embedding layer 'embed' → 'embed_norm' to "
-                         "train on its own: scope='top' needs one (use scope='all')")
+    """:class:`InputError` unless ``backbone`` ends in an embedding layer ``embed`` (then,
+    optionally, ``embed_norm``): every fedfs MobileFaceNet, insightface's mbf, ``tiny`` and
+    ``dlib-resnet`` do."""
+    if not isinstance(getattr(backbone, "embed", None), (nn.Linear, nn.Conv2d)):
+        raise InputError(f"backbone {type(backbone).__name__} has no embedding layer 'embed' to train on its own: "
+                         "scope='top' needs one (use scope='all')")
 
 
 def is_top_key(name: str) -> bool:
@@ -61,52 +62,45 @@ def top_state(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in weights.items() if is_top_key(k)}
 
 
-class _Stop(Exception):
-    pass
-
-
 class Trunk(nn.Module):
     """The backbone up to the input of its embedding layer: ``x → f`` (MobileFaceNet: the GDC
-    output ``[B, 512, 1, 1]``; ``tiny``: ``[B, C]``). Runs the backbone's own ``forward`` and
-    stops it at ``embed`` (a forward pre-hook), so every backbone's layout is respected."""
+    output, flattened ``[B, 512]``; ``tiny``: ``[B, C]``; ``dlib-resnet``: the pooled ``[B, 256]``).
+
+    Runs the backbone's own ``forward`` on a shallow copy whose ``embed`` / ``embed_norm`` are
+    identities (every other submodule — and so every weight — is the backbone's own, live), so each
+    backbone's layout is respected and ``vmap`` / ``functional_call`` see a plain module."""
 
     def __init__(self, backbone: nn.Module) -> None:
         super().__init__()
         check_splittable(backbone)
-        self.backbone = backbone
+        body = copy.copy(backbone)
+        body._modules = dict(backbone._modules)     # own module table: replacing two entries leaves the backbone alone
+        body.embed = nn.Identity()
+        if isinstance(getattr(backbone, "embed_norm", None), nn.Module):
+            body.embed_norm = nn.Identity()
+        self.body = body
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        seen: list[torch.Tensor] = []
-
-        def stop(_module: nn.Module, args: tuple) -> None:
-            seen.append(args[0])
-            raise _Stop
-
-        handle = self.backbone.embed.register_forward_pre_hook(stop)
-        try:
-            self.backbone(x)
-        except _Stop:
-            pass
-        finally:
-            handle.remove()
-        if not seen:
-            raise RuntimeError(f"{type(self.backbone).__name__}.forward never reached its embedding layer")
-        return seen[0]
+        return self.body(x).flatten(1)
 
 
 class EmbeddingTop(nn.Module):
-    """``embed_norm(embed(f).flatten(1))``: the backbone after :class:`Trunk`, sharing its
-    modules (and so its parameter names ``embed.*``, ``embed_norm.*``)."""
+    """``embed_norm(embed(f))``: the backbone after :class:`Trunk`, sharing its modules (and so
+    its parameter names ``embed.*``, ``embed_norm.*``); a backbone without ``embed_norm``
+    (``dlib-resnet``) ends at ``embed``."""
 
     def __init__(self, backbone: nn.Module) -> None:
         super().__init__()
         check_splittable(backbone)
         self.embed = backbone.embed
-        self.embed_norm = backbone.embed_norm
+        norm = getattr(backbone, "embed_norm", None)
+        self.embed_norm = norm if isinstance(norm, nn.Module) else nn.Identity()
         self.input_size = getattr(backbone, "input_size", None)
         self.embedding_dim = getattr(backbone, "embedding_dim", None)
 
     def forward(self, f: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed, nn.Conv2d):       # MobileFaceNet's 1×1 conv embedding
+            f = f[:, :, None, None]
         return self.embed_norm(self.embed(f).flatten(1))
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -38,10 +38,18 @@ MIN_GAIN = 0.25
 """A challenger must raise the mean margin by a quarter of the impostors' spread."""
 AUROC_SLACK = 0.002
 """… without lowering its AUROC by more than this (the issue's tolerance for 'no harm')."""
+HARM_MARGIN = 0.5
+HARM_AUROC = 0.05
+"""A device's own check *harms* when the candidate's margin is half an impostor σ below ξ's or
+its AUROC 0.05 below: beyond the noise of a few held-out photos (measured: the per-device margin
+gain of fedfs+feduv has an SD of 0.31 over SynthFaces' cross-domain clients, docs/personalization.md)."""
 DEFAULT_HOLDOUT = 0.2
 """Share of the owner's photos a device keeps out of training to judge its models (at least
 :data:`MIN_HOLDOUT`)."""
 MIN_HOLDOUT = 2
+CHECK_IMPOSTORS = 300
+"""Public impostor photos a check scores, each matched to the capture statistics of the owner's
+photos first (:func:`fedfs_sdk.runtime.capture_match.match_capture`): the set's first 300."""
 
 
 @dataclass(frozen=True)
@@ -150,21 +158,74 @@ def candidate_scores(backend, train: np.ndarray, holdout: np.ndarray, impostors:
     return _unit(run(holdout)) @ template, _unit(run(impostors)) @ template
 
 
-def choose(checks: Sequence[CandidateCheck], min_gain: float = MIN_GAIN,
-           auroc_slack: float = AUROC_SLACK) -> Selection:
-    """The candidate to verify with: the first of ``checks`` unless a later one beats the current
-    choice on every count (TAR ≥, AUROC ≥ − ``auroc_slack``, margin ≥ + ``min_gain``)."""
+@dataclass(frozen=True)
+class Verdict:
+    """The federation's evidence that ``candidate`` verifies better than ξ on its devices: the
+    mean and standard error over devices of each device's margin gain (candidate − ξ, from its
+    own check) and the mean AUROC gain. ``helps``: the mean margin gain exceeds twice its
+    standard error and the AUROC does not fall (by more than :data:`AUROC_SLACK`)."""
+
+    candidate: str
+    helps: bool
+    mean_margin_gain: float
+    se: float
+    mean_auroc_gain: float
+    n: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def population_verdict(candidate: str, checks: Sequence[Sequence[CandidateCheck]],
+                       reference: str = "xi") -> Verdict:
+    """:class:`Verdict` for ``candidate`` from every device's checks (one list per device). Each
+    device contributes one clipped number pair — what a federation can sum (under secure
+    aggregation) without learning any device's photos, embeddings or scores."""
+    dm, da = [], []
+    for per_device in checks:
+        by = {c.name: c for c in per_device}
+        if candidate in by and reference in by:
+            dm.append(by[candidate].margin - by[reference].margin)
+            da.append(by[candidate].auroc - by[reference].auroc)
+    n = len(dm)
+    if n < 2:
+        return Verdict(candidate, False, float("nan"), float("nan"), float("nan"), n)
+    m, se, a = float(np.mean(dm)), float(np.std(dm, ddof=1) / math.sqrt(n)), float(np.mean(da))
+    return Verdict(candidate, bool(m - 2 * se > 0 and a >= -AUROC_SLACK), m, se, a, n)
+
+
+def choose(checks: Sequence[CandidateCheck], verdicts: Mapping[str, Verdict] | None = None,
+           min_gain: float = MIN_GAIN, auroc_slack: float = AUROC_SLACK) -> Selection:
+    """The candidate to verify with (``checks[0]`` is the reference, ξ).
+
+    A later candidate replaces the current choice when
+
+    * **its own evidence** says it is better: TAR ≥, AUROC ≥ − ``auroc_slack`` and margin ≥ +
+      ``min_gain`` (all a device can show alone; with a few held-out photos it fails towards ξ);
+    * or the **federation's** evidence (``verdicts[name].helps``, :func:`population_verdict`) says
+      it helps on the devices at large and this device's check does not say it harms *here*
+      (margin ≥ ξ's − :data:`HARM_MARGIN`, AUROC ≥ ξ's − :data:`HARM_AUROC`) — a device's few photos
+      cannot show a modest gain, but they do show a broken model (a planted bad update)."""
     if not checks:
         raise InputError("choose() needs at least one candidate")
-    best = checks[0]
+    ref = best = checks[0]
     reason = f"{best.name}: the reference"
     for c in checks[1:]:
-        if c.tar >= best.tar and c.auroc >= best.auroc - auroc_slack and c.margin >= best.margin + min_gain:
-            reason = (f"{c.name}: margin {c.margin:+.2f} vs {best.margin:+.2f} ({best.name}), TAR {c.tar:.2f} vs "
-                      f"{best.tar:.2f}, AUROC {c.auroc:.4f} vs {best.auroc:.4f}")
+        own = c.tar >= best.tar and c.auroc >= best.auroc - auroc_slack and c.margin >= best.margin + min_gain
+        v = (verdicts or {}).get(c.name)
+        pooled = v is not None and v.helps and c.margin >= ref.margin - HARM_MARGIN and c.auroc >= ref.auroc - HARM_AUROC
+        if own:
+            reason = (f"{c.name}: its own check — margin {c.margin:+.2f} vs {best.margin:+.2f} ({best.name}), TAR "
+                      f"{c.tar:.2f} vs {best.tar:.2f}, AUROC {c.auroc:.4f} vs {best.auroc:.4f}")
+            best = c
+        elif pooled:
+            reason = (f"{c.name}: helps across the federation (margin gain {v.mean_margin_gain:+.2f} ± "
+                      f"{v.se:.2f} over {v.n} devices) and no harm here (margin {c.margin:+.2f} vs ξ {ref.margin:+.2f}, "
+                      f"AUROC {c.auroc:.4f} vs {ref.auroc:.4f})")
             best = c
     return Selection(best.name, tuple(checks), reason)
 
 
-__all__ = ["CandidateCheck", "Selection", "check_candidate", "check_scores", "candidate_scores", "choose", "holdout_count", "holdout_split", "far_index",
+__all__ = ["CandidateCheck", "Selection", "Verdict", "population_verdict", "check_candidate", "check_scores",
+           "candidate_scores", "choose", "HARM_MARGIN", "HARM_AUROC", "CHECK_IMPOSTORS", "holdout_count", "holdout_split", "far_index",
            "MARGIN_CLIP", "MIN_GAIN", "AUROC_SLACK", "DEFAULT_HOLDOUT", "MIN_HOLDOUT"]
