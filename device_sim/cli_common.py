@@ -110,7 +110,9 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     ds = ImageFolderDataset(root, args.image_size, detect_face=args.detect_face, validate=True, cache_bytes=1 << 30)
     counts = ds.counts
     src = args.pretrain_data
-    pretrain_here = (not src or (src != "synth" and Path(src) == root)) and not builtin_name(getattr(args, "pretrained", None))
+    # a built-in ξ was trained elsewhere, but the folder still keeps its public identities: they are the
+    # public impostor set that ships with the model (the do-no-harm check, enroll --far)
+    pretrain_here = not src or (src != "synth" and Path(src) == root)
     plan = plan_folder_split(counts, args, pretrain_here)
     plan.notes[:0] = real_face_notes
     splits = make_splits(ds, plan.public, plan.clients, plan.new_users, plan.train, plan.test,
@@ -137,11 +139,13 @@ def apply_real_face_default(args: argparse.Namespace) -> list[str]:
     the ``faces`` extra) as ξ and ϕ's start; without the extra it pre-trains ξ on the folder's
     public identities as before and says, in one line, what to install. A built-in ξ (also when
     named, ``--pretrained dlib-resnet``) fixes the input: its size (150) and its face crop
-    (dlib's chip), and holds out no public identities (it was trained elsewhere). Unset
+    (dlib's chip); the folder's public identities are trained on by nobody — they are the public
+    impostor set (do-no-harm check, ``enroll --far``). ``--scenario real-phone`` / ``real-night``
+    (capture shifts of the folder's own photos) count as "no ξ asked for". Unset
     ``--image-size`` / ``--backbone`` then get their defaults."""
     notes: list[str] = []
-    asked = [getattr(args, k, None) for k in ("pretrained", "pretrain_data", "scenario", "backbone", "width",
-                                              "embedding_dim")]
+    asked = [getattr(args, k, None) for k in ("pretrained", "pretrain_data", "backbone", "width", "embedding_dim")]
+    asked.append(getattr(args, "scenario", None) not in (None, "real-phone", "real-night"))
     if hasattr(args, "pretrained") and args.data != "synth" and not any(asked):
         name = default_real_face_model()
         if name is None:
@@ -159,7 +163,7 @@ def apply_real_face_default(args: argparse.Namespace) -> list[str]:
         args.image_size = size
         args.detect_face = face_alignment(backbone) or args.detect_face
         notes.append(f"ξ: the built-in {name} ({BUILTIN_MODELS[name].description}; {args.detect_face} "
-                     f"preprocessing); no public identities held out")
+                     f"preprocessing); the folder's public identities are not trained on: they are the public impostor set")
     elif pretrained and Path(pretrained).is_file():
         # a ξ checkpoint of a backbone trained on one face crop (an imported dlib-resnet) gets that crop
         from fedfs_sdk.nn.checkpoint import read_checkpoint

@@ -44,6 +44,26 @@ def test_choose_keeps_xi_against_a_planted_bad_update_and_takes_a_real_gain() ->
     assert sel.chosen == "personalized" and "margin" in sel.reason
 
 
+def test_federation_verdict_lets_a_modest_gain_through_but_not_harm() -> None:
+    from fedfs_sdk.training.selection import CandidateCheck, HARM_MARGIN, population_verdict
+
+    def c(name, margin, auroc=0.9, tar=0.5):
+        return CandidateCheck(name, tar, margin, auroc, 0.3, 3, 300)
+    rng = np.random.default_rng(0)
+    # 50 devices: the personalized margin is +0.2 better on average, each device's evidence is noisy
+    devices = [[c("xi", 0.0), c("personalized", 0.2 + 0.3 * rng.standard_normal())] for _ in range(50)]
+    v = population_verdict("personalized", devices)
+    assert v.helps and v.n == 50 and v.mean_margin_gain > 2 * v.se
+    modest = [c("xi", 0.0), c("personalized", 0.1)]               # too small to show alone …
+    assert choose(modest).chosen == "xi"
+    assert choose(modest, {"personalized": v}).chosen == "personalized"     # … enough with the federation's
+    harmful = [c("xi", 0.0), c("personalized", -HARM_MARGIN - 0.01)]
+    assert choose(harmful, {"personalized": v}).chosen == "xi"               # but not where it harms here
+    flat = population_verdict("personalized", [[c("xi", 0.0), c("personalized", 0.3 * rng.standard_normal())]
+                                               for _ in range(50)])
+    assert not flat.helps
+
+
 def test_holdout_split_is_seeded_and_leaves_enough_to_train() -> None:
     tr, ho = holdout_split(13, seed=5)
     assert ho.size == 3 and tr.size == 10 and np.intersect1d(tr, ho).size == 0
@@ -125,6 +145,8 @@ def test_simulated_selection_keeps_xi_for_a_planted_bad_update(tmp_path) -> None
     torch.manual_seed(0)
     bad = {k: (v + 2.0 * torch.randn_like(v) if k.startswith("backbone.") and v.dim() > 1 else v)
            for k, v in g.items()}                              # planted: every conv / linear weight scrambled
+    m.prepare_evaluation(g, lambda c: {"personal": bad}, list(range(pop.num_clients)))
+    assert not m.selection.verdicts["personalized"].helps      # the federation sees the harm too
     for c in range(pop.num_clients):
         spec = m.verifier(m.client_state_init(c), g, {"personal": bad})
         assert spec.shared_key == "xi"                         # ξ kept, not the scrambled θ_c

@@ -151,6 +151,7 @@ class SDKMethod(FederatedMethod):
         self.preset = preset
         self._preset_values = chosen
         self.norm_init = norm_init if norm_init is not None else chosen.get("norm_init", "none")
+        self._norm_init_asked = norm_init is not None
         if self.norm_init not in ("none", "center", "standardize"):
             raise InputError(f"norm_init must be 'none', 'center' or 'standardize', got {self.norm_init!r}")
         score = score if score is not None else chosen.get("score", "codeword")
@@ -289,7 +290,12 @@ class SDKMethod(FederatedMethod):
         keep the data's hold-out and public impostors for :meth:`verifier`."""
         if self.selection is not None:
             self.selection.bind(data)
-        if self.norm_init != "none":
+        if self.norm_init != "none" and not hasattr(self.context.xi.backbone, "embed_norm") \
+                and not self._norm_init_asked:
+            # the preset's norm_init needs an embedding normalization to fold into (dlib-resnet ends in a
+            # bias-free linear layer): without one the preset runs without it, and says so in its options
+            self.norm_init = "none (the backbone has no embed_norm)"
+        if self.norm_init in ("center", "standardize"):
             net = frozen(verifier_net(self.context.model_config.resolved(), with_head=False))
             self._norm_fold = norm_fold(net, backbone_weights(self.context.xi.state_dict()), data, self.norm_init)
 
