@@ -133,18 +133,41 @@ def fr_descriptors(files: list[Path], cache: Path) -> tuple[np.ndarray, np.ndarr
 # ---- fedfs ----------------------------------------------------------------------------------
 
 def fedfs_embeddings(model: str, files: list[Path], detect_face: bool, cache: Path) -> np.ndarray:
+    """Embeddings of ``files`` by a fedfs model file or a built-in name (``dlib-resnet``), each
+    photo preprocessed as ``fedfs enroll`` would (the model's own face crop where it has one)."""
     from fedfs_sdk.cli.common import load_backend
-    from fedfs_sdk.runtime.preprocess import preprocess
+    from fedfs_sdk.nn.builtin_models import builtin_name, save_builtin
+    from fedfs_sdk.runtime.preprocess import model_face_mode, preprocess
 
+    if builtin_name(model):
+        cache.mkdir(parents=True, exist_ok=True)
+        model = str(save_builtin(builtin_name(model), cache / f"{builtin_name(model)}.safetensors"))
     mh = hashlib.sha256(Path(model).read_bytes()).hexdigest()[:16]
     path = _cache_file(cache, "fedfs", files, f"{mh}-{detect_face}")
     if path.is_file():
         return np.load(path)["e"]
     backend = load_backend(model)
-    out = []
+    mode = model_face_mode(detect_face, getattr(backend, "alignment", None)) or False
+    from fedfs_sdk.errors import NoFaceError
+
+    out, faceless = [], []
     for a in range(0, len(files), 64):
-        x = preprocess([str(f) for f in files[a:a + 64]], backend.input_size, detect_face=detect_face)
+        chunk = [str(f) for f in files[a:a + 64]]
+        try:
+            x = preprocess(chunk, backend.input_size, detect_face=mode)
+        except NoFaceError:     # one photo without a face: the others as usual, it as a centre crop
+            parts = []
+            for f in chunk:
+                try:
+                    parts.append(preprocess([f], backend.input_size, detect_face=mode))
+                except NoFaceError:
+                    faceless.append(f)
+                    parts.append(preprocess([f], backend.input_size, detect_face=False))
+            x = np.concatenate(parts)
         out.append(backend.run(x)["embedding"])
+    if faceless:
+        print(f"fedfs {Path(model).name}: no face found in {len(faceless)} photo(s), scored as centre crops: "
+              + ", ".join(Path(f).name for f in faceless))
     e = np.concatenate(out).astype(np.float64)
     cache.mkdir(parents=True, exist_ok=True)
     np.savez(path, e=e)
@@ -253,7 +276,8 @@ def protocol_b(run: Path, files_by_key: dict[tuple[str, str], int], fr: np.ndarr
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="folder of real photos: DIR/<person>/<photo> (as taken, not aligned)")
-    p.add_argument("--model", action="append", default=[], help="a fedfs ξ (checkpoint or .onnx); repeatable")
+    p.add_argument("--model", action="append", default=[], help="a fedfs ξ (checkpoint, .onnx, or a built-in name: "
+                   "dlib-resnet); repeatable")
     p.add_argument("--detect-face", action="store_true", help="fedfs: five-point alignment, as enroll --detect-face")
     p.add_argument("--public", type=float, default=0.25, help="share of identities that are public (fedfs's τ)")
     p.add_argument("--split-seed", type=int, default=0)

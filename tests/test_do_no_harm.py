@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
-import pytest
 import torch
 
 from fedfs_sdk.nn.checkpoint import save_checkpoint
@@ -197,8 +196,9 @@ def test_device_keeps_xi_for_a_planted_bad_update(tmp_path) -> None:
     assert hold.size == 2 and train.size == 10
     assert agent.images_array(32).shape[0] == 10          # training never sees the hold-out
     from fedfs_sdk.runtime.impostors import load_impostors
-    chosen, record = agent._choose_model("fedfs", model_bytes, 1, "template", "personal",
-                                         load_impostors(tmp_path / "imp.npz"))
+    from fedfs_sdk.federation.device_enrollment import choose_model
+    chosen, record = choose_model(agent, "fedfs", model_bytes, 1, "template", "personal",
+                                  load_impostors(tmp_path / "imp.npz"))
     assert chosen == "xi", record
     assert [c["name"] for c in record["checks"]] == ["xi", "global", "personalized"]
     state.close()

@@ -39,6 +39,32 @@ def top_verifier(net: torch.nn.Module) -> torch.nn.Module:
     raise InputError(f"scope='top' cannot split a {type(net).__name__} verifier")
 
 
+def split_spec(spec: VerifierSpec, xi: torch.nn.Module) -> VerifierSpec:
+    """``spec`` evaluated as its top on ξ's cached trunk features (:mod:`device_sim.trunk_cache`)
+    — a pure speed-up, valid when the spec's trunk *is* ξ's (ξ itself, norm-adapt, any
+    ``scope="top"`` model). Specs of a backbone that cannot be split are returned as they are."""
+    from dataclasses import replace
+
+    from fedfs_sdk.training.scope import check_splittable
+
+    from ..trunk_cache import trunk_cache
+
+    if spec.trunk is not None:
+        return spec
+    backbone = getattr(xi, "backbone", xi)
+    try:
+        check_splittable(backbone)
+        top = _TOPS.get(id(spec.net))
+        if top is None:
+            top = _TOPS[id(spec.net)] = (spec.net, top_verifier(spec.net))
+        return replace(spec, trunk=trunk_cache(backbone), top=top[1])
+    except InputError:
+        return spec
+
+
+_TOPS: dict[int, tuple] = {}      # verifier skeleton id → (skeleton kept alive, its top)
+
+
 class HoldoutView:
     """A :class:`~device_sim.population.Population` whose clients train without their hold-out.
 
@@ -161,4 +187,4 @@ class SimSelection:
         return out
 
 
-__all__ = ["HoldoutView", "SimSelection", "top_verifier", "CANDIDATES"]
+__all__ = ["HoldoutView", "SimSelection", "top_verifier", "split_spec", "CANDIDATES"]

@@ -354,7 +354,8 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
     op = None
     if far is not None or impostors is not None:
         imp = None if impostors is None else _impostor_scores(backend, impostors, mode, v, template, template_output)
-        tau, op = operating_point(scores, q, far, imp, tau)
+        ids = getattr(impostors, "identity", None)
+        tau, op = operating_point(scores, q, far, imp, tau, identities=ids)
         op["n_warmup"] = int(keep.sum())
         if impostors is not None and hasattr(impostors, "digest"):
             op["impostor_set"] = {"sha256": impostors.digest(), "photos": len(impostors),

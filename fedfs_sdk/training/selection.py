@@ -47,9 +47,9 @@ DEFAULT_HOLDOUT = 0.2
 """Share of the owner's photos a device keeps out of training to judge its models (at least
 :data:`MIN_HOLDOUT`)."""
 MIN_HOLDOUT = 2
-CHECK_IMPOSTORS = 300
+CHECK_IMPOSTORS = 100
 """Public impostor photos a check scores, each matched to the capture statistics of the owner's
-photos first (:func:`fedfs_sdk.runtime.capture_match.match_capture`): the set's first 300."""
+photos first (:func:`fedfs_sdk.runtime.capture_match.match_capture`): the set's first 100."""
 
 
 @dataclass(frozen=True)
