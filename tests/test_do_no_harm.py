@@ -244,3 +244,30 @@ def test_shifted_dataset_changes_phones_only_and_any_batch_order(tmp_path) -> No
     assert ds.fingerprint() != CaptureShiftDataset(base, "night", seed=8, shifted=[1, 2]).fingerprint()
     levels = shifted * 127.5 + 127.5
     assert torch.equal(levels, levels.round())          # still on the uint8 grid of every fedfs input
+
+
+def test_real_night_on_lfw_is_deterministic_and_leaves_public_photos_alone(tmp_path) -> None:
+    """The real-photo scenario on ../shared/data/lfw (skipped without it): three people's photos,
+    two of them phones under 'night', built twice with one seed and once with another."""
+    import pytest as _pytest
+
+    from tests.shared_assets import LFW
+
+    if not LFW.is_dir():
+        _pytest.skip(f"needs the shared LFW folder ({LFW})")
+    from device_sim.capture_shifts import CaptureShiftDataset
+    from device_sim.datasets import ImageFolderDataset
+
+    people = sorted(p for p in LFW.iterdir() if p.is_dir())[:3]
+    for p in people:
+        (tmp_path / p.name).symlink_to(p)
+    base = ImageFolderDataset(tmp_path, 112)
+    a = CaptureShiftDataset(base, "night", seed=0, shifted=[1, 2])
+    b = CaptureShiftDataset(base, "night", seed=0, shifted=[1, 2])
+    c = CaptureShiftDataset(base, "night", seed=1, shifted=[1, 2])
+    ids, idx = np.array([0, 1, 2, 1]), np.array([0, 0, 1, 3])
+    xa, xb, xc = a.batch(ids, idx), b.batch(ids[::-1], idx[::-1]), c.batch(ids, idx)
+    assert torch.equal(xa, xb.flip(0))                   # same seed, any order: the same photos
+    assert torch.equal(xa[0], base.batch([0], [0])[0])   # public identity: as it is
+    assert not torch.equal(xa[1:], xc[1:])               # another seed, another capture
+    assert float(xa[1:].mean()) < float(base.batch(ids[1:], idx[1:]).mean())   # darker

@@ -132,3 +132,36 @@ def test_impostor_set_from_a_folder(tmp_path) -> None:
     (tmp_path / "x.npz").write_bytes(b"junk")
     with pytest.raises(InputError, match="not a fedfs impostor set"):
         load_impostors(tmp_path / "x.npz")
+
+
+def test_cli_impostors_enroll_far_and_verify_print_the_operating_point(tmp_path, capsys) -> None:
+    import cv2
+
+    from fedfs_sdk.cli.main import main
+    from fedfs_sdk.nn.checkpoint import save_verifier
+
+    torch.manual_seed(0)
+    m = FaceNet(ModelConfig("tiny")).eval()
+    save_verifier(tmp_path / "v.safetensors", m.backbone, m.config)
+    for p in range(50):
+        d = tmp_path / "public" / f"p{p}"
+        d.mkdir(parents=True)
+        for j, im in enumerate(_person(100 + p, 20)):
+            cv2.imwrite(str(d / f"{j}.png"), im)
+    (tmp_path / "owner").mkdir()
+    for j, im in enumerate(_person(1, 12)):
+        cv2.imwrite(str(tmp_path / "owner" / f"{j}.png"), im)
+    assert main(["impostors", "--images", str(tmp_path / "public"), "--model", str(tmp_path / "v.safetensors"),
+                 "--out", str(tmp_path / "imp.npz")]) == 0
+    assert "1000 photos of 50 public identities" in capsys.readouterr().out
+    base = ["enroll", "--model", str(tmp_path / "v.safetensors"), "--images", str(tmp_path / "owner"),
+            "--key-file", str(tmp_path / "key"), "--q", "0.5"]
+    assert main(base + ["--out", str(tmp_path / "a.enr"), "--far", "1e-3"]) == 2       # --far without a set
+    assert "--far needs a public impostor set" in capsys.readouterr().err
+    assert main(base + ["--out", str(tmp_path / "a.enr"), "--far", "1e-3", "--impostors", str(tmp_path / "imp.npz")]) == 0
+    out = capsys.readouterr().out
+    assert "operating point:" in out and "FAR ≤ 0.001" in out and "50 public people" in out
+    assert main(["verify", "--enrollment", str(tmp_path / "a.enr"), "--key-file", str(tmp_path / "key"),
+                 str(tmp_path / "owner" / "0.png")]) in (0, 1)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith(("ACCEPT", "REJECT")) and lines[-1].startswith("operating point: TAR")

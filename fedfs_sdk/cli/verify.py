@@ -59,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
                          "verifier.safetensors / verifier.onnx next to it): pass --model")
     client = args.client if args.client is not None else (None if args.model else e.meta.get("model_client"))
     backend = load_backend(model, client=client)
-    print(describe(e.meta))
     target = Path(args.image)
     if not target.is_dir():
         r = verify(backend, e, args.image, detect_face=args.detect_face)
         print(f"{'ACCEPT' if r.accepted else 'REJECT'} score={r.score:.4f} threshold={r.threshold:.4f}")
+        print(describe(e.meta))
         return 0 if r.accepted else 1
     rejected = 0
     files = list_images(target)
@@ -72,4 +72,5 @@ def run(args: argparse.Namespace) -> int:
         rejected += not r.accepted
         print(f"{'ACCEPT' if r.accepted else 'REJECT'} score={r.score:.4f} threshold={r.threshold:.4f} {f}")
     print(f"{len(files) - rejected} of {len(files)} accepted")
+    print(describe(e.meta))
     return 0 if rejected == 0 else 1
