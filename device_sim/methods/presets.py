@@ -11,13 +11,13 @@ from fedfs_sdk.training.methods import DEFAULT_LR, DEFAULT_SCOPE, DEFAULT_VERIFI
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "fedfs": {"paper": {"lr": PAPER_LR["fedfs"], "scope": PAPER_SCOPE},
-              "default": {"lr": DEFAULT_LR["fedfs"], "scope": DEFAULT_SCOPE["fedfs"], "select": "on"}},
+              "default": {"lr": DEFAULT_LR["fedfs"], "scope": DEFAULT_SCOPE["fedfs"], "select": "auto"}},
     "feduv": {"paper": {"lr": PAPER_LR["feduv"], "scope": PAPER_SCOPE},
               "default": {"lr": DEFAULT_LR["feduv"], "scope": DEFAULT_SCOPE["feduv"]}},
     "fedfs+feduv": {
         "paper": {"lr": PAPER_LR["fedfs+feduv"], "scope": PAPER_SCOPE},
         "default": {"lr": DEFAULT_LR["fedfs+feduv"], "norm_init": "standardize", "scope": DEFAULT_SCOPE["fedfs+feduv"],
-                    "select": "on", **dict(zip(("score", "verify"), DEFAULT_VERIFICATION["fedfs+feduv"]))}},
+                    "select": "auto", **dict(zip(("score", "verify"), DEFAULT_VERIFICATION["fedfs+feduv"]))}},
 }
 """Named configurations of each method. ``paper``: the papers' values as printed (FedFS lr
 5e-3, 2 epochs, Eq. 5 dot-product soft scores; FedUV lr 0.1, codeword scoring). ``default``:

@@ -38,7 +38,7 @@ from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, 
                    backbone_weights, frozen, verifier_net)
 from .reference import fold_standardization, norm_fold
 from .presets import PRESETS, base_vector  # noqa: F401 (re-exported: the presets, the simulated b_u)
-from .selection import SimSelection, split_spec, top_verifier
+from .selection import HoldoutView, SimSelection, split_spec, top_verifier
 
 NEG_MODES = ("none", "all", "early")
 
@@ -91,6 +91,16 @@ class SDKMethod(FederatedMethod):
         norm_init: ``none``, ``center`` or ``standardize``: start ϕ from ξ whose embedding
             normalization affine is re-fitted to the clients' pooled embedding statistics
             (``norm-adapt``'s fold; a federation computes them as a FedAvg of per-client sums).
+        scope: which layers of ϕ train — ``top`` (the embedding layer, FedFS projection and FedUV
+            head on ξ's frozen, cached trunk; the defaults') or ``all`` (``:paper``);
+            :mod:`fedfs_sdk.training.scope`.
+        select: do no harm (:mod:`.selection`) — ``on``: each client verifies with ξ, the global
+            model or its personalized one, whichever its hold-out check (and the federation's
+            verdict) supports; ``off``; ``audit``: check and record, verify with the personalized
+            model; ``auto`` (the defaults): ``on`` when the federation's data is a
+            :class:`~device_sim.methods.selection.HoldoutView` (``fedfs simulate`` / ``fedfs demo``
+            give one), else ``off``.
+        holdout: share of a client's training photos kept out of training for that check.
         preset: ``default`` (the best measured configuration, :data:`PRESETS`,
             docs/personalization.md) or ``paper`` (the papers' values as printed: lr, epochs,
             codeword scoring); explicit options override the preset. CLI: ``fedfs+feduv:paper``.
@@ -131,9 +141,9 @@ class SDKMethod(FederatedMethod):
         self.score, self.lr, self.epochs = score, lr, epochs
         self.scope = check_scope(scope if scope is not None else chosen.get("scope", "all"))
         self.select = select if select is not None else chosen.get("select", "off")
-        if self.select not in ("on", "off", "audit"):
-            raise InputError(f"select must be 'on', 'off' or 'audit' (check and record, keep the personalized "
-                             f"model), got {self.select!r}")
+        if self.select not in ("on", "off", "audit", "auto"):
+            raise InputError(f"select must be 'auto', 'on', 'off' or 'audit' (check and record, keep the "
+                             f"personalized model), got {self.select!r}")
         self.holdout = float(holdout if holdout is not None else DEFAULT_HOLDOUT)
         holdout_count(20, self.holdout)          # validates the fraction
         self.selection = SimSelection(self, audit=self.select == "audit") if self.select != "off" else None
@@ -252,7 +262,11 @@ class SDKMethod(FederatedMethod):
         clients' pooled statistics (``norm-adapt``'s fold, :mod:`.reference`); ``select=on``:
         keep the data's hold-out and public impostors for :meth:`verifier`."""
         if self.selection is not None:
-            self.selection.bind(data)
+            if self.select == "auto" and not isinstance(data, HoldoutView):
+                # a federation built by hand on a Population: no hold-out, no public impostor set → off
+                self.select, self.selection = "off (no hold-out)", None
+            else:
+                self.selection.bind(data)
         if self.norm_init != "none" and not hasattr(self.context.xi.backbone, "embed_norm") \
                 and not self._norm_init_asked:
             # the preset's norm_init needs an embedding normalization to fold into (dlib-resnet ends in a
@@ -360,9 +374,14 @@ class SDKMethod(FederatedMethod):
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
         """The client's verifier (:meth:`_verifier`); with ``select=on`` the one of ξ, the global
         model and it that did best on the client's hold-out (:mod:`.selection`)."""
-        if self.selection is None:
+        if not self._selecting():
             return self._split(self._verifier(state, global_weights, private))
         return self.selection.choose(state.client, self._candidates(state, global_weights, private))
+
+    def _selecting(self) -> bool:
+        """``select=auto`` is on once bound to a hold-out (:meth:`prepare`); ``on`` always (it
+        raises, naming the fix, when it has nothing to check with)."""
+        return self.selection is not None and (self.select != "auto" or self.selection.data is not None)
 
     def _candidates(self, state: ClientState, global_weights: Weights, private: Params | None) -> dict[str, VerifierSpec]:
         return {"xi": self._split(self.xi_verifier()),
@@ -371,7 +390,7 @@ class SDKMethod(FederatedMethod):
 
     def prepare_evaluation(self, global_weights: Weights, private: Any, clients) -> None:
         """``select=on``: every evaluated client's check first, then the federation's verdicts."""
-        if self.selection is not None:
+        if self._selecting():
             self.selection.prepare(clients, lambda c: self._candidates(self.client_state_init(c), global_weights,
                                                                         private(c)))
 
