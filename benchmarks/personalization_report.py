@@ -66,13 +66,46 @@ def report(folder: Path, references: tuple[str, ...] = ("pretrained", "local-com
     return "\n".join(lines)
 
 
+COMPACT = (("template AUROC", "template_auroc"), ("pairwise AUROC", "pairwise_auroc"),
+           ("TAR@FAR=1e-3", "tar@0.001"), ("pairwise TAR@FAR=1e-3", "pairwise_tar@0.001"))
+
+
+def compact(folder: Path) -> str:
+    """The docs' table: mean ± sd over seeds of each headline metric, its paired Δ vs ξ (mean over
+    seeds; the smallest and largest seed's Δ; on how many seeds Δ > 2·SE) and the choices."""
+    from device_sim.report import lookup  # noqa: F401 (keeps the report module's helpers importable)
+
+    seeds = sorted(folder.glob("seed_*/results.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+    rows = combine_seeds([json.loads(p.read_text()) for p in seeds])
+    head = ["method"] + [h for h, _ in COMPACT] + ["chose ξ / global / personalized"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["label"]]
+        for _, key in COMPACT:
+            m = r["metrics"].get({"template_auroc": "template_auroc", "pairwise_auroc": "pairwise_auroc"}.get(key, key))
+            d = r["delta"].get(key)
+            val = f"{m['mean']:.4f}" if m and m.get("n") else "–"
+            if d and d.get("n"):
+                vals = [v for v in d["values"] if v == v]
+                val += (f" ({d['mean']:+.4f}; seeds {min(vals):+.4f} … {max(vals):+.4f}; "
+                        f"{d['above_2se'] if d['mean'] >= 0 else d['below_2se']}/{d['n']} "
+                        f"{'> 2·SE' if d['mean'] >= 0 else '< −2·SE'})")
+            cells.append(val)
+        sel = [c for c in r.get("selection") or [] if c]
+        cells.append(", ".join(" / ".join(str(c.get(k, 0)) for k in ("xi", "global", "personalized")) for c in sel)
+                     or "–")
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folder", type=Path, help="the --out folder of a fedfs simulate --seeds K run")
     p.add_argument("--reference", nargs="+", default=["pretrained", "local-compact"],  # a label works too
                    help="reference methods (names or labels)")
+    p.add_argument("--compact", action="store_true", help="only the docs' table (mean over seeds, Δ range, choices)")
     a = p.parse_args()
-    print(report(a.folder, tuple(a.reference)))
+    print(compact(a.folder) if a.compact else report(a.folder, tuple(a.reference)))
 
 
 if __name__ == "__main__":
