@@ -271,3 +271,39 @@ def test_real_night_on_lfw_is_deterministic_and_leaves_public_photos_alone(tmp_p
     assert torch.equal(xa[0], base.batch([0], [0])[0])   # public identity: as it is
     assert not torch.equal(xa[1:], xc[1:])               # another seed, another capture
     assert float(xa[1:].mean()) < float(base.batch(ids[1:], idx[1:]).mean())   # darker
+
+
+def test_trunk_cache_and_split_verifiers_give_the_full_models_embeddings() -> None:
+    """The simulator's speed-up is exact: cached trunk features are the trunk's, and a verifier run
+    as its top on them embeds like the whole verifier (ξ, and a scope=top dual verifier)."""
+    from device_sim.evaluate import embed
+    from device_sim.methods import parse_method
+    from device_sim.methods.base import SimContext, VerifierSpec, backbone_weights, verifier_net
+    from device_sim.methods.selection import split_spec
+    from device_sim.trunk_cache import TrunkCache
+
+    torch.manual_seed(0)
+    xi = FaceNet(ModelConfig("tiny")).eval()
+    x = torch.rand(7, 3, 32, 32) * 2 - 1
+    cache = TrunkCache(xi.backbone)
+    f1 = cache(x)
+    assert torch.equal(f1, cache(x)) and cache.hits == 7 and cache.misses == 7
+    torch.testing.assert_close(f1, Trunk(xi.backbone)(x), atol=1e-6, rtol=1e-6)
+    spec = VerifierSpec(verifier_net(ModelConfig("tiny"), with_head=False), backbone_weights(xi.state_dict()))
+    full = embed(spec, x, torch.device("cpu"))["embedding"]
+    torch.testing.assert_close(embed(split_spec(spec, xi), x, torch.device("cpu"))["embedding"], full,
+                               atol=1e-5, rtol=1e-5)
+    m = parse_method("fedfs+feduv:select=off")
+    m.setup(SimContext(ModelConfig("tiny"), xi, num_clients=1))
+    g = m.init_global()
+    personal = {k: (v + 0.01 * torch.randn_like(v) if is_top_key(k) else v) for k, v in g.items()
+                if not k.startswith("uv_head.")}
+    dual = m.verifier(m.client_state_init(0), g, {"personal": personal})
+    assert dual.trunk is not None
+    whole = embed(replace_trunk(dual), x, torch.device("cpu"))["embedding"]
+    torch.testing.assert_close(embed(dual, x, torch.device("cpu"))["embedding"], whole, atol=1e-5, rtol=1e-5)
+
+
+def replace_trunk(spec):
+    from dataclasses import replace
+    return replace(spec, trunk=None, top=None)
