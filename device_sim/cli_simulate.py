@@ -114,10 +114,11 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
         raise InputError(f"{method.label}: scope=top keeps the trunk at ξ's weights; --weight-decay would shrink it")
     if getattr(method, "select", "off") != "off":    # do no harm: train without the hold-out, choose after
         imp = public_impostors(args, pop)
-        if imp.shape[0] < 2:
-            raise InputError(f"{method.label}: select=on needs a public impostor set, i.e. public identities "
-                             "(--public N ≥ 1, or --pretrain-data); or pass select=off")
-        data = HoldoutView(pop, imp, method.holdout, seed=args.seed)
+        if imp.shape[0] >= 2:
+            data = HoldoutView(pop, imp, method.holdout, seed=args.seed)
+        elif method.select != "auto":   # auto: no public identities, no check (said in the method's options)
+            raise InputError(f"{method.label}: select={method.select} needs a public impostor set, i.e. public "
+                             "identities (--public N ≥ 1, or --pretrain-data); or pass select=off")
     fed = Federation(method, data, xi, cfg, store_path=ckdir / "store.mmap", dist=dist)
     fed.dp = dp_sim.from_args(args, pop.num_clients) if method.trains else None
     if fed.dp is not None:
