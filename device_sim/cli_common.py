@@ -20,6 +20,7 @@ from .image_store import DATA_CACHE_CHOICES
 from .pretrain import PretrainConfig, load_xi, pretrain_cached
 from .scenarios import SCENARIOS, apply_scenario, scenario_help
 from .splits import FaceSplits, UserSplit, make_splits
+from .capture_shifts import CAPTURE_SHIFTS, CaptureShiftDataset
 from .synth_domains import DOMAINS
 from .synthfaces import SynthFaces
 
@@ -67,6 +68,9 @@ def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users
                    help="SynthFaces nuisance strength of ξ's images (default: --difficulty)")
     g.add_argument("--pretrain-public", type=int, default=300,
                    help="public SynthFaces identities of ξ when --pretrain-data synth differs from --data")
+    g.add_argument("--capture-shift", default="none", choices=sorted(CAPTURE_SHIFTS),
+                   help="folders: capture conditions applied to the clients' and new users' photos (the phones'), "
+                        "seeded by --split-seed (device_sim.capture_shifts); ξ's public identities stay as they are")
     g.add_argument("--scenario", default=None, choices=sorted(SCENARIOS),
                    help="a named setting of the options above: " + scenario_help())
     g.add_argument("--data-cache", default="auto", choices=DATA_CACHE_CHOICES,
@@ -97,6 +101,9 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     apply_scenario(args)
     real_face_notes = apply_real_face_default(args)
     if args.data == "synth":
+        if (getattr(args, "capture_shift", "none") or "none") != "none":
+            raise InputError("--capture-shift applies to a folder of real photos (--data PATH); "
+                             "SynthFaces renders its looks itself: use --domain")
         apply_synth_defaults(args)
         ds = _synth_dataset(args, args.domain, args.difficulty)
         splits = make_splits(SYNTH_UNIVERSE, args.public, args.clients, args.new_users,
@@ -110,7 +117,9 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     ds = ImageFolderDataset(root, args.image_size, detect_face=args.detect_face, validate=True, cache_bytes=1 << 30)
     counts = ds.counts
     src = args.pretrain_data
-    pretrain_here = (not src or (src != "synth" and Path(src) == root)) and not builtin_name(getattr(args, "pretrained", None))
+    # a built-in ξ was trained elsewhere, but the folder still keeps its public identities: they are the
+    # public impostor set that ships with the model (the do-no-harm check, enroll --far)
+    pretrain_here = not src or (src != "synth" and Path(src) == root)
     plan = plan_folder_split(counts, args, pretrain_here)
     plan.notes[:0] = real_face_notes
     splits = make_splits(ds, plan.public, plan.clients, plan.new_users, plan.train, plan.test,
@@ -118,6 +127,13 @@ def build_data(args: argparse.Namespace) -> tuple[IdentityDataset, FaceSplits]:
     skipped = ds.skip_summary()
     skipped["identities"] += [s.to_dict() for s in unused_identities(ds.names, counts, splits, plan.per_user)]
     splits.meta.update({"plan": plan.notes, "skipped": skipped})
+    shift = getattr(args, "capture_shift", "none") or "none"
+    if shift != "none":
+        phones = np.r_[splits.identities("clients"), splits.identities("new_users")]
+        ds = CaptureShiftDataset(ds, shift, args.split_seed, phones, cache_bytes=1 << 30)
+        splits.meta["plan"] = list(splits.meta["plan"]) + [
+            f"capture shift '{shift}' on the {phones.size} clients' and new users' photos (seed {args.split_seed}); "
+            f"the {len(splits.public)} public identities' photos as they are"]
     return ds, splits
 
 
@@ -130,11 +146,13 @@ def apply_real_face_default(args: argparse.Namespace) -> list[str]:
     the ``faces`` extra) as ξ and ϕ's start; without the extra it pre-trains ξ on the folder's
     public identities as before and says, in one line, what to install. A built-in ξ (also when
     named, ``--pretrained dlib-resnet``) fixes the input: its size (150) and its face crop
-    (dlib's chip), and holds out no public identities (it was trained elsewhere). Unset
+    (dlib's chip); the folder's public identities are trained on by nobody — they are the public
+    impostor set (do-no-harm check, ``enroll --far``). ``--scenario real-phone`` / ``real-night``
+    (capture shifts of the folder's own photos) count as "no ξ asked for". Unset
     ``--image-size`` / ``--backbone`` then get their defaults."""
     notes: list[str] = []
-    asked = [getattr(args, k, None) for k in ("pretrained", "pretrain_data", "scenario", "backbone", "width",
-                                              "embedding_dim")]
+    asked = [getattr(args, k, None) for k in ("pretrained", "pretrain_data", "backbone", "width", "embedding_dim")]
+    asked.append(getattr(args, "scenario", None) not in (None, "real-phone", "real-night"))
     if hasattr(args, "pretrained") and args.data != "synth" and not any(asked):
         name = default_real_face_model()
         if name is None:
@@ -151,8 +169,8 @@ def apply_real_face_default(args: argparse.Namespace) -> list[str]:
             raise InputError(f"--pretrained {name} takes {size} px inputs; drop --image-size {args.image_size}")
         args.image_size = size
         args.detect_face = face_alignment(backbone) or args.detect_face
-        notes.append(f"ξ: the built-in {name} — {BUILTIN_MODELS[name].description}; photos read as "
-                     f"{args.detect_face} at {size} px; no public identities held out")
+        notes.append(f"ξ: the built-in {name} ({BUILTIN_MODELS[name].description}; {args.detect_face} "
+                     f"preprocessing); the folder's public identities are not trained on: they are the public impostor set")
     elif pretrained and Path(pretrained).is_file():
         # a ξ checkpoint of a backbone trained on one face crop (an imported dlib-resnet) gets that crop
         from fedfs_sdk.nn.checkpoint import read_checkpoint
@@ -232,6 +250,24 @@ def build_pretrain_data(args: argparse.Namespace, ds: IdentityDataset,
     pub = _all_public(src_ds)
     pub.meta["skipped"] = src_ds.skip_summary()
     return src_ds, pub
+
+
+def public_impostor_images(args: argparse.Namespace, ds: IdentityDataset, splits: FaceSplits,
+                           limit: int = 1000) -> torch.Tensor:
+    """The public impostor set a simulated device ships with: up to ``limit`` photos (a seeded
+    sample, ``--split-seed``) of ξ's public identities as ξ saw them (:func:`build_pretrain_data`:
+    ``--pretrain-data``'s look; a folder's public identities without any capture shift). Never a
+    client's or new user's photo. Empty when there are no public identities."""
+    src_ds, src_splits = build_pretrain_data(args, ds, splits)
+    ids, idx, _ = src_splits.pairs("public", "train")
+    if ids.size > limit:
+        keep = np.sort(np.random.default_rng([args.split_seed, 0x1A90]).choice(ids.size, limit, replace=False))
+        ids, idx = ids[keep], idx[keep]
+    if ids.size == 0:
+        return torch.zeros(0, 3, ds.image_size, ds.image_size)
+    if isinstance(src_ds, CaptureShiftDataset) and src_ds.shifted[ids].any():
+        raise InputError("the public impostor set would hold a phone's photos")    # a split bug: never ship them
+    return src_ds.batch(ids, idx)
 
 
 def add_pretrain_arguments(p: argparse.ArgumentParser, epochs: int = 10) -> None:
@@ -340,5 +376,5 @@ def setup_device(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-__all__ = ["add_data_arguments", "apply_synth_defaults", "skipped_lines", "build_data", "add_pretrain_arguments", "pretrain_config", "run_pretrain",
+__all__ = ["public_impostor_images", "add_data_arguments", "apply_synth_defaults", "skipped_lines", "build_data", "add_pretrain_arguments", "pretrain_config", "run_pretrain",
            "resolve_xi", "check_xi_disjoint", "build_pretrain_data", "add_device_argument", "setup_device", "progress_bar", "SYNTH_UNIVERSE"]

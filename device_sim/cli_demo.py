@@ -6,9 +6,11 @@
    docs/personalization.md) runs ξ, the honest references (local-compact, norm-adapt, the
    supervised oracle), FedFS (the paper's configuration) and the default FedFS+FedUV side
    by side on the same 100 clients (same seed, same sampled participants);
-4. enrolls one client with :func:`fedfs_sdk.runtime.enrollment.enroll` on its FedFS+FedUV verifier
-   (personalized backbone + shared head + its secret codeword) and verifies one of its own
-   held-out images and one stranger's image with :func:`fedfs_sdk.runtime.enrollment.verify`;
+4. enrolls one client with :func:`fedfs_sdk.runtime.enrollment.enroll` on the verifier its
+   do-no-harm check chose, with τ set for FAR 1e-3 on the run's public impostor set (or, when
+   that would accept fewer than q = 0.9 of its own photos, FedUV's warm-up τ), prints that
+   operating point (TAR, FAR) and the accept rate of the other clients' held-out photos, and
+   verifies one of its own held-out images and one stranger's image;
 5. prints the table (also written to ``--out``: results.json, results.md, roc.png).
 """
 from __future__ import annotations
@@ -16,8 +18,12 @@ from __future__ import annotations
 import argparse
 import time
 
-from fedfs_sdk.runtime.enrollment import enroll, verify
+import torch
+
+from fedfs_sdk.errors import OperatingPointError
+from fedfs_sdk.runtime.enrollment import enroll, score, verify
 from fedfs_sdk.runtime.inference import TorchBackend
+from fedfs_sdk.runtime.operating_point import describe
 
 from . import cli_simulate
 from .federation import Federation
@@ -69,18 +75,33 @@ def simulate_args(args: argparse.Namespace) -> argparse.Namespace:
     return sim
 
 
-def demo_enrollment(fed: Federation, pop: Population, client: int = 0) -> dict:
-    """Enroll ``client`` with its own verifier (FedUV Alg. 2 warm-up, q = 0.9) on its local
-    images and verify one held-out image of its own and one of another client."""
+def demo_enrollment(fed: Federation, pop: Population, client: int = 0, impostors=None, far: float = 1e-3,
+                    q: float = 0.9) -> dict:
+    """Enroll ``client`` with its own verifier (the one its do-no-harm check chose) on its local
+    images and verify one held-out image of its own and one of another client.
+
+    With ``impostors`` (the run's public impostor set) τ is set for ``far`` on it
+    (:mod:`fedfs_sdk.runtime.operating_point`) when the warm-up still accepts ``q`` of the owner's
+    photos, else FedUV's warm-up τ for ``q`` is kept and its FAR measured; either way the
+    operating point is returned with the accept rate of the other clients' held-out photos."""
     spec = fed.method.verifier(fed.client_state(client), fed.global_weights, fed.private_weights(client))
     spec.net.load_state_dict(spec.weights, strict=True)
     backend = TorchBackend(spec.net, model_id=f"demo/{fed.method.name}/client{client}")
-    enrollment = enroll(backend, pop.train_images(client).numpy(), q=0.9, codeword=spec.codeword)
+    warm = pop.train_images(client).numpy()
+    refused = None
+    try:
+        enrollment = enroll(backend, warm, q=q, codeword=spec.codeword, impostors=impostors,
+                            far=far if impostors is not None else None)
+    except OperatingPointError as e:
+        refused = str(e)
+        enrollment = enroll(backend, warm, q=q, codeword=spec.codeword, impostors=impostors)
     own = pop.test_images(client)[:1].numpy()
-    stranger = pop.test_images((client + 1) % pop.num_clients)[:1].numpy()
+    others = torch.cat([pop.test_images(c) for c in range(pop.num_clients) if c != client]).numpy()
+    accepted = score(backend, enrollment, others) >= enrollment.threshold
     return {"client": client, "method": fed.method.label, "mode": enrollment.mode,
-            "threshold": enrollment.threshold, "n_warmup": enrollment.n_warmup,
-            "own": verify(backend, enrollment, own), "stranger": verify(backend, enrollment, stranger)}
+            "threshold": enrollment.threshold, "n_warmup": enrollment.n_warmup, "enrollment": enrollment,
+            "refused": refused, "others_accepted": float(accepted.mean()), "others": int(accepted.size),
+            "own": verify(backend, enrollment, own), "stranger": verify(backend, enrollment, others[:1])}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,10 +120,16 @@ def run(args: argparse.Namespace) -> int:
     combined = next((s for s in sim.method if s.split(":")[0] == "fedfs+feduv"), None) or \
         next((s for s in sim.method if s.split(":")[0] != "pretrained"), None)
     if combined is not None:
-        info = demo_enrollment(feds[combined], feds[combined].data, client=0)
+        fed = feds[combined]
+        pop = getattr(fed.data, "pop", fed.data)          # all of the client's photos (the hold-out too)
+        info = demo_enrollment(fed, pop, client=0, impostors=cli_simulate.public_impostors(sim, pop))
         own, stranger = info["own"], info["stranger"]
         print(f"\nenrollment ({info['method']}, client {info['client']}, {info['mode']} mode, "
-              f"{info['n_warmup']} warm-up images, q = 0.9): threshold τ = {info['threshold']:.4f}")
+              f"{info['n_warmup']} warm-up images): threshold τ = {info['threshold']:.4f}")
+        if info["refused"]:
+            print(f"  FAR {1e-3:g} target refused ({info['refused']}); FedUV's warm-up τ (q = 0.9) kept")
+        print(f"  {describe(info['enrollment'].meta)}")
+        print(f"  other clients' held-out photos accepted at τ: {info['others_accepted']:.4f} of {info['others']}")
         print(f"  verify own held-out image:   {'ACCEPT' if own.accepted else 'reject'} (score {own.score:.4f})")
         print(f"  verify a stranger's image:   {'ACCEPT' if stranger.accepted else 'reject'} (score {stranger.score:.4f})")
     print(f"\nwrote {', '.join(results['files'].values())}; total {time.perf_counter() - t0:.0f} s")

@@ -25,7 +25,7 @@ from fedfs_sdk.fileio import atomic_write_bytes
 from fedfs_sdk.errors import InputError
 
 from . import cli_distributed, distributed, dp_sim
-from .cli_common import (add_data_arguments, add_device_argument, add_pretrain_arguments, build_data,
+from .cli_common import (public_impostor_images, add_data_arguments, add_device_argument, add_pretrain_arguments, build_data,
                          progress_bar, resolve_xi, setup_device, skipped_lines)
 from .evaluate import EvalConfig, evaluate
 from .executors import LocalConfig
@@ -33,6 +33,7 @@ from .folder_split import auto_warmup_q
 from .federation import Federation, FederationConfig, checkpoint_path, latest_checkpoint
 from .methods import REGISTRY, parse_method
 from .image_store import plan_data_cache
+from .methods.selection import HoldoutView
 from .population import Population
 from .prefetch import PREFETCH_MODES
 from .report import (combine_seeds, headroom_line, markdown_table, notes_lines, seeds_markdown_table, slug,
@@ -113,7 +114,17 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
     cfg = federation_config(args)
     ckdir = out / "checkpoints" / slug(method.label)
     dist = distributed.current(getattr(args, "rank_split", "balanced"))
-    fed = Federation(method, pop, xi, cfg, store_path=ckdir / "store.mmap", dist=dist)
+    data = pop
+    if getattr(method, "scope", "all") == "top" and args.weight_decay:
+        raise InputError(f"{method.label}: scope=top keeps the trunk at ξ's weights; --weight-decay would shrink it")
+    if getattr(method, "select", "off") != "off":    # do no harm: train without the hold-out, choose after
+        imp = public_impostors(args, pop)
+        if imp.shape[0] >= 2:
+            data = HoldoutView(pop, imp, method.holdout, seed=args.seed)
+        elif method.select != "auto":   # auto: no public identities, no check (said in the method's options)
+            raise InputError(f"{method.label}: select={method.select} needs a public impostor set, i.e. public "
+                             "identities (--public N ≥ 1, or --pretrain-data); or pass select=off")
+    fed = Federation(method, data, xi, cfg, store_path=ckdir / "store.mmap", dist=dist)
     fed.dp = dp_sim.from_args(args, pop.num_clients) if method.trains else None
     if fed.dp is not None:
         dp_sim.check_dp_method(method)
@@ -142,10 +153,29 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
     result = _evaluate(fed, pop, eval_cfg, args, quiet=args.quiet) if fed.is_main else None
     if keep is not None:
         keep[spec] = fed
+    selection = None
+    if getattr(method, "selection", None) is not None and result is not None:
+        selection = {"counts": method.selection.counts(result["clients"]),
+                     "per_client": [method.selection.choices.get(c) for c in result["clients"]],
+                     "checks": [method.selection.details.get(c) for c in result["clients"]],
+                     "verdicts": {k: v.to_dict() for k, v in method.selection.verdicts.items()}}
     return {"method": method.name, "label": method.label, "options": method.options(), "rounds": fed.round,
+            **({"selection": selection} if selection is not None else {}),
             "seconds": train_s, "touched_clients": int(fed.store.touched().size) if fed.store is not None else None,
             "history": [vars(h) for h in fed.history], "eval": result,
             **({"dp": fed.dp.record(fed.round)} if fed.dp is not None and method.trains else {})}
+
+
+_IMPOSTORS: dict[int, Any] = {}
+
+
+def public_impostors(args: argparse.Namespace, pop: Population):
+    """The run's public impostor set (:func:`public_impostor_images`), built once per population."""
+    key = id(pop)
+    if key not in _IMPOSTORS:
+        _IMPOSTORS.clear()
+        _IMPOSTORS[key] = public_impostor_images(args, pop.dataset, pop.splits)
+    return _IMPOSTORS[key]
 
 
 def _evaluate(fed: Federation, pop: Population, cfg: EvalConfig, args: argparse.Namespace, quiet: bool) -> dict:

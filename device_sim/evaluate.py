@@ -47,6 +47,10 @@ from .memory import inference_batch
 from .population import Population
 
 
+PAIRWISE_FAR = 1e-3
+"""The FAR of the pairwise TAR column (each client's own-test pairs vs own-test × pool pairs)."""
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """Evaluation settings.
@@ -116,13 +120,23 @@ def _names(spec: VerifierSpec) -> tuple[str, ...]:
     return tuple(spec.net.output_names)
 
 
+def _split(spec: VerifierSpec, x: torch.Tensor) -> tuple[torch.nn.Module, dict[str, torch.Tensor], torch.Tensor]:
+    """``(net, weights, inputs)`` to run: the whole verifier on images, or — for a split spec
+    (``spec.trunk``) — its top on ξ's cached trunk features."""
+    if spec.trunk is None or spec.top is None:
+        return spec.net, spec.weights, x
+    names = set(spec.top.state_dict())
+    return spec.top, {k: v for k, v in spec.weights.items() if k in names}, spec.trunk(x)
+
+
 @torch.no_grad()
 def embed(spec: VerifierSpec, x: torch.Tensor, device: torch.device,
           batch_size: int | None = None) -> dict[str, torch.Tensor]:
     """Run one verifier on images ``x``; returns CPU float32 ``{"embedding", ["uv"]}``."""
-    net = spec.net.to(device).eval()
+    net, weights, x = _split(spec, x)
+    net = net.to(device).eval()
     batch_size = batch_size or _auto_batch(net, x)
-    w = {k: v.to(device) for k, v in spec.weights.items()}
+    w = {k: v.to(device) for k, v in weights.items()}
     outs: dict[str, list[torch.Tensor]] = {n: [] for n in _names(spec)}
     for s in range(0, x.shape[0], batch_size):
         res = functional_call(net, w, (x[s:s + batch_size].to(device),))
@@ -136,9 +150,10 @@ def embed_stacked(specs: Sequence[VerifierSpec], x: torch.Tensor, device: torch.
                   batch_size: int | None = None) -> list[dict[str, torch.Tensor]]:
     """Run K verifiers of one architecture on the same images under ``vmap`` (one
     forward for all K per image batch). Returns one feature dict per verifier."""
-    net = specs[0].net.to(device).eval()
+    net, first, x = _split(specs[0], x)
+    net = net.to(device).eval()
     batch_size = batch_size or _auto_batch(net, x)
-    stacked = {k: torch.stack([s.weights[k].to(device) for s in specs]) for k in specs[0].weights}
+    stacked = {k: torch.stack([s.weights[k].to(device) for s in specs]) for k in first}
     fn = vmap(lambda w, xb: functional_call(net, w, (xb,)), in_dims=(0, None))
     names = _names(specs[0])
     outs: dict[str, list[torch.Tensor]] = {n: [] for n in names}
@@ -153,8 +168,8 @@ def embed_stacked(specs: Sequence[VerifierSpec], x: torch.Tensor, device: torch.
 def _auto_batch(net: torch.nn.Module, x: torch.Tensor) -> int:
     """Images per forward that fit :data:`device_sim.memory.INFER_BUDGET_BYTES` (memory, not
     speed, is what limits MobileFaceNet on a small CPU machine)."""
-    if x.dim() != 4 or next(net.parameters(), None) is None:
-        return 512
+    if x.dim() != 4 or x.shape[1] != 3 or next(net.parameters(), None) is None:
+        return 512          # not images (a split verifier's trunk features): small
     return inference_batch(net, int(x.shape[-1]))
 
 
@@ -218,6 +233,7 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
     n = population.num_clients
     rng = np.random.default_rng([config.seed, 0xC11E])
     clients = np.arange(n) if n <= config.max_clients else np.sort(rng.choice(n, config.max_clients, replace=False))
+    method.prepare_evaluation(global_weights, private, [int(c) for c in clients])
     probes = _probes(population, clients, config)
     shared_cache: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
 
@@ -231,6 +247,8 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
     ver, ident, warm_p, warm_new_fpr = [], [], [], []
     ident_clients: list[dict[float, float]] = []
     pairwise: list[float] = []
+    pairwise_tar: list[float] = []
+    pairwise_eer: list[float] = []
     fars = tuple(float(f) for f in config.fars)
     has_new = probes.new.shape[0] > 0
     done = 0
@@ -267,9 +285,14 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
             except InputError:
                 ident_clients.append({f_: float("nan") for f_ in fars})
             try:   # FedFR 1:1: cosine of the verifier's embedding output, every mode (codeword ones too)
-                pairwise.append(M.pairwise_auroc(own_test["embedding"].numpy(), f["pool"]["embedding"].numpy()[others]))
+                pg, pi = M.pairwise_scores(own_test["embedding"].numpy(), f["pool"]["embedding"].numpy()[others])
+                pairwise.append(M.auroc(pg, pi) if pg.size else float("nan"))
+                pairwise_tar.append(M.tar_at_far(pg, pi, PAIRWISE_FAR) if pg.size and pi.size else float("nan"))
+                pairwise_eer.append(M.eer(pg, pi) if pg.size and pi.size else float("nan"))
             except InputError:
                 pairwise.append(float("nan"))
+                pairwise_tar.append(float("nan"))
+                pairwise_eer.append(float("nan"))
             warm_p.append((scorer.warmup, genuine, impostor))
             if has_new:
                 nonmated = scorer(f["new"])
@@ -287,13 +310,19 @@ def evaluate(method: FederatedMethod, global_weights: Weights, private: Callable
     pooled = v["pooled"] or {}
     result["verification"] = {"auroc": v["auroc"], "eer": v["eer"], "tar_at_far": _keys(v["tar_at_far"]),
                               "per_client_auroc": [p.get("auroc", float("nan")) for p in v["per_client"]],
+                              "per_client_tar_at_far": _keys({f: [p.get("tar_at_far", {}).get(f, float("nan"))
+                                                                  for p in v["per_client"]] for f in config.fars}),
                               # one global threshold over all clients' scores (FedFS does not say which it reports)
                               "pooled": {"auroc": pooled.get("auroc"), "eer": pooled.get("eer"),
                                          "tar_at_far": _keys(pooled.get("tar_at_far", {}))},
                               # the coarsest client's 1/n_impostor: smaller FAR targets mean FAR 0
                               "far_resolution": max((p["far_resolution"] for p in v["per_client"]
                                                      if "far_resolution" in p), default=float("nan"))}
-    result["pairwise"] = {"auroc": M.aggregate(pairwise), "per_client_auroc": pairwise}
+    result["pairwise"] = {"auroc": M.aggregate(pairwise), "per_client_auroc": pairwise,
+                          # each client's pairs: ~n·m impostor pairs resolve FAR 1e-3 where templates cannot
+                          "tar_at_far": {f"{PAIRWISE_FAR:g}": M.aggregate(pairwise_tar)},
+                          "per_client_tar_at_far": {f"{PAIRWISE_FAR:g}": pairwise_tar},
+                          "per_client_eer": pairwise_eer}
     result["identification_clients"] = {
         "tpir_at_fpir": _keys({f: M.aggregate([d[f] for d in ident_clients]) for f in fars}),
         "per_client": _keys({f: [d[f] for d in ident_clients] for f in fars})}

@@ -14,7 +14,16 @@ scenario                  ξ pre-trained on                            clients
 ``cross-domain-night``    SynthFaces ``studio``                       SynthFaces ``night``
 ``synth-to-folder``       SynthFaces ``studio``                       ``--data PATH`` (a folder)
 ``folder-to-folder``      ``--pretrain-data PATH``                    ``--data PATH``
+``real-phone``            ``--data``'s public identities (or          ``--data PATH`` as phones
+                          ``--pretrained``), photos as they are       capture them: capture shift
+                                                                      ``phone``
+``real-night``            as ``real-phone``                           capture shift ``night``
 ========================  ==========================================  ==========================
+
+The ``real-*`` scenarios put real photos under the SynthFaces domains' capture conditions
+(:mod:`device_sim.capture_shifts`: low light, side light, colour style, greyscale, blur, noise,
+low resolution, JPEG, masks) — on the clients' and new users' photos only: ξ's public
+identities, and the public impostor set taken from them, stay as they are.
 
 ``phone`` changes how faces look, not only how hard they are: wider pose, harsh directional
 light, a desaturated warm colour style with gamma and contrast changes, face masks on a third
@@ -62,6 +71,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              data=None, pretrain_data="synth", settings={"pretrain_domain": "studio", "public": 0}),
     Scenario("folder-to-folder", "ξ on the --pretrain-data folder, clients from the --data folder",
              data=None, pretrain_data=None, settings={"public": 0}),
+    Scenario("real-phone", "the --data folder's photos as phones capture them (capture shift 'phone' on the "
+             "clients' and new users' photos; ξ's public identities untouched)",
+             data=None, settings={"capture_shift": "phone"}),
+    Scenario("real-night", "the --data folder's photos captured at night (capture shift 'night' on the clients' "
+             "and new users' photos)", data=None, settings={"capture_shift": "night"}),
 )}
 
 

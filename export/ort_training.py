@@ -273,5 +273,6 @@ def train_config_of(info: dict[str, Any]) -> TrainConfig:
     obj = info["objective"]
     return TrainConfig(method=info["method"], lr=info["lr"], head_lr=info["head_lr"],
                        local_epochs=info["local_epochs"], batch_size=info["batch_size"],
+                       scope=info.get("scope", "all"),        # the artifacts train every layer
                        objective=ObjectiveConfig(fedfs=FedFSLossConfig(**obj["fedfs"]),
                                                  uv_weight=obj["uv_weight"], lambda_neg=obj["lambda_neg"]))

@@ -54,3 +54,9 @@ class CheckpointError(FedFSError):
 
 class ProtocolError(FedFSError):
     """The aggregation server refused a request or answered something unexpected."""
+
+
+class OperatingPointError(InputError):
+    """An enrollment cannot meet its targets: the false-accept rate ``far`` on the public
+    impostor set and the warm-up's true-positive rate ``q`` cannot both hold (or the impostor
+    set is too small to bound ``far``)."""

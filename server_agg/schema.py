@@ -52,6 +52,7 @@ TRAIN_SCHEMA: dict[str, Any] = {
         **{k: _num(0.0, hi) for k, hi in TRAIN_FLOAT_MAX.items()},
         "head_lr": _nullable(_num(0.0, TRAIN_FLOAT_MAX["head_lr"])),   # null: the same as lr
         **{k: _int(lo, hi) for k, (lo, hi) in TRAIN_INT_RANGES.items()},
+        "scope": {"enum": ["all", "top"]},
         "objective": _nullable({
             "type": "object", "additionalProperties": False,
             "properties": {"uv_weight": _num(0.0, OBJECTIVE_MAX), "lambda_neg": _num(0.0, OBJECTIVE_MAX),

@@ -202,10 +202,10 @@ def test_non_finite_weights_and_loss_are_fedfs_errors(monkeypatch: pytest.Monkey
     nan_w[k0] = nan_w[k0].clone().fill_(float("nan"))
     with pytest.raises(InputError, match=f"global weights: {k0} contains NaN or Inf"):
         LocalTrainer(mc, TrainConfig(method="feduv")).train(nan_w, x, codeword=v)
-    # a diverging run: the loss becomes NaN in a later batch
+    # a diverging run: the loss becomes NaN in a later batch (every layer trains: scope="all")
     with pytest.raises(TrainingError, match=r"local loss became nan \(lr=1e\+20 too high\?\)") as ei:
-        LocalTrainer(mc, TrainConfig(method="feduv", lr=1e20, head_lr=1e20, batch_size=4, local_epochs=3)).train(
-            w, x, codeword=v)
+        LocalTrainer(mc, TrainConfig(method="feduv", lr=1e20, head_lr=1e20, batch_size=4, local_epochs=3,
+                                     scope="all")).train(w, x, codeword=v)
     assert isinstance(ei.value, FedFSError) and isinstance(ei.value, FloatingPointError)
     # the last step overflows the weights while its loss was still finite
     real = trainer_mod.local_objective
@@ -216,5 +216,5 @@ def test_non_finite_weights_and_loss_are_fedfs_errors(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(trainer_mod, "local_objective", scaled)
     with pytest.raises(TrainingError, match="made the global weights non-finite"):
-        LocalTrainer(mc, TrainConfig(method="feduv", lr=1e20, head_lr=1e20, batch_size=16, local_epochs=1)).train(
-            w, x, codeword=v)
+        LocalTrainer(mc, TrainConfig(method="feduv", lr=1e20, head_lr=1e20, batch_size=16, local_epochs=1,
+                                     scope="all")).train(w, x, codeword=v)

@@ -99,7 +99,7 @@ def test_soft_labels_get_no_gradient() -> None:
     x, _ = faces(1, 10, seed=6)
     steps = 3
     cfg = ObjectiveConfig()
-    ref = LocalTrainer(TINY, TrainConfig(method="fedfs", lr=LR, local_epochs=steps, batch_size=len(x)),
+    ref = LocalTrainer(TINY, TrainConfig(method="fedfs", lr=LR, local_epochs=steps, batch_size=len(x), scope="all"),
                        xi=xi_model()).train(w0, x)
 
     g = FaceNet(TINY)

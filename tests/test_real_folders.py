@@ -71,8 +71,8 @@ def test_simulate_with_only_data_prints_a_table_and_names_every_skip(photos: Pat
     assert not np.isnan(ev["warmup"]["tpr"]["mean"])
     # each client has 2 test images; 21 other clients → 42 impostor images: FAR 1e-2 < 1/42 is marked
     notes = res["methods"][0]["column_notes"]
-    assert "1/42" in notes["verification.tar_at_far.0.01.mean"]
-    assert "verification.tar_at_far.0.01.mean" in notes and "identification_clients.tpir_at_fpir.0.1.mean" not in notes
+    assert "1/42" in notes["verification.tar_at_far.0.001.mean"]
+    assert "verification.tar_at_far.0.001.mean" in notes and "identification_clients.tpir_at_fpir.0.1.mean" not in notes
     assert "†" in printed.out and "† " in (out / "results.md").read_text()
 
 
@@ -111,10 +111,10 @@ def test_auto_q_and_resolution_notes_by_hand() -> None:
     splits = make_splits(DS(), 0, 4, 0, None, None)             # 80/20 of 5 → 4 train images
     q, note = auto_warmup_q(splits)
     assert q == 0.75 and "0.75" in note                           # ⌈1/(1−0.75)⌉ = 4
-    ev = {"verification": {"far_resolution": 1 / 38, "tar_at_far": {"0.01": {"mean": 0.001}, "0.1": {"mean": 0.4}}},
+    ev = {"verification": {"far_resolution": 1 / 38, "tar_at_far": {"0.001": {"mean": 0.001}, "0.1": {"mean": 0.4}}},
           "new_user_images": 0, "warmup": {"tpr": {"mean": float("nan")}, "n_insufficient": 7}}
     notes = column_notes(ev, q=0.9)
-    assert "1/38" in notes["verification.tar_at_far.0.01.mean"]
+    assert "1/38" in notes["verification.tar_at_far.0.001.mean"]
     assert "0.1" not in [k.split(".")[-2] for k in notes if k.startswith("verification")]
     assert "all 7 users" in notes["warmup.tpr.mean"] and "= 10" in notes["warmup.tpr.mean"]
 
@@ -137,4 +137,4 @@ def test_seeds_table_carries_the_notes(photos: Path, tmp_path: Path, capsys) -> 
                  "--cache-dir", str(tmp_path / "c"), "--out", str(tmp_path / "run"), *TINY]) == 0
     out = capsys.readouterr().out
     assert out.count("split of the folder: 8 public identities") == 1 and "warm-up q = 0.875" in out
-    assert "† TAR@FAR=1e-2" in out or "† TPIR@FPIR 0.01 (other clients), TAR@FAR=1e-2" in out
+    assert "† TAR@FAR=1e-3" in out or "TAR@FAR=1e-3:" in out

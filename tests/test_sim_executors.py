@@ -24,12 +24,16 @@ def data() -> RandomClients:
                                              ("fedfs+feduv:norm_init=none", None)])
 def test_sequential_equals_local_trainer(spec: str, device_lr, xi, data) -> None:
     """The simulator's local step is the device's; with ``device_lr=None`` the device's own
-    default lr (fedfs_sdk.training.methods.DEFAULT_LR) must be the preset's."""
+    default lr (fedfs_sdk.training.methods.DEFAULT_LR) must be the preset's, and with no scope the
+    device's default scope (DEFAULT_SCOPE) the default preset's (a ``:paper`` preset trains every
+    layer: the device is told so)."""
     m = setup_method(spec, xi)
     plan, tasks = make_tasks(m, data, [1])
     res = SequentialExecutor().train(m, plan, tasks, LocalConfig(batch_size=4))   # both default to DEFAULT_HEAD_LR
     t = tasks[0]
-    ref = LocalTrainer(m.model_config, TrainConfig(method=m.sdk_method, lr=device_lr, batch_size=4), xi=xi).train(
+    scope = None if m.preset == "default" else m.scope
+    ref = LocalTrainer(m.model_config, TrainConfig(method=m.sdk_method, lr=device_lr, batch_size=4, scope=scope),
+                       xi=xi).train(
         t.params["global"], t.images, personal_weights=t.params.get("personal", {}).copy() or None,
         codeword=t.consts.get("codeword"), seed=t.seed)
     got = {k: v[0] for k, v in res.params["global"].items()}

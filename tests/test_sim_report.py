@@ -73,10 +73,11 @@ def test_markdown_table_new_columns() -> None:
     assert "delta" not in rows[1]                      # computed for display, rows untouched
     head = table.splitlines()[2]
     for col in ("template AUROC", "Δ ±SE", "pairwise AUROC", "TPIR@FPIR 0.1 / 0.01 (other clients)",
-                "Δ TPIR@0.1 ±SE", "TAR@FAR=1e-2", "warm-up TPR"):
+                "Δ TPIR@0.1 ±SE", "TAR@FAR=1e-3", "warm-up TPR"):
         assert col in head
-    assert "EER" not in head and "TAR@FAR=1e-3" not in head
-    assert head.index("template AUROC") < head.index("pairwise AUROC") < head.index("TAR@FAR=1e-2")
+    assert "EER" not in head and "TAR@FAR=1e-2" not in head       # 1e-2 stays in results.json
+    assert "pairwise TAR@FAR=1e-3" in head
+    assert head.index("template AUROC") < head.index("pairwise AUROC") < head.index("TAR@FAR=1e-3")
     fed = next(line for line in table.splitlines() if line.startswith("| fedfs |"))
     cells = [c.strip() for c in fed.strip("|").split("|")]
     assert cells[1] == "0.7375" and cells[2].startswith("+0.0875 ± ")

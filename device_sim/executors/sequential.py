@@ -69,7 +69,9 @@ class SequentialExecutor:
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"client {task.client}: local loss became {loss.item()} "
                                          f"(lr={cfg.lr_for(method)} too high?)")
-            grads_flat = torch.autograd.grad(loss * scale, [params[g][k] for g, k in leaves])
+            # materialize_grads: a tensor the objective does not use (scope=top's frozen trunk) gets a zero
+            grads_flat = torch.autograd.grad(loss * scale, [params[g][k] for g, k in leaves], allow_unused=True,
+                                             materialize_grads=True)
             grads: Params = {g: {} for g in params if trained is None or g in trained}
             for (g, k), gr in zip(leaves, grads_flat):
                 grads[g][k] = gr.float() / scale

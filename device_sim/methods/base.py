@@ -103,6 +103,13 @@ class VerifierSpec:
     reference)`` instead of a template enrolled from warm-up images. The warm-up threshold
     rule is unchanged."""
 
+    trunk: Any = None
+    """``scope="top"`` methods (:mod:`fedfs_sdk.training.scope`): a callable giving ξ's trunk
+    features of images (cached, :mod:`device_sim.trunk_cache`); evaluation then runs only
+    :attr:`top` on them. ``net``/``weights`` still describe the whole verifier."""
+    top: nn.Module | None = None
+    """The part of ``net`` after the trunk (same parameter names, top-only subset)."""
+
     @property
     def mode(self) -> str:
         return "codeword" if self.codeword is not None else "template"
@@ -245,6 +252,12 @@ class FederatedMethod(ABC):
             raise ValueError(f"method {self.name!r} has no server state, got keys {sorted(state)[:5]}")
 
     # ---- evaluation --------------------------------------------------------------------
+    def prepare_evaluation(self, global_weights: Weights, private: Any, clients: Sequence[int]) -> None:
+        """Called by :func:`device_sim.evaluate.evaluate` before it asks for any client's verifier,
+        with the final weights (``private(c)``: client ``c``'s private groups) and the clients it
+        will evaluate — for decisions that need every client first (the do-no-harm check's
+        federation-wide evidence, :mod:`device_sim.methods.selection`). A no-op by default."""
+
     @abstractmethod
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
         """How ``state.client`` verifies after training (``private`` is None for a client

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from fedfs_sdk.nn.backbones.layers import l2_normalize
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.training.losses.common import masked_mean
+from fedfs_sdk.training.scope import check_scope, top_state
 
 from .base import (ClientState, FederatedMethod, Params, SimContext, VerifierSpec, Weights, backbone_weights, frozen,
                    verifier_net)
@@ -54,18 +55,18 @@ class LocalCompact(FederatedMethod):
     private_groups = ("personal",)
     local_only = True
 
-    def __init__(self, lr: float = 0.05, epochs: int = 10) -> None:
+    def __init__(self, lr: float = 0.05, epochs: int = 10, scope: str = "all") -> None:
         super().__init__()
         if not lr > 0 or epochs < 1:
             raise InputError(f"local-compact needs lr > 0 and epochs ≥ 1, got lr={lr}, epochs={epochs}")
-        self.lr, self.epochs = float(lr), int(epochs)
+        self.lr, self.epochs, self.scope = float(lr), int(epochs), check_scope(scope)
 
     @property
     def label(self) -> str:
-        return self.name
+        return self.name if self.scope == "all" else f"{self.name} (scope={self.scope})"
 
     def options(self) -> dict[str, Any]:
-        return {"lr": self.lr, "epochs": self.epochs}
+        return {"lr": self.lr, "epochs": self.epochs, "scope": self.scope}
 
     def default_lr(self) -> float:
         return self.lr
@@ -80,6 +81,11 @@ class LocalCompact(FederatedMethod):
         super().setup(ctx)
         self._net = verifier_net(ctx.model_config.resolved(), with_head=False)
         self._skeleton = frozen(verifier_net(ctx.model_config.resolved(), with_head=False)).to(ctx.device)
+        if self.scope == "top":     # the positives-only fine-tune of ξ's embedding layer alone, on its cached trunk
+            from .selection import top_verifier
+            from ..trunk_cache import trunk_cache
+            self._trunk = trunk_cache(frozen(ctx.xi).to(ctx.device).backbone)
+            self._skeleton = top_verifier(self._skeleton)
 
     def init_global(self) -> Weights:
         return backbone_weights({k: v.detach().clone() for k, v in self.context.xi.state_dict().items()})
@@ -93,14 +99,21 @@ class LocalCompact(FederatedMethod):
     def objective(self, plan, params: Params, consts, x: torch.Tensor, mask: torch.Tensor | None):
         from torch.func import functional_call
 
-        e = functional_call(self._skeleton, dict(params["personal"]), (x,))[0]
+        if self.scope == "top":
+            e = functional_call(self._skeleton, top_state(params["personal"]), (self._trunk(x),))[0]
+        else:
+            e = functional_call(self._skeleton, dict(params["personal"]), (x,))[0]
         loss = compact_loss(e, mask)
         return loss, {"loss": loss}
 
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
+        from .selection import split_spec
+
         if private is None or "personal" not in private:
-            return VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="xi")
-        return VerifierSpec(self._net, backbone_weights(private["personal"]), None)
+            return split_spec(VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="xi"),
+                              self.context.xi)
+        spec = VerifierSpec(self._net, backbone_weights(private["personal"]), None)
+        return split_spec(spec, self.context.xi) if self.scope == "top" else spec
 
 
 def embedding_norm_prefix(weights: Mapping[str, torch.Tensor]) -> str:
@@ -204,8 +217,15 @@ class FittedReference(FederatedMethod):
     def objective(self, plan, params, consts, x, mask):
         raise RuntimeError(f"{self.name} is fitted in prepare(), it does not train per client")
 
+    top_only = True
+    """The fitted model differs from ξ in its embedding layer at most (its trunk is ξ's): evaluate
+    it on ξ's cached trunk features."""
+
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
-        return VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key=self.name)
+        from .selection import split_spec
+
+        spec = VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key=self.name)
+        return split_spec(spec, self.context.xi) if self.top_only else spec
 
 
 class NormAdapt(FittedReference):
@@ -254,21 +274,23 @@ class Oracle(FittedReference):
     name = "oracle"
 
     def __init__(self, epochs: int = 10, lr: float = 2e-3, scale: float = 16.0, margin: float = 0.2,
-                 batch_size: int = 64) -> None:
+                 batch_size: int = 64, scope: str = "all") -> None:
         super().__init__()
         if epochs < 1 or not lr > 0 or batch_size < 2:
             raise InputError("oracle needs epochs ≥ 1, lr > 0 and batch_size ≥ 2")
         self.epochs, self.lr, self.scale, self.margin, self.batch_size = int(epochs), float(lr), float(scale), \
             float(margin), int(batch_size)
+        self.scope = check_scope(scope)
+        self.top_only = self.scope == "top"
         self.losses: list[float] = []
 
     @property
     def label(self) -> str:
-        return f"{self.name} (supervised, all labels)"
+        return f"{self.name} (supervised, all labels{', scope=top' if self.top_only else ''})"
 
     def options(self) -> dict[str, Any]:
         return {"epochs": self.epochs, "lr": self.lr, "scale": self.scale, "margin": self.margin,
-                "batch_size": self.batch_size}
+                "batch_size": self.batch_size, "scope": self.scope}
 
     def prepare(self, data: Any) -> None:
         from device_sim.pretrain import MarginHead
@@ -280,6 +302,12 @@ class Oracle(FittedReference):
         model = verifier_net(ctx.model_config.resolved(), with_head=False)
         model.load_state_dict(self._weights)
         model.train().requires_grad_(True)
+        if self.top_only:       # ξ's trunk frozen: its embedding layer alone learns, on the cached trunk features
+            from .selection import top_verifier
+            from ..trunk_cache import trunk_cache
+            cache = trunk_cache(ctx.xi.backbone)
+            x = torch.cat([cache(x[a:a + 512]) for a in range(0, len(x), 512)])
+            full, model = model, top_verifier(model)
         head = MarginHead(int(ctx.model_config.resolved().embedding_dim), len(xs), "cosface", self.scale, self.margin)
         with torch.no_grad():   # class centres start at each client's ξ template
             e = l2_normalize(torch.cat([model(x[a:a + 512])[0] for a in range(0, len(x), 512)]))
@@ -300,6 +328,8 @@ class Oracle(FittedReference):
             self.losses.append(total / max(steps, 1))
             if not math.isfinite(self.losses[-1]):
                 raise FloatingPointError(f"oracle loss became {self.losses[-1]} (lr={self.lr} too high?)")
+        if self.top_only:
+            model = full
         self._weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

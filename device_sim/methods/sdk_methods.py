@@ -27,51 +27,20 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
 from fedfs_sdk.nn.model import DualVerifierNet, FaceNet, ModelConfig, personal_config
 from fedfs_sdk.training.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
-from fedfs_sdk.training.methods import DEFAULT_UV_WEIGHT, DEFAULT_VERIFICATION, PAPER_LR
+from fedfs_sdk.training.methods import DEFAULT_UV_WEIGHT
+from fedfs_sdk.training.scope import TopFaceNet, check_scope, top_state
+from fedfs_sdk.training.selection import DEFAULT_HOLDOUT, holdout_count
 from fedfs_sdk.training.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initial_global_weights
+
+from ..trunk_cache import trunk_cache
 
 from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, VerifierSpec, Weights,
                    backbone_weights, frozen, verifier_net)
 from .reference import fold_standardization, norm_fold
+from .presets import PRESETS, base_vector  # noqa: F401 (re-exported: the presets, the simulated b_u)
+from .selection import HoldoutView, SimSelection, split_spec, top_verifier
 
 NEG_MODES = ("none", "all", "early")
-
-
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "fedfs": {"paper": {"lr": PAPER_LR["fedfs"]}, "default": {"lr": DEFAULT_LR["fedfs"]}},
-    "feduv": {"paper": {"lr": PAPER_LR["feduv"]}, "default": {"lr": DEFAULT_LR["feduv"]}},
-    "fedfs+feduv": {
-        "paper": {"lr": PAPER_LR["fedfs+feduv"]},
-        "default": {"lr": DEFAULT_LR["fedfs+feduv"], "norm_init": "standardize",
-                    **dict(zip(("score", "verify"), DEFAULT_VERIFICATION["fedfs+feduv"]))}},
-}
-"""Named configurations of each method. ``paper``: the papers' values as printed (FedFS lr
-5e-3, 2 epochs, Eq. 5 dot-product soft scores; FedUV lr 0.1, codeword scoring). ``default``:
-the best configuration measured on the cross-domain benchmark (docs/personalization.md
-gives the search and its commands); its lr and verification are the device's defaults
-(:mod:`fedfs_sdk.training.methods`), so the simulator and a phone run the same thing. Keys: ``score``,
-``verify``, ``lr``, ``epochs``, ``uv_weight``, ``norm_init`` and ``loss`` (FedFS loss fields)."""
-
-
-def base_vector(seed: int, client: int) -> int:
-    """A unique 32-bit FedUV base vector ``b_u`` for simulated client ``client``.
-
-    The server draws ``b_u`` at random (``server_agg.rounds``); the simulator must too. With
-    ``b_u`` = the client index, the high bits of every ``b_u`` are 0, so with a systematic BCH
-    code 25 of 127 codeword positions were the same for every client (mean pairwise codeword
-    cosine 0.20 instead of ≈ 0): every client's target shared one direction. Here ``b_u`` is
-    a bijection of the 32-bit index (xor with a seed key, then the murmur3 finalizer, itself
-    a bijection), so distinct clients still get distinct ``b_u``."""
-    if not 0 <= client < 1 << 32:
-        raise InputError(f"client index {client} does not fit a 32-bit base vector")
-    key = int(np.random.SeedSequence([seed, 0xBA5E]).generate_state(1, np.uint32)[0])
-    x = (client ^ key) & 0xFFFFFFFF
-    x ^= x >> 16
-    x = (x * 0x85EBCA6B) & 0xFFFFFFFF
-    x ^= x >> 13
-    x = (x * 0xC2B2AE35) & 0xFFFFFFFF
-    x ^= x >> 16
-    return x
 
 
 class PretrainedOnly(FederatedMethod):
@@ -92,7 +61,8 @@ class PretrainedOnly(FederatedMethod):
         raise RuntimeError("the pretrained-only method does not train")
 
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
-        return VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="xi")
+        return split_spec(VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="xi"),
+                          self.context.xi)
 
 
 class SDKMethod(FederatedMethod):
@@ -121,6 +91,16 @@ class SDKMethod(FederatedMethod):
         norm_init: ``none``, ``center`` or ``standardize``: start ϕ from ξ whose embedding
             normalization affine is re-fitted to the clients' pooled embedding statistics
             (``norm-adapt``'s fold; a federation computes them as a FedAvg of per-client sums).
+        scope: which layers of ϕ train — ``top`` (the embedding layer, FedFS projection and FedUV
+            head on ξ's frozen, cached trunk; the defaults') or ``all`` (``:paper``);
+            :mod:`fedfs_sdk.training.scope`.
+        select: do no harm (:mod:`.selection`) — ``on``: each client verifies with ξ, the global
+            model or its personalized one, whichever its hold-out check (and the federation's
+            verdict) supports; ``off``; ``audit``: check and record, verify with the personalized
+            model; ``auto`` (the defaults): ``on`` when the federation's data is a
+            :class:`~device_sim.methods.selection.HoldoutView` (``fedfs simulate`` / ``fedfs demo``
+            give one), else ``off``.
+        holdout: share of a client's training photos kept out of training for that check.
         preset: ``default`` (the best measured configuration, :data:`PRESETS`,
             docs/personalization.md) or ``paper`` (the papers' values as printed: lr, epochs,
             codeword scoring); explicit options override the preset. CLI: ``fedfs+feduv:paper``.
@@ -134,7 +114,8 @@ class SDKMethod(FederatedMethod):
                  logits: str | None = None, logit_scale: float | None = None, top_k: float | None = None,
                  gamma: float | None = None, lam: float | None = None, soft_score: str | None = None,
                  score: str | None = None, lr: float | None = None, epochs: int | None = None,
-                 preset: str = "default", norm_init: str | None = None) -> None:
+                 preset: str = "default", norm_init: str | None = None, scope: str | None = None,
+                 select: str | None = None, holdout: float | None = None) -> None:
         super().__init__()
         chosen = PRESETS.get(self.sdk_method, {}).get(preset)
         if chosen is None:
@@ -143,6 +124,7 @@ class SDKMethod(FederatedMethod):
         self.preset = preset
         self._preset_values = chosen
         self.norm_init = norm_init if norm_init is not None else chosen.get("norm_init", "none")
+        self._norm_init_asked = norm_init is not None
         if self.norm_init not in ("none", "center", "standardize"):
             raise InputError(f"norm_init must be 'none', 'center' or 'standardize', got {self.norm_init!r}")
         score = score if score is not None else chosen.get("score", "codeword")
@@ -157,6 +139,14 @@ class SDKMethod(FederatedMethod):
         if (lr is not None and not lr > 0) or (epochs is not None and epochs < 1):
             raise InputError(f"lr must be > 0 and epochs ≥ 1, got lr={lr}, epochs={epochs}")
         self.score, self.lr, self.epochs = score, lr, epochs
+        self.scope = check_scope(scope if scope is not None else chosen.get("scope", "all"))
+        self.select = select if select is not None else chosen.get("select", "off")
+        if self.select not in ("on", "off", "audit", "auto"):
+            raise InputError(f"select must be 'auto', 'on', 'off' or 'audit' (check and record, keep the "
+                             f"personalized model), got {self.select!r}")
+        self.holdout = float(holdout if holdout is not None else DEFAULT_HOLDOUT)
+        holdout_count(20, self.holdout)          # validates the fraction
+        self.selection = SimSelection(self, audit=self.select == "audit") if self.select != "off" else None
         if uses_feduv(self.sdk_method) and code_length not in KNOWN_CODES:
             raise InputError(f"code_length must be one of {sorted(KNOWN_CODES)} (FedUV Table 1), got {code_length}")
         if neg not in NEG_MODES:
@@ -197,7 +187,8 @@ class SDKMethod(FederatedMethod):
         # options that differ from the preset's (the preset's own values are its name)
         for key, value, unset in (("verify", self.verify, "personal"), ("score", self.score, "codeword"),
                                   ("norm_init", self.norm_init, "none"), ("lr", self.lr, None),
-                                  ("epochs", self.epochs, None)):
+                                  ("epochs", self.epochs, None), ("scope", self.scope, "all"),
+                                  ("select", self.select, "off")):
             if value is not None and value != self._preset_values.get(key, unset):
                 opts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
         if self.code_length is not None:
@@ -214,6 +205,10 @@ class SDKMethod(FederatedMethod):
             opts["uv_weight"] = self.uv_weight
             opts["verify"] = self.verify
         opts["preset"] = self.preset
+        if self.scope != "all":
+            opts["scope"] = self.scope
+        if self.select != "off":
+            opts.update(select=self.select, holdout=self.holdout)
         if self.norm_init != "none":
             opts["norm_init"] = self.norm_init
         if self.score != "codeword":
@@ -255,11 +250,29 @@ class SDKMethod(FederatedMethod):
         if self.verify == "both":
             face, glob = FaceNet(self.model_config), FaceNet(self.model_config)
             self._dual_vnet = DualVerifierNet(face.backbone, glob.backbone, face.uv_head)
+        self._tops: dict[int, torch.nn.Module] = {}
+        if self.scope == "top":     # ξ, global and personal share ξ's trunk: train and verify on its features
+            self._trunk = trunk_cache(frozen(ctx.xi).to(dev).backbone)
+            self._global_top = TopFaceNet(self.global_net)
+            self._personal_top = TopFaceNet(self.personal_net) if self.personal_net is not None else None
+            self._xi_top = TopFaceNet(self.xi) if self.xi is not None else None
 
     def prepare(self, data: Any) -> None:
         """``norm_init``: start ϕ from ξ with its embedding normalization re-fitted to the
-        clients' pooled statistics (``norm-adapt``'s fold, :mod:`.reference`)."""
-        if self.norm_init != "none":
+        clients' pooled statistics (``norm-adapt``'s fold, :mod:`.reference`); ``select=on``:
+        keep the data's hold-out and public impostors for :meth:`verifier`."""
+        if self.selection is not None:
+            if self.select == "auto" and not isinstance(data, HoldoutView):
+                # a federation built by hand on a Population: no hold-out, no public impostor set → off
+                self.select, self.selection = "off (no hold-out)", None
+            else:
+                self.selection.bind(data)
+        if self.norm_init != "none" and not hasattr(self.context.xi.backbone, "embed_norm") \
+                and not self._norm_init_asked:
+            # the preset's norm_init needs an embedding normalization to fold into (dlib-resnet ends in a
+            # bias-free linear layer): without one the preset runs without it, and says so in its options
+            self.norm_init = "none (the backbone has no embed_norm)"
+        if self.norm_init in ("center", "standardize"):
             net = frozen(verifier_net(self.context.model_config.resolved(), with_head=False))
             self._norm_fold = norm_fold(net, backbone_weights(self.context.xi.state_dict()), data, self.norm_init,
                                         self.context.seed, self.context.device)
@@ -338,6 +351,14 @@ class SDKMethod(FederatedMethod):
     def objective(self, plan: RoundPlan, params: Params, consts: Mapping[str, torch.Tensor],
                   x: torch.Tensor | None, mask: torch.Tensor | None,
                   features: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.scope == "top":     # the trunk's tensors get no gradient: they stay ξ's
+            return local_objective(
+                self.sdk_method, plan.extras["objective"], self._trunk(x), self._global_top,
+                personal_model=self._personal_top, xi=self._xi_top,
+                codeword=consts.get("codeword"), neg_codewords=consts.get("neg_codewords"),
+                global_params=top_state(params["global"]),
+                personal_params=top_state(params["personal"]) if "personal" in params else None, mask=mask,
+                features=features)
         return local_objective(
             self.sdk_method, plan.extras["objective"], x, self.global_net,
             personal_model=self.personal_net, xi=self.xi,
@@ -349,6 +370,8 @@ class SDKMethod(FederatedMethod):
         return self.xi
 
     def trunks(self) -> dict[str, torch.nn.Module]:
+        if self.scope == "top":     # the trunk is ξ's and frozen: nothing to fold, only the top trains
+            return {}
         out = {"global": self.global_net.backbone}
         if self.personal_net is not None:
             out["personal"] = self.personal_net.backbone
@@ -364,6 +387,42 @@ class SDKMethod(FederatedMethod):
 
     # ---- evaluation --------------------------------------------------------------------
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
+        """The client's verifier (:meth:`_verifier`); with ``select=on`` the one of ξ, the global
+        model and it that did best on the client's hold-out (:mod:`.selection`)."""
+        if not self._selecting():
+            return self._split(self._verifier(state, global_weights, private))
+        return self.selection.choose(state.client, self._candidates(state, global_weights, private))
+
+    def _selecting(self) -> bool:
+        """``select=auto`` is on once bound to a hold-out (:meth:`prepare`); ``on`` always (it
+        raises, naming the fix, when it has nothing to check with)."""
+        return self.selection is not None and (self.select != "auto" or self.selection.data is not None)
+
+    def _candidates(self, state: ClientState, global_weights: Weights, private: Params | None) -> dict[str, VerifierSpec]:
+        return {"xi": self._split(self.xi_verifier()),
+                "global": self._split(self.new_user_verifier(state, global_weights)),
+                "personalized": self._split(self._verifier(state, global_weights, private))}
+
+    def prepare_evaluation(self, global_weights: Weights, private: Any, clients) -> None:
+        """``select=on``: every evaluated client's check first, then the federation's verdicts."""
+        if self._selecting():
+            self.selection.prepare(clients, lambda c: self._candidates(self.client_state_init(c), global_weights,
+                                                                        private(c)))
+
+    def xi_verifier(self) -> VerifierSpec:
+        """ξ as it is, with a cosine template (what the device had before any training)."""
+        return VerifierSpec(self._personal_vnet, backbone_weights(self.context.xi.state_dict()), None, shared_key="xi")
+
+    def _split(self, spec: VerifierSpec) -> VerifierSpec:
+        """``scope="top"``: the spec runs its top on ξ's cached trunk features."""
+        if self.scope != "top" or spec.trunk is not None:
+            return spec
+        top = self._tops.get(id(spec.net))
+        if top is None:
+            top = self._tops[id(spec.net)] = top_verifier(spec.net)
+        return replace(spec, trunk=self._trunk, top=top)
+
+    def _verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
         """A trained client verifies with its ``θ_c`` backbone (FedFS) or the global model
         (FedUV, ``verify=global``). A client that never trained has no ``θ_c``: it verifies
         with the current global backbone — the ``θ_c`` it would start from, the model a new
@@ -388,9 +447,10 @@ class SDKMethod(FederatedMethod):
         """A new user starts from the shipped global model: ``r'`` template for FedFS,
         global backbone + head + a fresh codeword for the FedUV methods."""
         if self.code_length is None:
-            return VerifierSpec(self._personal_vnet, backbone_weights(global_weights), None, shared_key="global")
-        return VerifierSpec(self._global_vnet, self._global_head_weights(global_weights), self._codeword_for(state),
-                            shared_key="global")
+            return self._split(VerifierSpec(self._personal_vnet, backbone_weights(global_weights), None,
+                                            shared_key="global"))
+        return self._split(VerifierSpec(self._global_vnet, self._global_head_weights(global_weights),
+                                        self._codeword_for(state), shared_key="global"))
 
     @staticmethod
     def _global_head_weights(global_weights: Weights) -> Weights:

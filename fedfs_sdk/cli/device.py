@@ -70,6 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-ca", type=Path, metavar="PEM",
                    help="trust only these certificates for an https:// server: a CA bundle, or the server's own "
                         "(self-signed) certificate, which pins it (default: the system's CAs)")
+    p.add_argument("--impostors", type=Path, metavar="FILE",
+                   help="public impostor set shipped with the model (`fedfs impostors`): the device keeps --holdout of "
+                        "its photos out of training and enrolls with whichever of ξ, the global model and its "
+                        "personalized model verifies them best against these impostors (do no harm)")
+    p.add_argument("--holdout", type=float, default=0.2, help="share of the owner's photos kept out of training for "
+                   "that check (at least 2; default 0.2)")
+    p.add_argument("--far", type=float, default=None, help="enrollment false-accept target on the impostor set "
+                   "(e.g. 1e-3; needs --impostors with ≥ ⌈1/far⌉−1 photos)")
     p.add_argument("--key-file", type=Path, help="32-byte device key: encrypts the enrollment and the FedUV "
                    "secrets (default: STATE/enrollment.key, created 0600)")
     p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what "
@@ -87,7 +95,8 @@ def _printer(name: str, fields: dict[str, Any]) -> None:
         for line in outlier_lines(fields["rule"], fields["dropped"], fields["n_given"]):
             print(f"[device] enrollment {line}", file=sys.stderr, flush=True)
         return
-    parts = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items())
+    parts = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()
+                     if not isinstance(v, dict))
     print(f"[device] {name} {parts}", file=sys.stderr, flush=True)
 
 
@@ -126,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
                           registration_token=args.registration_token, outliers=args.outliers,
                           score=args.score, verify=args.verify,
                           require_secure_aggregation=args.require_secure_aggregation, secagg=policy,
-                          identity_certificate=args.identity_cert)
+                          identity_certificate=args.identity_cert,
+                          impostors=args.impostors, holdout=args.holdout, far=args.far)
     runtime = OrtRuntime(args.artifacts) if args.artifacts is not None else None
     batches = check_local_inputs(images, config, runtime)
     if args.key_file is not None and key is None:
@@ -143,4 +153,9 @@ def run(args: argparse.Namespace) -> int:
           + (f", lost {len(report.lost_rounds)}" if report.lost_rounds else "")
           + (", server finished" if report.finished_by_server else "")
           + (f", enrolled (τ={report.enrollment.threshold:.4f})" if report.enrollment is not None else ""))
+    if report.enrollment is not None:
+        from ..runtime.operating_point import describe
+        choice = report.enrollment.meta.get("model_choice")
+        print((f"verifies with: {choice} ({report.enrollment.meta['selection']['reason']}); "
+               if "selection" in report.enrollment.meta else "") + describe(report.enrollment.meta))
     return 0

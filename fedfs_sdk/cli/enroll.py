@@ -29,6 +29,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "FedUV head output 'uv' (a cosine template in the head space W·g — the head-template "
                         "scoring measured in docs/personalization.md; needs a model with a FedUV head)")
     p.add_argument("--detect-face", action="store_true", help="align the largest face to the 112×112 five-point template (dlib, the 'faces' extra; falls back to an OpenCV Haar crop without it)")
+    p.add_argument("--far", type=float, default=None,
+                   help="target false-accept rate (e.g. 1e-3): τ is set so that at most ⌊far·(n+1)⌋−1 of the n public "
+                        "impostor photos pass (needs --impostors with ≥ ⌈1/far⌉−1 photos); refused when the warm-up "
+                        "then accepts fewer than q of the owner's photos")
+    p.add_argument("--impostors", default=None,
+                   help="public impostor set (`fedfs impostors --out FILE`): the operating point's FAR is measured on "
+                        "it (and set with --far)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing enrollment")
     p.add_argument("--outliers", choices=("mad", "none"), default="mad",
                    help="drop warm-up images whose score is far below the others (e.g. someone else's photo) "
@@ -64,7 +71,8 @@ def _codeword(state_dir: str, key: bytes | None):
 
 def run(args: argparse.Namespace) -> int:
     from ..runtime.enrollment import enroll, save_enrollment
-    from ..errors import EnrollmentExistsError
+    from ..errors import EnrollmentExistsError, InputError
+    from ..runtime.operating_point import describe
     from ..runtime.preprocess import list_images
     from .common import load_backend, read_key
 
@@ -77,13 +85,20 @@ def run(args: argparse.Namespace) -> int:
     backend = load_backend(args.model, client=args.client)
     codeword = _codeword(args.device_state, key) if args.device_state else None
     files = list_images(args.images)
+    impostors = None
+    if args.impostors:
+        from ..runtime.impostors import load_impostors
+        impostors = load_impostors(args.impostors)
+    elif args.far is not None:
+        raise InputError("--far needs a public impostor set to set τ on: pass --impostors FILE "
+                         "(make one with `fedfs impostors --images DIR --model MODEL --out FILE`)")
     from ..nn.builtin_models import builtin_name
 
     recorded = builtin_name(args.model) or str(Path(args.model).resolve())    # a built-in model by name
     e = enroll(backend, [str(f) for f in files], q=args.q, codeword=codeword, detect_face=args.detect_face,
                meta={"model_path": recorded,
                      **({"model_client": args.client} if args.client is not None else {})}, outliers=args.outliers,
-               template_output=args.template_output)
+               template_output=args.template_output, far=args.far, impostors=impostors)
     created = key is None
     if created:
         key = read_key(args.key_file, create=True)
@@ -97,4 +112,5 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     mode = e.mode if e.mode == "codeword" else f"template on {e.template_output}"
     print(f"enrolled from {e.n_warmup} images: mode={mode} τ={e.threshold:.4f} (q={e.q}) model={e.model_id} → {args.out}")
+    print(describe(e.meta))
     return 0

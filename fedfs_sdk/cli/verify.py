@@ -48,6 +48,7 @@ def recorded_model(enrollment_path: str, meta: dict) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from ..runtime.enrollment import load_enrollment, verify
     from ..errors import InputError
+    from ..runtime.operating_point import describe
     from ..runtime.preprocess import list_images
     from .common import load_backend, read_key
 
@@ -62,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if not target.is_dir():
         r = verify(backend, e, args.image, detect_face=args.detect_face)
         print(f"{'ACCEPT' if r.accepted else 'REJECT'} score={r.score:.4f} threshold={r.threshold:.4f}")
+        print(describe(e.meta))
         return 0 if r.accepted else 1
     rejected = 0
     files = list_images(target)
@@ -70,4 +72,5 @@ def run(args: argparse.Namespace) -> int:
         rejected += not r.accepted
         print(f"{'ACCEPT' if r.accepted else 'REJECT'} score={r.score:.4f} threshold={r.threshold:.4f} {f}")
     print(f"{len(files) - rejected} of {len(files)} accepted")
+    print(describe(e.meta))
     return 0 if rejected == 0 else 1

@@ -224,12 +224,34 @@ class DeviceAgent(SecureRounds):
         self._emit("server_unreachable", {"error": str(e), "retrying_until": until})
         self._sleep(min(1.0, left))
 
-    def images_array(self, input_size: int) -> np.ndarray:
-        """The owner's images preprocessed for the model (cached per input size)."""
+    def all_images_array(self, input_size: int) -> np.ndarray:
+        """Every one of the owner's images preprocessed for the model (cached per input size)."""
         if input_size not in self._batches:
             from ..runtime.preprocess import preprocess
             self._batches[input_size] = preprocess(self.images, input_size, detect_face=self.config.detect_face)
         return self._batches[input_size]
+
+    def images_array(self, input_size: int) -> np.ndarray:
+        """The images the device trains on: all of them, less the hold-out when it will check
+        its models against a public impostor set (``config.impostors``: the do-no-harm check)."""
+        x = self.all_images_array(input_size)
+        return x[self.holdout_split()[0]] if self.config.impostors is not None else x
+
+    def holdout_split(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(train, holdout)`` positions of the owner's images: photos held out by a hash of their
+        name (stable when photos are added), at least two when there are enough
+        (:func:`~fedfs_sdk.training.selection.holdout_count`)."""
+        import hashlib
+
+        from ..training.selection import holdout_count
+
+        n = len(self.images)
+        k = holdout_count(n, self.config.holdout)
+        keys = [hashlib.sha256(str(Path(x).name if isinstance(x, (str, Path)) else i).encode()).digest()
+                for i, x in enumerate(self.images)]
+        order = sorted(range(n), key=lambda i: keys[i])
+        hold = np.sort(np.asarray(order[:k], dtype=np.int64))
+        return np.setdiff1d(np.arange(n), hold), hold
 
     def model_bytes(self, version: int, sha: str) -> bytes:
         """Global model ``version`` (a fedfs checkpoint body), cached in the state by hash."""
@@ -321,43 +343,13 @@ class DeviceAgent(SecureRounds):
     # ---- enrollment --------------------------------------------------------------------
 
     def enroll(self, after_round: int | None = None):
-        """Enroll the owner with the newest global model (and θ_c for FedFS methods).
+        """Enroll the owner with the newest global model (and θ_c for FedFS methods), after the
+        do-no-harm check when the device has a public impostor set
+        (:func:`fedfs_sdk.federation.device_enrollment.enroll_device`)."""
+        from .device_enrollment import enroll_device
 
-        Waits for ``after_round`` to close so the model includes this device's last update.
-        Writes the encrypted ``enrollment.fedfs`` into the device state (the torch runtime
-        also ``verifier.safetensors``, what ``fedfs verify --model`` takes); returns the
-        enrollment.
-        """
-        from ..runtime.enrollment import enroll, save_enrollment
+        return enroll_device(self, after_round)
 
-        if after_round is not None:
-            t0 = self._clock()
-            while self.client.round_status(after_round)["state"] == "open":
-                if self._clock() - t0 > self.config.wait_timeout_s:
-                    raise ProtocolError(f"round {after_round} did not close within {self.config.wait_timeout_s:.0f} s")
-                self._sleep(1.0)
-        info = self.client.latest_model()
-        method = (self.state.info.rounds[-1]["method"] if self.state.info and self.state.info.rounds
-                  else ("feduv" if info["config"].get("code_length") else "fedfs"))
-        version = int(info["version"])
-        score, model = check_verification(check_method(method), self.config.score, self.config.verify)
-        backend = self.runtime.verifier(method, self.model_bytes(version, info["sha256"]), self, version, model)
-        codeword = self.state.load_codeword() if score == "codeword" else None
-        # a single model's head-template is the cosine of its uv output (σ keeps W g's direction);
-        # the dual verifier's embedding is already unit(W q') ⊕ unit(W r')
-        template_output = "uv" if score == "head-template" and model != "both" else "embedding"
-        enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
-                            detect_face=self.config.detect_face, outliers=self.config.outliers,
-                            template_output=template_output,
-                            meta={"global_version": version, "method": method, "runtime": self.runtime.name,
-                                  "score": score, "verify": model})
-        key = self.config.enrollment_key or self.state.enrollment_key()
-        save_enrollment(self.state.file("enrollment.fedfs"), enrollment, key, overwrite=True)
-        self._emit("enrollment_outliers", {"rule": enrollment.meta["outlier_rule"], "dropped": enrollment.meta["dropped"],
-                                           "n_given": enrollment.meta["n_given"]})
-        self._emit("enrolled", {"mode": enrollment.mode, "threshold": enrollment.threshold,
-                                "model_id": backend.model_id, "n_warmup": enrollment.n_warmup})
-        return enrollment
 
 
 __all__ = ["DeviceAgent", "DeviceReport", "LOST_ROUND_CODES"]

@@ -61,6 +61,18 @@ class DeviceConfig:
             the pinned operator CA, minimum roster, threshold rule, SecAgg+ degree, DP noise).
         identity_certificate: the operator's certificate of this device's identity key
             (``fedfs ca sign``) — checked against ``secagg.ca`` and installed in the state.
+        impostors: the public impostor set shipped with the model (``fedfs impostors``). With
+            it the device keeps ``holdout`` of its photos out of training and, at enrollment,
+            verifies with whichever of ξ, the global model and its personalized model does best
+            on them against the impostors (do no harm, :mod:`fedfs_sdk.training.selection`);
+            the enrollment records the choice and its operating point.
+        holdout: share of the owner's photos held out for that check (at least 2).
+        far: the enrollment's false-accept target on the impostor set (None: FedUV's q only).
+        helps: candidates (``global``, ``personalized``) the federation found better than ξ
+            across its devices (:func:`fedfs_sdk.training.selection.population_verdict`); for
+            them the device only checks that they do no harm *here*. Empty (the default, and all
+            a device knows today: the protocol does not carry the verdict yet): a candidate must
+            show on the device's own photos that it is better.
     """
 
     rounds: int = 1
@@ -79,8 +91,18 @@ class DeviceConfig:
     require_secure_aggregation: bool | None = None
     secagg: DevicePolicy = field(default_factory=DevicePolicy)
     identity_certificate: Path | None = None
+    impostors: Path | None = None
+    holdout: float = 0.2
+    far: float | None = None
+    helps: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not 0 < self.holdout < 1:
+            raise InputError(f"holdout (the share of photos kept out of training) must be in (0, 1), got {self.holdout!r}")
+        if self.far is not None and self.impostors is None:
+            raise InputError("a false-accept target (far) needs the public impostor set (impostors / --impostors)")
+        if self.far is not None and not 0 < self.far < 1:
+            raise InputError(f"far must be in (0, 1), got {self.far!r}")
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
             raise InputError(f"rounds must be an integer ≥ 0 (0: until the server is done), got {self.rounds!r}")
         w = self.wait_timeout_s

@@ -23,18 +23,16 @@ order from the server's ``train.seed`` and the round id, so rounds do not repeat
 from __future__ import annotations
 
 import json
-import math
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 import numpy as np
 
 from ..errors import CheckpointError, InputError, ProtocolError
-from ..training.methods import (DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, check_method,
-                      check_verification, uses_fedfs, uses_feduv)
-from .wire_format import MODEL_FORMAT, split_train_json
+from ..training.methods import check_method, check_verification, uses_fedfs, uses_feduv
+from .wire_format import MODEL_FORMAT
 
 if TYPE_CHECKING:
     from .device_state import DeviceState
@@ -111,8 +109,10 @@ class DeviceRuntime(Protocol):
         ...
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
-                 verify: str | None = None) -> "InferenceBackend":
-        """The backend the owner verifies with (global model version ``version``), by
+                 verify: str | None = None, candidate: str = "personalized") -> "InferenceBackend":
+        """The backend the owner verifies with (global model version ``version``). ``candidate``
+        (the do-no-harm check, :meth:`DeviceAgent.enroll`): ``xi`` — the frozen ξ as it is;
+        ``global`` — the global model (with its FedUV head); ``personalized`` — by
         ``verify`` (:data:`fedfs_sdk.training.methods.VERIFY_MODELS`; ``None``: ``θ_c`` for FedFS methods,
         else the global model): ``personal`` → ``θ_c``'s backbone, ``global`` → the global
         one, ``both`` → the dual verifier ``unit(W q') ⊕ unit(W r')`` (``fedfs+feduv``); plus
@@ -191,17 +191,21 @@ class TorchRuntime:
         return LocalUpdate(body, result.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
-                 verify: str | None = None) -> "InferenceBackend":
-        from ..nn.checkpoint import load_verifier, save_verifier
+                 verify: str | None = None, candidate: str = "personalized") -> "InferenceBackend":
+        from ..nn.checkpoint import load_checkpoint, load_verifier, save_verifier
         from ..nn.dual_verifier import save_dual_verifier
         from ..runtime.inference import TorchBackend
         from ..nn.model import FaceNet, ModelConfig, personal_config
 
-        chosen = verifier_model(method, verify)
+        chosen = {"xi": "xi", "global": "global"}.get(candidate) or verifier_model(method, verify)
         weights, meta = self._decode(model)
         config = ModelConfig.from_json(meta["model_config"]).resolved()
         global_net = FaceNet(config)
         global_net.load_state_dict(weights)
+        if chosen == "xi":
+            xi = load_checkpoint(xi_path(agent))[0]
+            global_net = FaceNet(replace(config, code_length=None, proj_dim=None))
+            global_net.backbone.load_state_dict(xi.backbone.state_dict())
         personal_backbone = None
         if chosen in ("personal", "both"):
             loaded = agent.state.load_weights("personal")
@@ -210,7 +214,7 @@ class TorchRuntime:
             personal = FaceNet(personal_config(config))
             personal.load_state_dict(loaded[0])
             personal_backbone = personal.backbone
-        head = global_net.uv_head if uses_feduv(method) else None
+        head = global_net.uv_head if uses_feduv(method) and chosen != "xi" else None
         path = agent.state.file("verifier.safetensors")    # what `fedfs verify --model` takes
         vmeta = {"global_version": int(version), "method": method, "verify": chosen}
         if chosen == "both":
@@ -223,73 +227,19 @@ class TorchRuntime:
         return TorchBackend(verifier, model_id, device=self.device)
 
 
-def _differences(expected: Mapping[str, Any], given: Mapping[str, Any], prefix: str = "") -> list[str]:
-    """Keys whose values differ between two JSON objects (numbers compared with a relative tolerance)."""
-    out = []
-    for k in sorted(set(expected) | set(given)):
-        a, b = expected.get(k), given.get(k)
-        if isinstance(a, Mapping) and isinstance(b, Mapping):
-            out += _differences(a, b, f"{prefix}{k}.")
-        elif isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-            if not math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0):
-                out.append(f"{prefix}{k}: artifact {a!r}, task {b!r}")
-        elif a != b:
-            out.append(f"{prefix}{k}: artifact {a!r}, task {b!r}")
-    return out
+def xi_path(agent: DeviceContext) -> Path:
+    """The device's ξ file: the one it was given (``--xi``), else the one it downloaded to train."""
+    cfg = getattr(agent, "config", None)
+    if cfg is not None and getattr(cfg, "xi_path", None) is not None:
+        return Path(cfg.xi_path)
+    path = agent.state.file("xi.safetensors")
+    if not path.is_file():
+        raise InputError("this device has no ξ (it trained no FedFS round and was given no --xi): "
+                         "it cannot compare its model with ξ")
+    return path
 
 
-@dataclass(frozen=True)
-class OrtTrainSettings:
-    """What an :class:`~fedfs_sdk.training.ort_device.OrtDeviceTrainer` is built with for one task."""
-
-    lr: float
-    local_epochs: int
-    batch_size: int
-    seed: int
-    lambda_neg: float
-
-
-def ort_settings_for(task: Mapping[str, Any], info: Mapping[str, Any]) -> OrtTrainSettings:
-    """Check that an ORT training artifact (its ``artifact.json``) can run ``task`` exactly as
-    the torch trainer would, and return the settings; :class:`InputError` names each
-    mismatch (the artifact bakes in the model, ξ, the objective and the head/backbone
-    learning-rate ratio — only ``lr``, epochs, batch size and seed are free)."""
-    method = check_method(str(task["method"]))
-    problems = []
-    given_cfg = task.get("model_config") or {}
-    for k, v in sorted((info.get("model_config") or {}).items()):
-        if v is not None and given_cfg.get(k) is not None and given_cfg.get(k) != v:
-            problems.append(f"model_config.{k}: artifact {v!r}, server {given_cfg.get(k)!r}")
-    if uses_fedfs(method) and info.get("xi_sha256") and task.get("xi_sha256") and info["xi_sha256"] != task["xi_sha256"]:
-        problems.append("ξ: the artifact was exported with another frozen model than the server serves "
-                        f"(sha256 {info['xi_sha256'][:12]}… vs {str(task['xi_sha256'])[:12]}…)")
-    scalars, obj, fedfs = split_train_json(task.get("train"))
-    for k in ("momentum", "weight_decay"):
-        if scalars.get(k):
-            problems.append(f"train.{k}={scalars[k]}: the ORT training artifacts run plain SGD only")
-    lr = float(scalars["lr"]) if scalars.get("lr") is not None else DEFAULT_LR[method]
-    if not lr > 0:
-        problems.append(f"train.lr must be > 0, got {lr}")
-    if uses_feduv(method) and lr > 0:
-        head_lr = float(scalars["head_lr"]) if scalars.get("head_lr") is not None else DEFAULT_HEAD_LR
-        baked = float(info["head_lr"]) / float(info["lr"])
-        if not math.isclose(head_lr / lr, baked, rel_tol=1e-6):
-            problems.append(f"head_lr/lr: the artifact bakes in {baked:g}, the task asks {head_lr / lr:g} "
-                            f"(head_lr {head_lr:g}, lr {lr:g}); export again with these --train settings")
-    # The objective: what the task says, with the defaults filling what it leaves out.
-    defaults = info.get("objective_defaults")
-    if defaults is None:
-        raise CheckpointError("artifact.json lacks objective_defaults (exported by an older fedfs): export again")
-    artifact_obj = info.get("objective") or {}
-    wanted = {**defaults, **obj, "fedfs": {**defaults.get("fedfs", {}), **fedfs}}
-    problems += [f"objective.{d}" for d in _differences(artifact_obj, wanted)]
-    if problems:
-        raise InputError(f"the {method} ORT training artifact cannot run this round as the server asks: "
-                         + "; ".join(problems))
-    return OrtTrainSettings(lr=lr, local_epochs=int(scalars.get("local_epochs") or DEFAULT_EPOCHS[method]),
-                            batch_size=int(scalars.get("batch_size") or DEFAULT_BATCH_SIZE),
-                            seed=int(scalars.get("seed") or 0),
-                            lambda_neg=float(artifact_obj.get("lambda_neg") or 0.0))
+from .ort_settings import OrtTrainSettings, ort_settings_for  # noqa: E402 (re-exported)
 
 
 class OrtRuntime:
@@ -384,11 +334,11 @@ class OrtRuntime:
         return LocalUpdate(body, up.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
-                 verify: str | None = None) -> "InferenceBackend":
+                 verify: str | None = None, candidate: str = "personalized") -> "InferenceBackend":
         from ..runtime.onnx_backend import OnnxBackend, with_weights
         from ..training.ort_device import decode_model, dual_verifier_weights, verifier_weights
 
-        chosen = verifier_model(method, verify)
+        chosen = {"xi": "xi", "global": "global"}.get(candidate) or verifier_model(method, verify)
         rel = DUAL_ONNX_FILE if chosen == "both" else "onnx/verifier.onnx"
         onnx = self.root / rel
         if not onnx.is_file():
@@ -396,6 +346,13 @@ class OrtRuntime:
                                   "export with --formats onnx,ort-training"
                                   + (" --methods fedfs+feduv" if chosen == "both" else ""))
         weights, _ = decode_model(model)
+        if chosen == "xi":      # ξ's backbone in the verifier graph (its FedUV head, if any, stays the global one)
+            from safetensors.numpy import load_file
+
+            xi = load_file(str(xi_path(agent)))
+            weights = {**{k: v for k, v in weights.items() if not k.startswith("backbone.")},
+                       **{k: v for k, v in xi.items() if k.startswith("backbone.")}}
+            chosen = "global"
         personal = None
         if chosen in ("personal", "both"):
             personal = agent.state.load_arrays("personal")

@@ -139,8 +139,11 @@ def parse_update_metadata(meta: Mapping[str, str]) -> UpdateMeta:
 
 # ---- the round task's training settings (JSON) ------------------------------------------
 
-TRAIN_KEYS = ("lr", "head_lr", "local_epochs", "batch_size", "momentum", "weight_decay", "seed", "objective")
+TRAIN_KEYS = ("lr", "head_lr", "local_epochs", "batch_size", "momentum", "weight_decay", "seed", "scope", "objective")
 """Keys of the ``train`` object of a round task (the device picks its own ``device``)."""
+
+TRAIN_SCOPES = ("all", "top")
+"""``train.scope``: which layers the device trains (fedfs_sdk.training.scope.SCOPES)."""
 
 OBJECTIVE_KEYS = ("uv_weight", "lambda_neg")
 """Keys of ``train.objective`` besides ``fedfs`` (FedFS loss settings)."""
@@ -169,6 +172,8 @@ def split_train_json(train: Mapping[str, Any] | None) -> tuple[dict[str, Any], d
         raise InputError(f"training settings {nulls} are null; omit a setting to keep its default")
     for k in ("lr", "head_lr", "momentum", "weight_decay"):
         _check_non_negative(f"train.{k}", train.get(k), TRAIN_FLOAT_MAX[k])
+    if "scope" in train and train["scope"] not in TRAIN_SCOPES:
+        raise InputError(f"train.scope must be one of {list(TRAIN_SCOPES)}, got {str(train['scope'])[:40]!r}")
     for k, (lo, hi) in TRAIN_INT_RANGES.items():
         v = train.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
@@ -207,6 +212,6 @@ def _check_non_negative(name: str, v: Any, maximum: float) -> None:
         raise InputError(f"{name} must be a number in [0, {maximum:g}], got {str(v)[:40]}")
 
 
-__all__ = ["TRAIN_KEYS", "OBJECTIVE_KEYS", "TRAIN_INT_RANGES", "TRAIN_FLOAT_MAX", "OBJECTIVE_MAX",
+__all__ = ["TRAIN_KEYS", "TRAIN_SCOPES", "OBJECTIVE_KEYS", "TRAIN_INT_RANGES", "TRAIN_FLOAT_MAX", "OBJECTIVE_MAX",
            "UPDATE_META_KEYS", "parse_decimal", "split_train_json", "is_finite_number", "MAX_ID", "UPDATE_FORMAT", "MODEL_FORMAT", "MEDIA_TYPE", "MAX_HEADER_BYTES", "SAFETENSORS_DTYPES",
            "UpdateMeta", "sha256_hex", "read_header", "update_metadata", "parse_update_metadata"]

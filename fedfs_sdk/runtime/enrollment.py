@@ -23,7 +23,7 @@ set it.
 
 The enrollment is stored encrypted and authenticated (AES-256-GCM) with a key the app
 supplies (e.g. from the platform keystore), written atomically, never overwritten unless
-asked.
+asked (:mod:`fedfs_sdk.runtime.enrollment_store`, re-exported here).
 """
 from __future__ import annotations
 
@@ -39,9 +39,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..errors import (EnrollmentError, EnrollmentExistsError, InputError, InsufficientWarmupError)
+from ..errors import EnrollmentError, InputError, InsufficientWarmupError
 from ..exact import as_written
 from .inference import InferenceBackend
+from .operating_point import operating_point
 
 # ---- outlier rejection (applied to the warm-up scores before τ is set) ------------------
 OUTLIER_RULES = ("mad", "none")
@@ -59,9 +60,6 @@ _MAX_PASSES = 5            # template mode: re-estimate the template at most thi
 # score both lie in [−1, 1]), so 1e-6 covers that noise 10× and moves no real decision.
 WARMUP_TOLERANCE = 1e-6
 
-_MAGIC = b"FEDFSENR"
-_VERSION = 1
-_NONCE = 12
 
 
 def _fraction(q: Any) -> Fraction:
@@ -256,7 +254,8 @@ def _loo_scores(emb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.ndarray | None = None,
            detect_face: bool = False, meta: dict[str, Any] | None = None, outliers: str = "mad",
-           outlier_k: float = OUTLIER_K, template_output: str = "embedding") -> Enrollment:
+           outlier_k: float = OUTLIER_K, template_output: str = "embedding", far: float | None = None,
+           impostors: Any = None) -> Enrollment:
     """Enroll the owner from ``n`` warm-up images with target TPR ``q`` (FedUV Alg. 2).
 
     ``images``: paths / bytes / uint8 arrays, or an already preprocessed float32 batch.
@@ -279,6 +278,15 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
     never below the leave-one-out one, so this moves ``τ`` by float noise at most. The stored
     ``τ`` is then lowered by :data:`WARMUP_TOLERANCE` (1e-6) in case the backend's bits for
     one image are not reproducible between runs (float32 noise is ~1e-7).
+
+    ``impostors`` (a public :class:`~fedfs_sdk.runtime.impostors.ImpostorSet`, or a preprocessed
+    float32 batch) are scored against the enrollment: the stored operating point
+    (``meta["operating_point"]``) then says how many of them the threshold accepts. With ``far``
+    the threshold is set for that false-accept rate instead of ``q``
+    (:mod:`fedfs_sdk.runtime.operating_point`: at most ``⌊far·(n+1)⌋ − 1`` public impostors pass,
+    so an exchangeable impostor passes with probability ≤ ``far``), provided the warm-up still
+    accepts at least ``q`` of the owner's photos; :class:`~fedfs_sdk.errors.OperatingPointError`
+    otherwise, naming both rates.
     """
     if outliers not in OUTLIER_RULES:
         raise InputError(f"outliers must be one of {', '.join(OUTLIER_RULES)}, got {outliers!r}")
@@ -343,12 +351,32 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
                           for j in np.flatnonzero(keep)])
         tau = min(tau, float(alone[scores >= tau].min()))
     tau -= WARMUP_TOLERANCE
+    op = None
+    if far is not None or impostors is not None:
+        imp = None if impostors is None else _impostor_scores(backend, impostors, mode, v, template, template_output)
+        ids = getattr(impostors, "identity", None)
+        tau, op = operating_point(scores, q, far, imp, tau, identities=ids)
+        op["n_warmup"] = int(keep.sum())
+        if impostors is not None and hasattr(impostors, "digest"):
+            op["impostor_set"] = {"sha256": impostors.digest(), "photos": len(impostors),
+                                  "identities": impostors.num_identities}
     info = {**dict(meta or {}), "dropped": sorted(dropped, key=lambda d: d["index"]),
-            "outlier_rule": outlier_rule(mode, outliers, k), "n_given": n}
+            "outlier_rule": outlier_rule(mode, outliers, k), "n_given": n,
+            **({"operating_point": op} if op is not None else {})}
     if template_output != "embedding":
         info["template_output"] = template_output
     return Enrollment(backend.model_id, mode, tau, q_stored, int(keep.sum()), codeword=v, template=template,
                       meta=info)
+
+
+def _impostor_scores(backend: InferenceBackend, impostors: Any, mode: str, codeword: np.ndarray | None,
+                     template: np.ndarray | None, output: str, chunk: int = 64) -> np.ndarray:
+    """Verification scores of the public impostor photos against a new enrollment (in chunks)."""
+    batch = impostors.batch(backend.input_size) if hasattr(impostors, "batch") else np.asarray(impostors, np.float32)
+    if batch.ndim != 4 or batch.shape[0] == 0:
+        raise InputError(f"impostors must be an ImpostorSet or a float32 [N, 3, S, S] batch, got shape {list(batch.shape)}")
+    return np.concatenate([_verify_scores(backend.run(batch[a:a + chunk]), mode, codeword, template, output)
+                           for a in range(0, batch.shape[0], chunk)])
 
 
 def score(backend: InferenceBackend, enrollment: Enrollment, images: Any, detect_face: bool = False) -> np.ndarray:
@@ -369,52 +397,6 @@ def verify(backend: InferenceBackend, enrollment: Enrollment, image: Any, detect
     return VerifyResult(accepted=s >= enrollment.threshold, score=s, threshold=enrollment.threshold)
 
 
-# ---- storage -------------------------------------------------------------------------
-
-def generate_key() -> bytes:
-    """A fresh 256-bit AES-GCM key (store it in the platform keystore)."""
-    return os.urandom(32)
-
-
-def _aesgcm(key: bytes):
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-    if not isinstance(key, (bytes, bytearray)) or len(key) not in (16, 24, 32):
-        raise InputError("enrollment key must be 16, 24 or 32 bytes")
-    return AESGCM(bytes(key))
-
-
-def save_enrollment(path: str | os.PathLike[str], enrollment: Enrollment, key: bytes,
-                    overwrite: bool = False) -> None:
-    """Encrypt (AES-GCM) and write atomically. An existing file is kept unless ``overwrite``."""
-    from ..fileio import atomic_write_bytes
-
-    p = Path(path)
-    if p.exists() and not overwrite:
-        raise EnrollmentExistsError(f"{p} already holds an enrollment; pass overwrite=True (`fedfs enroll --overwrite`) to replace it")
-    header = _MAGIC + bytes([_VERSION])
-    nonce = os.urandom(_NONCE)
-    blob = header + nonce + _aesgcm(key).encrypt(nonce, enrollment.to_json(), header)
-    atomic_write_bytes(p, blob, mode=0o600)
-
-
-def load_enrollment(path: str | os.PathLike[str], key: bytes) -> Enrollment:
-    """Read and authenticate an enrollment; :class:`EnrollmentError` if tampered or wrong key."""
-    from cryptography.exceptions import InvalidTag
-
-    p = Path(path)
-    if not p.is_file():
-        raise EnrollmentError(f"enrollment file not found: {p}")
-    blob = p.read_bytes()
-    header = _MAGIC + bytes([_VERSION])
-    if not blob.startswith(_MAGIC):
-        raise EnrollmentError(f"{p} is not a fedfs enrollment file")
-    if blob[:len(header)] != header:
-        raise EnrollmentError(f"{p} has unsupported enrollment version {blob[len(_MAGIC)]}")
-    body = blob[len(header):]
-    if len(body) < _NONCE + 16:
-        raise EnrollmentError(f"{p} is truncated")
-    try:
-        plain = _aesgcm(key).decrypt(body[:_NONCE], body[_NONCE:], header)
-    except InvalidTag:
-        raise EnrollmentError(f"{p} failed authentication: the file was tampered with or the key is wrong") from None
-    return Enrollment.from_json(plain)
+# ---- storage: encrypted enrollment files (enrollment_store.py, re-exported here) ---------
+from .enrollment_store import (_MAGIC, _NONCE, _VERSION, _aesgcm, generate_key, load_enrollment,  # noqa: E402,F401
+                               save_enrollment)

@@ -29,6 +29,14 @@ neither paper defines it). The FedFS lr (5e-3) moves the backbones slowly for th
 so μ = 1 leaves the codeword verifier behind FedUV alone. Measured on SynthFaces (100
 clients, p = 0.5, 10 rounds, c = 127; FedUV alone 0.800): per-client AUROC 0.732 / 0.841 /
 0.863 / 0.866 / 0.814 for μ = 1 / 5 / 10 / 20 / 50 (docs/simulation.md)."""
+DEFAULT_SCOPE = {"fedfs": "top", "feduv": "top", "fedfs+feduv": "top"}
+"""Which layers of ϕ a device trains when the task names none (:mod:`fedfs_sdk.training.scope`):
+``top`` — the embedding layer (and FedFS's projection, FedUV's head) on ξ's frozen trunk. A
+phone's few photos cannot improve a real recognizer's convolutions, only damage them (issue 23:
+the full-model presets cost a real MobileFaceNet 0.11–0.20 AUROC); the papers' ``all`` is the
+``:paper`` presets' and ``train.scope = "all"``. ONNX Runtime training artifacts bake in what
+they train (all layers): an artifact-only device keeps its artifact's scope."""
+PAPER_SCOPE = "all"
 DEFAULT_BATCH_SIZE = 32
 """Local mini-batch size (the papers do not state one for the device step)."""
 
@@ -89,6 +97,6 @@ def uses_feduv(method: str) -> bool:
     return method in ("feduv", "fedfs+feduv")
 
 
-__all__ = ["METHODS", "PAPER_LR", "DEFAULT_LR", "SCORES", "VERIFY_MODELS", "PAPER_VERIFICATION",
+__all__ = ["METHODS", "PAPER_LR", "DEFAULT_LR", "DEFAULT_SCOPE", "PAPER_SCOPE", "SCORES", "VERIFY_MODELS", "PAPER_VERIFICATION",
            "DEFAULT_VERIFICATION", "check_verification", "DEFAULT_EPOCHS", "DEFAULT_HEAD_LR", "DEFAULT_UV_WEIGHT", "DEFAULT_BATCH_SIZE",
            "check_method", "uses_fedfs", "uses_feduv"]

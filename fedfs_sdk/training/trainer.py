@@ -18,7 +18,9 @@ from torch import nn
 from ..errors import InputError, TrainingError
 from ..nn.model import FaceNet, ModelConfig, personal_config
 from .methods import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR  # noqa: F401 (re-exported)
+from .methods import DEFAULT_SCOPE
 from .objective import ObjectiveConfig, check_method, local_objective, uses_fedfs, uses_feduv
+from .scope import TopFaceNet, Trunk, check_scope, check_splittable, is_top_key
 
 Weights = dict[str, torch.Tensor]
 
@@ -49,6 +51,9 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    scope: str | None = None
+    """Which layers train (:mod:`fedfs_sdk.training.scope`): ``all``, ``top`` (the embedding
+    layer, FedFS projection and FedUV head on a frozen trunk); None: :data:`DEFAULT_SCOPE`."""
 
     def __post_init__(self) -> None:
         check_method(self.method)
@@ -68,6 +73,8 @@ class TrainConfig:
             raise InputError(f"weight_decay must be a finite number ≥ 0, got {self.weight_decay!r}")
         if not _is_int(self.seed):
             raise InputError(f"seed must be an integer, got {self.seed!r}")
+        if self.scope is not None:
+            check_scope(self.scope)
         if not isinstance(self.objective, ObjectiveConfig):
             raise InputError(f"objective must be an ObjectiveConfig, got {type(self.objective).__name__}")
 
@@ -78,6 +85,10 @@ class TrainConfig:
     @property
     def effective_head_lr(self) -> float:
         return self.head_lr if self.head_lr is not None else DEFAULT_HEAD_LR
+
+    @property
+    def effective_scope(self) -> str:
+        return self.scope if self.scope is not None else DEFAULT_SCOPE[self.method]
 
     @property
     def effective_epochs(self) -> int:
@@ -161,6 +172,13 @@ class LocalTrainer:
         self.global_model = FaceNet(self.model_config).to(dev)
         self.personal_model = FaceNet(personal_config(self.model_config)).to(dev) if uses_fedfs(m) else None
         self.xi = xi.to(dev).eval().requires_grad_(False) if xi is not None else None
+        self.scope = config.effective_scope
+        if self.scope == "top":     # the trunk stays as received; one trunk pass feeds ξ, global and personal
+            check_splittable(self.global_model.backbone)
+            self._trunk = Trunk(self.global_model.backbone)
+            self._tops = (TopFaceNet(self.global_model),
+                          TopFaceNet(self.personal_model) if self.personal_model is not None else None,
+                          TopFaceNet(self.xi) if isinstance(self.xi, FaceNet) else None)
 
     def train(self, global_weights: Mapping[str, torch.Tensor], images: torch.Tensor | np.ndarray, *,
               personal_weights: Mapping[str, torch.Tensor] | None = None,
@@ -183,6 +201,10 @@ class LocalTrainer:
             src = personal_weights if personal_weights is not None else {
                 k: t for k, t in global_weights.items() if not k.startswith("uv_head.")}
             self._load(self.personal_model, src, "personalized weights")
+        # one trunk pass for all three models when their trunks agree (always, in a federation that only
+        # trains scope='top'); otherwise (e.g. a fleet with ONNX Runtime devices that train every layer)
+        # each model runs its own frozen trunk: slower, the same gradients
+        shared = self.scope == "top" and all(self._same_trunk(m) for m in (self.xi, self.personal_model) if m is not None)
         params = self._param_groups()
         opt = torch.optim.SGD(params, lr=cfg.effective_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
@@ -199,9 +221,16 @@ class LocalTrainer:
                 if uses_fedfs(cfg.method) and idx.numel() < 2:
                     continue  # a lone leftover image has nothing to contrast with
                 x = x_all[idx].to(self.device)
-                loss, parts = local_objective(cfg.method, cfg.objective, x, self.global_model,
-                                              personal_model=self.personal_model, xi=self.xi,
-                                              codeword=vd, neg_codewords=neg)
+                if shared:
+                    with torch.no_grad():
+                        f = self._trunk(x)
+                    g_top, p_top, xi_top = self._tops
+                    loss, parts = local_objective(cfg.method, cfg.objective, f, g_top, personal_model=p_top,
+                                                  xi=xi_top, codeword=vd, neg_codewords=neg)
+                else:
+                    loss, parts = local_objective(cfg.method, cfg.objective, x, self.global_model,
+                                                  personal_model=self.personal_model, xi=self.xi,
+                                                  codeword=vd, neg_codewords=neg)
                 if not torch.isfinite(loss):
                     raise TrainingError(f"local loss became {loss.item()} (lr={cfg.effective_lr} too high?)")
                 opt.zero_grad(set_to_none=True)
@@ -224,12 +253,23 @@ class LocalTrainer:
             metrics=summary,
         )
 
+    def _same_trunk(self, other: nn.Module) -> bool:
+        """Whether ``other`` (ξ, θ_c) has the global model's trunk, bit for bit."""
+        if not isinstance(other, FaceNet):
+            return False
+        mine, theirs = self.global_model.backbone.state_dict(), other.backbone.state_dict()
+        return all(torch.equal(mine[k], theirs[k].to(mine[k].device)) for k in mine if not is_top_key("backbone." + k))
+
     def _param_groups(self) -> list[dict]:
         cfg = self.config
+        top = self.scope == "top"
+        for model in (self.global_model, self.personal_model):
+            for n_, p in ([] if model is None else model.named_parameters()):
+                p.requires_grad_(not top or is_top_key(n_))
         head = [p for n_, p in self.global_model.named_parameters() if n_.startswith("uv_head.")]
-        rest = [p for n_, p in self.global_model.named_parameters() if not n_.startswith("uv_head.")]
+        rest = [p for n_, p in self.global_model.named_parameters() if not n_.startswith("uv_head.") and p.requires_grad]
         if self.personal_model is not None:
-            rest += list(self.personal_model.parameters())
+            rest += [p for p in self.personal_model.parameters() if p.requires_grad]
         groups = [{"params": rest}]
         if head:
             groups.append({"params": head, "lr": cfg.effective_head_lr})

@@ -1,0 +1,124 @@
+"""A device's enrollment after its last round (:meth:`DeviceAgent.enroll`): the do-no-harm
+choice of the model it verifies with (:mod:`fedfs_sdk.training.selection`: ξ, the global model or
+its personalized one, judged on its held-out photos against the public impostor set as its own
+camera would have taken them) and the enrollment with its operating point. Torch-free, as the
+agent is."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..training.methods import check_method, check_verification, uses_fedfs, uses_feduv
+
+
+def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgent
+    """Enroll the owner with the newest global model (and θ_c for FedFS methods).
+
+    Waits for ``after_round`` to close so the model includes this device's last update.
+    Writes the encrypted ``enrollment.fedfs`` into the device state (the torch runtime
+    also ``verifier.safetensors``, what ``fedfs verify --model`` takes); returns the
+    enrollment.
+    """
+    from ..runtime.enrollment import enroll, save_enrollment
+
+    if after_round is not None:
+        t0 = self._clock()
+        while self.client.round_status(after_round)["state"] == "open":
+            if self._clock() - t0 > self.config.wait_timeout_s:
+                raise ProtocolError(f"round {after_round} did not close within {self.config.wait_timeout_s:.0f} s")
+            self._sleep(1.0)
+    info = self.client.latest_model()
+    method = (self.state.info.rounds[-1]["method"] if self.state.info and self.state.info.rounds
+              else ("feduv" if info["config"].get("code_length") else "fedfs"))
+    version = int(info["version"])
+    score, model = check_verification(check_method(method), self.config.score, self.config.verify)
+    mbytes = self.model_bytes(version, info["sha256"])
+    impostors, selection, chosen = None, None, "personalized"
+    if self.config.impostors is not None:
+        from ..runtime.impostors import load_impostors
+
+        impostors = load_impostors(self.config.impostors)
+        chosen, selection = choose_model(self, method, mbytes, version, score, model, impostors)
+    backend = self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen)
+    mode, template_output = candidate_mode(method, score, model, chosen)
+    codeword = self.state.load_codeword() if mode == "codeword" else None
+    enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
+                        detect_face=self.config.detect_face, outliers=self.config.outliers,
+                        template_output=template_output, far=self.config.far, impostors=impostors,
+                        meta={"global_version": version, "method": method, "runtime": self.runtime.name,
+                              "score": score, "verify": model, "model_choice": chosen,
+                              **({"selection": selection} if selection is not None else {})})
+    key = self.config.enrollment_key or self.state.enrollment_key()
+    save_enrollment(self.state.file("enrollment.fedfs"), enrollment, key, overwrite=True)
+    self._emit("enrollment_outliers", {"rule": enrollment.meta["outlier_rule"], "dropped": enrollment.meta["dropped"],
+                                       "n_given": enrollment.meta["n_given"]})
+    self._emit("enrolled", {"mode": enrollment.mode, "threshold": enrollment.threshold,
+                            "model_id": backend.model_id, "n_warmup": enrollment.n_warmup, "model_choice": chosen,
+                            **({"operating_point": enrollment.meta["operating_point"]}
+                               if "operating_point" in enrollment.meta else {})})
+    return enrollment
+
+
+def choose_model(self, method: str, model: bytes, version: int, score: str, verify: str,  # self: the DeviceAgent
+                 impostors) -> tuple[str, dict]:
+    """Do no harm (:mod:`fedfs_sdk.training.selection`): score the hold-out photos (never trained
+    on) and the public impostors with ξ, the global model and the personalized one; keep the
+    best, ties to the earlier (ξ first)."""
+    from ..runtime.capture_match import match_capture
+    from ..training.selection import CHECK_IMPOSTORS, Verdict, candidate_scores, check_scores, choose
+
+    train, hold = self.holdout_split()
+    names = (["xi"] if has_xi(self) else []) + ["global"] + (["personalized"] if uses_fedfs(method) else [])
+    if hold.size == 0 or len(names) < 2:
+        return ("xi" if "xi" in names else "personalized"), {
+            "chosen": "xi" if "xi" in names else "personalized",
+            "reason": "no hold-out photos (too few photos)" if hold.size == 0 else "nothing to compare with"}
+    checks, matched = [], {}
+    for name in names:
+        backend = self.runtime.verifier(method, model, self, version, verify, candidate=name)
+        size = backend.input_size
+        x = self.all_images_array(size)
+        if size not in matched:   # the public impostors as this phone would have taken them (its photos' statistics)
+            impostors.batch(size)             # the set fits this model (or a clear error)
+            matched[size] = _from_u8(match_capture(impostors.images[:CHECK_IMPOSTORS], _to_u8(x[train]),
+                                                   seed=len(self.images)))
+        mode, output = candidate_mode(method, score, verify, name)
+        codeword = self.state.load_codeword() if mode == "codeword" else None
+        g, i = candidate_scores(backend, x[train], x[hold], matched[size], mode, output, codeword)
+        checks.append(check_scores(name, g, i, self.config.far or 1e-3))
+    verdicts = {n: Verdict(n, True, math.nan, math.nan, math.nan, 0) for n in self.config.helps}
+    sel = choose(checks, verdicts)
+    self._emit("model_chosen", {"chosen": sel.chosen, "reason": sel.reason})
+    return sel.chosen, sel.to_dict()
+
+
+def has_xi(self) -> bool:
+    """Whether the device has ξ to compare with (given with --xi, or downloaded to train)."""
+    return self.config.xi_path is not None or self.state.file("xi.safetensors").is_file()
+
+
+def _to_u8(x: np.ndarray) -> np.ndarray:
+    return np.clip(np.rint(x * 127.5 + 127.5), 0, 255).astype(np.uint8).transpose(0, 2, 3, 1).copy()
+
+
+def _from_u8(u8: np.ndarray) -> np.ndarray:
+    return ((u8.astype(np.float32) - 127.5) / 127.5).transpose(0, 3, 1, 2).copy()
+
+
+def candidate_mode(method: str, score: str, verify: str, candidate: str) -> tuple[str, str]:
+    """``(mode, template_output)`` a candidate verifier enrolls with: ξ — a template of its
+    embedding; the global model — its method's scoring (codeword, or a head-space template of
+    ``uv``); the personalized one — the method's verification (the dual verifier's embedding is
+    already ``unit(W q') ⊕ unit(W r')``; a single model's head-template is the cosine of ``uv``)."""
+    if candidate == "xi" or not uses_feduv(method):
+        return "template", "embedding"
+    if score == "codeword":
+        return "codeword", "embedding"
+    if candidate == "global":
+        return "template", "uv"
+    return "template", ("uv" if verify != "both" else "embedding")
+
+
+__all__ = ["enroll_device", "choose_model", "candidate_mode", "has_xi"]
