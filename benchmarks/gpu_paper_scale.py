@@ -188,7 +188,8 @@ def print_table(results: list[dict], args: argparse.Namespace, dev: torch.device
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--methods", nargs="+", default=["fedfs", "fedfs+feduv"])
+    p.add_argument("--methods", nargs="+", default=["fedfs:scope=all", "fedfs+feduv:scope=all"],
+                   help="method specs (default: the papers' setting, every layer of ϕ trained; the SDK default trains the top only, scope=top)")
     p.add_argument("--backbone", default="mobilefacenet")
     p.add_argument("--image-size", type=int, default=112)
     p.add_argument("--pretrained", default=None, help="ξ checkpoint (default: random weights — timing only)")

@@ -146,7 +146,7 @@ def profile_chunk(ex, method, plan, tasks, local, dev, top: int, steps: int = 2)
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--method", default="fedfs")
+    p.add_argument("--method", default="fedfs:scope=all")   # every layer trained: the paper's setting
     p.add_argument("--backbone", default="mobilefacenet")
     p.add_argument("--image-size", type=int, default=112)
     p.add_argument("--clients", type=int, default=16, help="K: clients in the chunk")

@@ -190,7 +190,8 @@ def format_table(result: dict[str, Any]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="all", help="cpu, cuda or all (cuda only where available)")
-    p.add_argument("--method", default="fedfs", help="method spec (see fedfs simulate --method)")
+    p.add_argument("--method", default="fedfs:scope=all",
+                   help="method spec (see fedfs simulate --method; default: FedFS training every layer, the paper's setting)")
     p.add_argument("--backbone", default="tiny", choices=["tiny", "mobilefacenet", "feduv_cnn"])
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--image-size", type=int, default=None)

@@ -17,7 +17,8 @@ from device_sim.executors.folding import NotFoldable, check_folding, fold_input,
 from fedfs_sdk.nn.backbones import get_backbone
 from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
-SPECS = ["fedfs", "feduv", "fedfs+feduv"]
+# every layer trained (the papers' scope): the trunk is what the folded path folds
+SPECS = ["fedfs:scope=all", "feduv:scope=all", "fedfs+feduv:scope=all"]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_folded_mobilefacenet_with_matmul_pointwise_equals_sequential(data) -> N
     above that and 15× under the weights' movement (1.5e-3)."""
     torch.manual_seed(0)
     xi_m = FaceNet(ModelConfig("mobilefacenet", embedding_dim=32, input_size=32)).eval().requires_grad_(False)
-    m = setup_method("fedfs", xi_m)
+    m = setup_method("fedfs:scope=all", xi_m)
     plan, tasks = make_tasks(m, data, [0, 2])
     cfg = LocalConfig(batch_size=4, local_epochs=1)
     seq = SequentialExecutor().train(m, plan, tasks, cfg)
@@ -76,7 +77,7 @@ def test_folded_mobilefacenet_with_matmul_pointwise_equals_sequential(data) -> N
 def test_xi_once_gives_the_updates_of_xi_at_every_step(xi, data) -> None:
     """ξ is frozen: its features computed once per image (per chunk, or cached for the run by the
     federation) give the same client updates as running ξ inside every local step."""
-    m = setup_method("fedfs+feduv", xi)
+    m = setup_method("fedfs+feduv:scope=all", xi)
     plan, tasks = make_tasks(m, data, [0, 1, 3])
     cfg = LocalConfig(batch_size=4)
     every_step = BatchedExecutor("cpu", xi_once=False).train(m, plan, tasks, cfg)
@@ -91,7 +92,7 @@ def test_xi_once_gives_the_updates_of_xi_at_every_step(xi, data) -> None:
 
 
 def test_uint8_images_give_the_float_updates(xi, data) -> None:
-    m = setup_method("fedfs", xi)
+    m = setup_method("fedfs:scope=all", xi)
     plan, tasks = make_tasks(m, data, [0, 1])
     u8 = _uint8(tasks)
     cfg = LocalConfig(batch_size=4)
@@ -187,7 +188,7 @@ class _SmallMemory(BatchedExecutor):
 
 
 def test_out_of_memory_chunk_is_split_and_gives_the_unsplit_result(xi, data) -> None:
-    m = setup_method("fedfs", xi)
+    m = setup_method("fedfs:scope=all", xi)
     plan, tasks = make_tasks(m, data, [0, 1, 2, 3, 4])
     cfg = LocalConfig(batch_size=4)
     whole = BatchedExecutor("cpu", chunk_size=5).train(m, plan, tasks, cfg)
@@ -202,7 +203,7 @@ def test_out_of_memory_chunk_is_split_and_gives_the_unsplit_result(xi, data) -> 
 
 
 def test_a_client_that_never_fits_says_what_to_change(xi, data) -> None:
-    m = setup_method("fedfs", xi)
+    m = setup_method("fedfs:scope=all", xi)
     plan, tasks = make_tasks(m, data, [0, 1])
     with pytest.raises(torch.OutOfMemoryError, match="one client .* does not fit.*--batch-size"):
         train_splitting(_SmallMemory(limit=0), m, plan, tasks, LocalConfig(batch_size=4))
@@ -258,7 +259,7 @@ def test_federation_calibrates_before_building_the_first_chunk(xi, data) -> None
     from device_sim.federation import Federation, FederationConfig
 
     events: list = []
-    fed = Federation(parse_method("fedfs"), data, xi,
+    fed = Federation(parse_method("fedfs:scope=all"), data, xi,
                      FederationConfig(rounds=1, participation=1.0, local=LocalConfig(batch_size=4), executor="batched"))
     fed.executor = _ProbedExecutor(events, free=5000)     # (0.8 × 5000 − 500) / 1000 → 3 clients per chunk
     fed.run_round()
@@ -270,7 +271,7 @@ def test_federation_calibrates_before_building_the_first_chunk(xi, data) -> None
 def test_federation_xi_cache_computes_each_client_once(xi, data) -> None:
     from device_sim.federation import Federation, FederationConfig
 
-    fed = Federation(parse_method("fedfs"), data, xi,
+    fed = Federation(parse_method("fedfs:scope=all"), data, xi,
                      FederationConfig(rounds=2, participation=0.5, local=LocalConfig(batch_size=4)))
     calls = []
     real = fed.xi_cache.xi.forward
@@ -289,7 +290,7 @@ def test_real_cuda_out_of_memory_is_split_and_retried(data) -> None:
     torch.manual_seed(0)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     xi_m = FaceNet(ModelConfig("mobilefacenet", input_size=112)).eval().requires_grad_(False)
-    m = setup_method("fedfs", xi_m, device="cuda")
+    m = setup_method("fedfs:scope=all", xi_m, device="cuda")
     g = torch.Generator().manual_seed(0)
     plan = m.configure_round(1, np.arange(4))
     w = m.init_global()
@@ -322,7 +323,7 @@ def test_real_cuda_out_of_memory_is_split_and_retried(data) -> None:
 def test_cuda_calibration_sizes_the_chunk_before_training(data) -> None:
     torch.manual_seed(0)
     xi_m = FaceNet(ModelConfig("mobilefacenet", input_size=112)).eval().requires_grad_(False)
-    m = setup_method("fedfs", xi_m, device="cuda")
+    m = setup_method("fedfs:scope=all", xi_m, device="cuda")
     plan = m.configure_round(1, np.arange(2))
     w = m.init_global()
     tasks = [ClientTask(c, torch.zeros(57, 3, 112, 112, dtype=torch.uint8), {"global": w, **m.init_private(w)}, {},
