@@ -74,6 +74,33 @@ def test_folded_mobilefacenet_with_matmul_pointwise_equals_sequential(data) -> N
         assert max_diff(seq.params, got.params) < 1e-4, (pointwise, channels_last)
 
 
+@pytest.mark.parametrize("spec", ["fedfs", "fedfs+feduv"])
+def test_frozen_stem_once_per_chunk_gives_the_sequential_updates(spec: str, xi, data, monkeypatch) -> None:
+    """scope=top (the SDK default): the batched executor runs ξ's frozen trunk once per image of
+    the chunk and trains only the top on its outputs; the updates equal the sequential
+    executor's (which runs the trunk inside the objective), and the trunk's tensors stay ξ's."""
+    m = setup_method(spec, xi)
+    assert m.scope == "top" and m.frozen_stem() is not None and not m.trunks()
+    plan, tasks = make_tasks(m, data, [0, 1, 2, 3])
+    cfg = LocalConfig(batch_size=4)
+    seq = SequentialExecutor().train(m, plan, tasks, cfg)
+    stem, calls = m.frozen_stem(), []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return stem(*a, **k)
+    monkeypatch.setattr(m, "frozen_stem", lambda: counted)
+    ex = BatchedExecutor("cpu")
+    got = ex.train(m, plan, tasks, cfg)
+    assert ex.path == "vmap" and len(calls) == 1              # 36 images, one batch of the stem
+    assert max_diff(seq.params, got.params) < 1e-5
+    start = {g: {k: torch.stack([t.params[g][k] for t in tasks]) for k in w} for g, w in tasks[0].params.items()}
+    moved = [k for g, w in got.params.items() for k in w if not torch.equal(w[k], start[g][k])]
+    assert moved and all(m.trains("global", k) for k in moved), moved     # only the top moved …
+    frozen = [k for k in start["global"] if not m.trains("global", k)]
+    assert frozen and all(torch.equal(seq.params[g][k], start[g][k]) for g in start for k in start[g] if k in frozen)
+
+
 def test_xi_once_gives_the_updates_of_xi_at_every_step(xi, data) -> None:
     """ξ is frozen: its features computed once per image (per chunk, or cached for the run by the
     federation) give the same client updates as running ξ inside every local step."""

@@ -47,10 +47,16 @@ class _Chunk:
     valid: torch.Tensor        # [T, K, B] real (vs padded) samples
     active: torch.Tensor       # [T, K] clients with a batch at step t
     all_active: list[bool]     # per step, on the host: every client steps (unmasked SGD)
-    images: torch.Tensor       # [K, n_max, 3, S, S] uint8 or float32
+    images: torch.Tensor       # [K, n_max, 3, S, S] uint8 or float32; with a frozen stem its outputs [K, n_max, …]
     xi: torch.Tensor | None    # [K, n_max, D] ξ features, or None
     params: Params             # stacked [K, …] per tensor
     consts: dict[str, torch.Tensor]
+    stem: bool = False         # images hold the method's frozen-stem outputs (FederatedMethod.frozen_stem)
+
+
+def _merged(fixed: Params, trained: Params) -> Params:
+    """One parameter dict from the frozen and the differentiated entries of every group."""
+    return {g: {**fixed.get(g, {}), **trained.get(g, {})} for g in fixed.keys() | trained.keys()}
 
 
 def xi_features(xi: torch.nn.Module, images: torch.Tensor, device: torch.device, amp: str,
@@ -174,10 +180,17 @@ class BatchedExecutor:
             else:
                 flat = xi_features(method.xi_model(), images.reshape((k * nmax,) + tuple(first.shape[1:])), dev, cfg.amp)
                 xi = flat.reshape(k, nmax, -1)
+        stem = method.frozen_stem()
+        if stem is not None:
+            # scope=top: the trunk is ξ's and frozen — its outputs are computed once here, and the
+            # local steps train only the small top on them
+            flat = xi_features(stem, images.reshape((k * nmax,) + tuple(first.shape[1:])), dev, cfg.amp)
+            images = flat.reshape((k, nmax) + tuple(flat.shape[1:]))
         params = {g: {name: torch.stack([t.params[g][name].to(dev, torch.float32) for t in tasks])
                       for name in w} for g, w in tasks[0].params.items()}
         consts = {name: torch.stack([t.consts[name].to(dev) for t in tasks]) for name in tasks[0].consts}
-        return _Chunk(k, ns, idx.to(dev), valid.to(dev), active.to(dev), all_active, images, xi, params, consts)
+        return _Chunk(k, ns, idx.to(dev), valid.to(dev), active.to(dev), all_active, images, xi, params, consts,
+                      stem is not None)
 
     def train(self, method: FederatedMethod, plan: RoundPlan, tasks: Sequence[ClientTask],
               cfg: LocalConfig, max_steps: int | None = None) -> ChunkResult:
@@ -225,9 +238,12 @@ class BatchedExecutor:
         return x, v
 
     def _split(self, method: FederatedMethod, params: Params) -> tuple[Params, Params]:
+        """(differentiated, fixed) entries: groups the objective trains, less their frozen tensors."""
         trained = method.trained_groups()
-        train = {g: w for g, w in params.items() if trained is None or g in trained}
-        return train, {g: w for g, w in params.items() if g not in train}
+        moves = {g: {n: (trained is None or g in trained) and method.trains(g, n) for n in w} for g, w in params.items()}
+        train = {g: {n: p for n, p in w.items() if moves[g][n]} for g, w in params.items()}
+        fixed = {g: {n: p for n, p in w.items() if not moves[g][n]} for g, w in params.items()}
+        return {g: w for g, w in train.items() if w}, {g: w for g, w in fixed.items() if w}
 
     def _vmap_step(self, method: FederatedMethod, plan: RoundPlan, cfg: LocalConfig, ch: _Chunk, scale: float):
         # Only the groups the objective trains are differentiated (FederatedMethod.trained_groups);
@@ -237,8 +253,11 @@ class BatchedExecutor:
 
         def loss_fn(p: Params, aux, x: torch.Tensor, v: torch.Tensor | None, m: torch.Tensor):
             with autocast(dev, cfg.amp):
-                feats = {} if v is None else {"features": {"xi": v}}
-                loss, parts = method.objective(plan, {**aux[0], **p}, aux[1], x, m, **feats)
+                feats = {} if v is None else {"xi": v}
+                if ch.stem:         # x holds the frozen stem's outputs, not images
+                    feats["trunk"], x = x, None
+                loss, parts = method.objective(plan, _merged(aux[0], p), aux[1], x, m,
+                                               **({"features": feats} if feats else {}))
             return loss.float() * scale, {n_: val.float() for n_, val in parts.items()}
 
         fn = vmap(grad_and_value(loss_fn, has_aux=True), in_dims=(0, 0, 0, 0 if ch.xi is not None else None, 0))
@@ -264,7 +283,7 @@ class BatchedExecutor:
             f = dict(feats) if v is None else {**feats, "xi": v}
             with autocast(dev, cfg.amp):
                 # x is read only by models without a trunk (a trained group that is not folded)
-                loss, parts = method.objective(plan, {**aux[0], **p}, aux[1], x, m, features=f)
+                loss, parts = method.objective(plan, _merged(aux[0], p), aux[1], x, m, features=f)
             return loss.float() * scale, {n_: val.float() for n_, val in parts.items()}
 
         fn = vmap(grad_and_value(head_fn, argnums=(0, 1), has_aux=True),

@@ -157,20 +157,19 @@ def sgd_update(params: Params, grads: Params, lrs: Mapping[str, Mapping[str, flo
     """
     if active is None and started is None and not cfg.momentum and not cfg.weight_decay:
         by_lr: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for g, weights in params.items():
-            if g in grads:
-                for k, p in weights.items():
-                    ps, ds = by_lr.setdefault(lrs[g][k], ([], []))
-                    ps.append(p)
-                    ds.append(grads[g][k])
+        for g, gw in grads.items():
+            for k, d in gw.items():
+                ps, ds = by_lr.setdefault(lrs[g][k], ([], []))
+                ps.append(params[g][k])
+                ds.append(d)
         for lr, (ps, ds) in by_lr.items():
             torch._foreach_add_(ps, ds, alpha=-lr)
         return
-    for g, weights in params.items():
-        if g not in grads:      # a group the objective does not train (FederatedMethod.trained_groups)
-            continue
-        for k, p in weights.items():
-            d = grads[g][k]
+    # only what has a gradient steps: a group the objective does not train (FederatedMethod.trained_groups)
+    # and a frozen tensor of a trained one (FederatedMethod.trains) are left as they are
+    for g, gw in grads.items():
+        for k, d in gw.items():
+            p = params[g][k]
             if cfg.weight_decay:
                 d = d.add(p, alpha=cfg.weight_decay)
             if cfg.momentum and bufs is not None:

@@ -46,9 +46,11 @@ class SequentialExecutor:
                    cfg: LocalConfig) -> tuple[Params, list[dict[str, float]], int]:
         dev = self.device
         trained = method.trained_groups()
-        params = {g: {k: v.detach().to(dev, torch.float32).clone().requires_grad_(trained is None or g in trained)
+        moves = {g: {k: (trained is None or g in trained) and method.trains(g, k) for k in w}
+                 for g, w in task.params.items()}
+        params = {g: {k: v.detach().to(dev, torch.float32).clone().requires_grad_(moves[g][k])
                       for k, v in w.items()} for g, w in task.params.items()}
-        leaves = [(g, k) for g, w in params.items() for k in w if trained is None or g in trained]
+        leaves = [(g, k) for g, w in params.items() for k in w if moves[g][k]]
         consts = {k: v.to(dev) for k, v in task.consts.items()}
         lrs = learning_rates(method, params, cfg)
         bufs: dict[str, dict[str, torch.Tensor]] = {g: {} for g in params}
@@ -69,7 +71,7 @@ class SequentialExecutor:
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"client {task.client}: local loss became {loss.item()} "
                                          f"(lr={cfg.lr_for(method)} too high?)")
-            # materialize_grads: a tensor the objective does not use (scope=top's frozen trunk) gets a zero
+            # materialize_grads: a trained tensor the objective does not read this step gets a zero
             grads_flat = torch.autograd.grad(loss * scale, [params[g][k] for g, k in leaves], allow_unused=True,
                                              materialize_grads=True)
             grads: Params = {g: {} for g in params if trained is None or g in trained}

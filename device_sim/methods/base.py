@@ -160,6 +160,20 @@ class FederatedMethod(ABC):
         are carried through a client's local training unchanged."""
         return None
 
+    def trains(self, group: str, name: str) -> bool:
+        """Whether tensor ``name`` of a trained group moves in local training. ``False`` marks a
+        frozen tensor inside a trained group (``scope="top"``: the trunk, which stays ξ's): the
+        executors neither differentiate nor step it, so it leaves local training unchanged."""
+        return True
+
+    def frozen_stem(self) -> nn.Module | None:
+        """A frozen module that every model of the objective applies to the images first
+        (``scope="top"``: ξ's trunk, shared by ξ, the global and the personalized model), or
+        None. Its outputs never change, so the batched executor computes them once per image
+        per chunk and calls the objective with ``features["trunk"]`` (and ``x`` None) instead of
+        running the stem at every local step."""
+        return None
+
     @property
     def context(self) -> SimContext:
         if self.ctx is None:
@@ -195,9 +209,10 @@ class FederatedMethod(ABC):
         so it can be differentiated with ``torch.func.grad`` and ``vmap``-ed over clients.
         ``mask`` marks the real samples of a padded batch.
 
-        A method that declares :meth:`xi_model` or :meth:`trunks` also takes
-        ``features={"xi": v, <group>: backbone output}`` — what the executor computed outside
-        the per-client function for this batch — and then must not compute it again."""
+        A method that declares :meth:`xi_model`, :meth:`trunks` or :meth:`frozen_stem` also
+        takes ``features={"xi": v, <group>: backbone output, "trunk": stem output}`` — what the
+        executor computed outside the per-client function for this batch — and then must not
+        compute it again."""
 
     def xi_model(self) -> nn.Module | None:
         """The frozen model whose outputs ``v = ξ(x)`` the objective reads (FedFS Eq. 2), or

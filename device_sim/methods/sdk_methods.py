@@ -28,7 +28,7 @@ from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
 from fedfs_sdk.nn.model import DualVerifierNet, FaceNet, ModelConfig, personal_config
 from fedfs_sdk.training.objective import ObjectiveConfig, local_objective, uses_fedfs, uses_feduv
 from fedfs_sdk.training.methods import DEFAULT_UV_WEIGHT
-from fedfs_sdk.training.scope import TopFaceNet, check_scope, top_state
+from fedfs_sdk.training.scope import TopFaceNet, check_scope, is_top_key, top_state
 from fedfs_sdk.training.selection import DEFAULT_HOLDOUT, holdout_count
 from fedfs_sdk.training.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, initial_global_weights
 
@@ -352,8 +352,11 @@ class SDKMethod(FederatedMethod):
                   x: torch.Tensor | None, mask: torch.Tensor | None,
                   features: Mapping[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         if self.scope == "top":     # the trunk's tensors get no gradient: they stay ξ's
+            features = dict(features or {})
+            trunk = features.pop("trunk", None)         # computed once per image by the batched executor
             return local_objective(
-                self.sdk_method, plan.extras["objective"], self._trunk(x), self._global_top,
+                self.sdk_method, plan.extras["objective"], self._trunk(x) if trunk is None else trunk,
+                self._global_top,
                 personal_model=self._personal_top, xi=self._xi_top,
                 codeword=consts.get("codeword"), neg_codewords=consts.get("neg_codewords"),
                 global_params=top_state(params["global"]),
@@ -368,6 +371,12 @@ class SDKMethod(FederatedMethod):
 
     def xi_model(self) -> torch.nn.Module | None:
         return self.xi
+
+    def trains(self, group: str, name: str) -> bool:
+        return self.scope != "top" or is_top_key(name)
+
+    def frozen_stem(self) -> torch.nn.Module | None:
+        return self._trunk.trunk if self.scope == "top" else None
 
     def trunks(self) -> dict[str, torch.nn.Module]:
         if self.scope == "top":     # the trunk is ξ's and frozen: nothing to fold, only the top trains
