@@ -95,7 +95,7 @@ def run_method(spec: str, pop: Population, xi: FaceNet, args: argparse.Namespace
                           EvalConfig(max_clients=args.eval_clients, impostor_pool=args.impostor_pool), device=str(dev))
     wall = time.perf_counter() - t0
     updates = sum(r.participants for r in records)
-    distinct = len(fed.xi_cache) if fed.xi_cache is not None else updates
+    distinct = len(fed.feature_caches[0]) if fed.feature_caches else updates     # clients whose features were computed
     ph = dict(fed.phases.seconds)
     out = {"method": spec, "label": fed.method.label, "rounds": rounds, "updates": updates, "wall_s": wall,
            "distinct_clients": distinct,

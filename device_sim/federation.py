@@ -48,7 +48,7 @@ from .methods.base import FederatedMethod, Params, SimContext, Weights
 from .prefetch import PREFETCH_MODES, ChunkFeed, chunk_images, prefetch_enabled
 from .rank_split import assign_participants
 from .phases import PhaseTimer
-from .xi_cache import XiCache
+from .xi_cache import feature_caches
 
 class ClientData(Protocol):
     """What the loop needs from the data: one client's local training images.
@@ -167,9 +167,8 @@ class Federation:
             method.prepare(data)
         self.global_weights: Weights = method.init_global()
         self.executor = make_executor(config.executor, config.device, config.chunk_size)
-        xi_model = method.xi_model() if method.trains else None
-        self.xi_cache = XiCache(xi_model, config.device, config.local.amp) if xi_model is not None else None
-        """ξ(x) of every participant's images, computed once per run (ξ is frozen)."""
+        self.feature_caches = feature_caches(method, config.device, config.local.amp) if method.trains else []
+        """ξ(x) — and a frozen stem's outputs — of every participant's images, computed once per run."""
         template = method.init_private(self.global_weights)
         self.store = ClientStore(data.num_clients, template, config.store_dtype, config.store_location,
                                  path=store_path) if method.private_groups else None
@@ -264,9 +263,10 @@ class Federation:
                 consts = method.client_consts(plan, self.client_state(c))
                 # uint8 images stay uint8: the executor normalizes them on its device
                 tasks.append(ClientTask(c, images[i], params, consts, client_seed(cfg.seed, r, c)))
-            if self.xi_cache is not None:
+            if self.feature_caches:
                 with self.phases("xi"):
-                    self.xi_cache.fill(tasks)
+                    for cache in self.feature_caches:
+                        cache.fill(tasks)
             return tasks
 
         if getattr(ex, "needs_calibration", False) and len(mine):

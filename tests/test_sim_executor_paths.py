@@ -301,11 +301,33 @@ def test_federation_xi_cache_computes_each_client_once(xi, data) -> None:
     fed = Federation(parse_method("fedfs:scope=all"), data, xi,
                      FederationConfig(rounds=2, participation=0.5, local=LocalConfig(batch_size=4)))
     calls = []
-    real = fed.xi_cache.xi.forward
-    fed.xi_cache.xi.forward = lambda x: (calls.append(int(x.shape[0])), real(x))[1]
+    (cache,) = fed.feature_caches
+    real = cache.model.forward
+    cache.model.forward = lambda x: (calls.append(int(x.shape[0])), real(x))[1]
     fed.run(2)
-    assert len(fed.xi_cache) >= 3                           # every participant of both rounds is cached
-    assert sum(calls) == sum(int(data.x[c].shape[0]) for c in fed.xi_cache._v)   # each image once over 2 rounds
+    assert len(cache) >= 3                                  # every participant of both rounds is cached
+    assert sum(calls) == sum(int(data.x[c].shape[0]) for c in cache._v)   # each image once over 2 rounds
+
+
+def test_federation_caches_the_frozen_stem_and_xi_on_it(xi, data) -> None:
+    """scope=top: the trunk's outputs are computed once per image for the run, ξ's features from
+    them (ξ's top, not ξ's trunk again); the batched federation gives the sequential one's model."""
+    from device_sim.federation import Federation, FederationConfig
+
+    def run(executor: str) -> tuple[Federation, list[int]]:
+        fed = Federation(parse_method("fedfs"), data, xi, FederationConfig(
+            rounds=2, participation=0.5, executor=executor, local=LocalConfig(batch_size=4)))
+        stem_cache, xi_cache = fed.feature_caches
+        assert (stem_cache.attr, xi_cache.source) == ("stem_features", "stem_features")
+        calls: list[int] = []
+        real = stem_cache.model.forward
+        stem_cache.model.forward = lambda x: (calls.append(int(x.shape[0])), real(x))[1]
+        fed.run(2)
+        return fed, calls
+    batched, calls = run("batched")
+    assert sum(calls) == sum(int(data.x[c].shape[0]) for c in batched.feature_caches[0]._v)
+    sequential, _ = run("sequential")
+    assert max_diff({"g": batched.global_weights}, {"g": sequential.global_weights}) < 1e-5
 
 
 # ---- CUDA ----------------------------------------------------------------------------------------

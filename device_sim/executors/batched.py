@@ -169,28 +169,34 @@ class BatchedExecutor:
         for c, t in enumerate(tasks):
             src = t.images if dtype == torch.uint8 else normalized(t.images)
             images[c, :t.num_samples] = src.to(dev, non_blocking=True)
-        xi = None
-        if method.xi_model() is not None and self.xi_once:
-            given = [t.xi_features for t in tasks]
-            if all(v is not None for v in given):
-                d = int(given[0].shape[1])
-                xi = torch.zeros((k, nmax, d), dtype=torch.float32, device=dev)
-                for c, v in enumerate(given):
-                    xi[c, :v.shape[0]] = v.to(dev, torch.float32, non_blocking=True)
-            else:
-                flat = xi_features(method.xi_model(), images.reshape((k * nmax,) + tuple(first.shape[1:])), dev, cfg.amp)
-                xi = flat.reshape(k, nmax, -1)
         stem = method.frozen_stem()
         if stem is not None:
-            # scope=top: the trunk is ξ's and frozen — its outputs are computed once here, and the
-            # local steps train only the small top on them
-            flat = xi_features(stem, images.reshape((k * nmax,) + tuple(first.shape[1:])), dev, cfg.amp)
-            images = flat.reshape((k, nmax) + tuple(flat.shape[1:]))
+            # scope=top: the trunk is ξ's and frozen — its outputs are computed once (here, or for
+            # the run by the federation), and the local steps train only the small top on them
+            images = self._features(stem, images, [t.stem_features for t in tasks], ns, cfg)
+        xi = None
+        if method.xi_model() is not None and self.xi_once:
+            after = method.xi_after_stem() if stem is not None else None
+            xi = self._features(after if after is not None else method.xi_model(), images,
+                                [t.xi_features for t in tasks], ns, cfg)
         params = {g: {name: torch.stack([t.params[g][name].to(dev, torch.float32) for t in tasks])
                       for name in w} for g, w in tasks[0].params.items()}
         consts = {name: torch.stack([t.consts[name].to(dev) for t in tasks]) for name in tasks[0].consts}
         return _Chunk(k, ns, idx.to(dev), valid.to(dev), active.to(dev), all_active, images, xi, params, consts,
                       stem is not None)
+
+    def _features(self, model: torch.nn.Module, inputs: torch.Tensor, given: list[torch.Tensor | None],
+                  ns: list[int], cfg: LocalConfig) -> torch.Tensor:
+        """``[K, n_max, …]`` outputs of a frozen ``model`` on the chunk's ``inputs``: the tasks'
+        cached ones when every task has them, else one batched pass (padding included)."""
+        k, nmax = inputs.shape[:2]
+        if all(v is not None for v in given):
+            out = torch.zeros((k, nmax) + tuple(given[0].shape[1:]), dtype=torch.float32, device=self.device)
+            for c, (v, n) in enumerate(zip(given, ns)):
+                out[c, :n] = v.to(self.device, torch.float32, non_blocking=True)
+            return out
+        flat = xi_features(model, inputs.reshape((k * nmax,) + tuple(inputs.shape[2:])), self.device, cfg.amp)
+        return flat.reshape((k, nmax) + tuple(flat.shape[1:]))
 
     def train(self, method: FederatedMethod, plan: RoundPlan, tasks: Sequence[ClientTask],
               cfg: LocalConfig, max_steps: int | None = None) -> ChunkResult:

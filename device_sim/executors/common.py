@@ -66,7 +66,8 @@ class ClientTask:
     (normalized on the executor's device: 4× fewer bytes to hold and to move).
     ``xi_features``: ``[n, D]`` ``ξ(x)`` of those images when the method reads ξ
     (:meth:`FederatedMethod.xi_model`), computed once by the federation; None = the objective
-    runs ξ itself.
+    runs ξ itself. ``stem_features``: ``[n, …]`` outputs of the method's frozen stem
+    (:meth:`FederatedMethod.frozen_stem`, ``scope="top"``'s trunk), cached the same way.
     """
 
     client: int
@@ -75,6 +76,7 @@ class ClientTask:
     consts: dict[str, torch.Tensor] = field(default_factory=dict)
     seed: int = 0
     xi_features: torch.Tensor | None = None
+    stem_features: torch.Tensor | None = None
 
     @property
     def num_samples(self) -> int:

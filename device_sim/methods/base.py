@@ -174,6 +174,11 @@ class FederatedMethod(ABC):
         running the stem at every local step."""
         return None
 
+    def xi_after_stem(self) -> nn.Module | None:
+        """ξ's layers after :meth:`frozen_stem` (``ξ(x) = xi_after_stem(frozen_stem(x))``), so ξ's
+        features come from the stem's outputs without running ξ's trunk again; None: from images."""
+        return None
+
     @property
     def context(self) -> SimContext:
         if self.ctx is None:

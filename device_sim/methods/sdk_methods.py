@@ -378,6 +378,9 @@ class SDKMethod(FederatedMethod):
     def frozen_stem(self) -> torch.nn.Module | None:
         return self._trunk.trunk if self.scope == "top" else None
 
+    def xi_after_stem(self) -> torch.nn.Module | None:
+        return self._xi_top if self.scope == "top" else None
+
     def trunks(self) -> dict[str, torch.nn.Module]:
         if self.scope == "top":     # the trunk is ξ's and frozen: nothing to fold, only the top trains
             return {}
