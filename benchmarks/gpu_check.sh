@@ -18,6 +18,9 @@ step() {   # step NAME SECONDS CMD...
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/smi.txt"
 (nvidia-smi dmon -s um -d 1 > "$out/dmon.txt" 2>&1 &)
 step paper_slice 105 python benchmarks/gpu_paper_scale.py --slice 384 --eval-clients 16 --json "$out/paper_slice.json"
+# the SDK default (scope=top: ξ's trunk once per image per run, only the top trained per step)
+step paper_slice_top 60 python benchmarks/gpu_paper_scale.py --slice 384 --eval-clients 16 --methods fedfs fedfs+feduv \
+  --json "$out/paper_slice_top.json"
 # only the simulator's files: the GPU image may lack the server/secagg dependencies (cryptography)
 step gpu_tests 70 python -m pytest -q -m gpu -p no:cacheprovider --continue-on-collection-errors \
   tests/test_sim_executor_paths.py tests/test_sim_executors.py tests/test_sim_federation.py \
