@@ -70,6 +70,17 @@ class Fleet:
         return self.params.fixed_point.encode(w, n)[0]
 
 
+def key_exchange(srv: Any, devs: dict[int, Any]) -> tuple[dict[str, Any], dict[int, Any]]:
+    """Rounds 0 and 1 run honestly by ``srv``: every device advertises its keys, then shares its
+    seeds with the roster. Returns (roster, each device's inbox of shares)."""
+    for d in devs.values():
+        srv.receive(d.advertise())
+    roster = srv.close_advertise()
+    for d in devs.values():
+        srv.receive(d.share_keys(roster))
+    return roster, srv.close_share_keys()
+
+
 def roster_of(params: SecAggParams, adverts: list[dict[str, Any]], threshold: int) -> dict[str, Any]:
     """A roster as the honest server builds it, from the given advertisement messages."""
     entries = []

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from secagg_adversary import DIM, Fleet, KeySwap, Plan, attempt, execute, recover, roster_of
+from secagg_adversary import DIM, Fleet, KeySwap, Plan, attempt, execute, key_exchange, recover, roster_of
 from fedfs_sdk.federation.secagg import (CertificateAuthority, DevicePolicy, RefusedError, SecAggDevice,
                                          SecAggParams, SecAggServer, shamir)
 from fedfs_sdk.federation.secagg import keys
@@ -220,12 +220,7 @@ def test_secaggplus_group_sums_leak_to_an_honest_but_curious_server_on_the_previ
     dropped = {ring[2], ring[5], ring[8]}
     srv = SecAggServer(p, keep_transcript=True)
     devs = {u: f.device(u) for u in f.ids}
-    for d in devs.values():
-        srv.receive(d.advertise())
-    roster = srv.close_advertise()
-    for d in devs.values():
-        srv.receive(d.share_keys(roster))
-    inboxes = srv.close_share_keys()
+    roster, inboxes = key_exchange(srv, devs)
     for u, d in devs.items():
         if u not in dropped:
             srv.receive(d.masked_input(inboxes[u], *f.updates[u]))

@@ -14,6 +14,7 @@ from fedfs_sdk.federation.secagg import (CaPublicKey, Certificate, CertificateAu
                                          SecAggParams, SecAggServer, from_json, restore, snapshot, to_json)
 from fedfs_sdk.federation.secagg import auth
 from fedfs_sdk.federation.secagg import messages as M
+from secagg_adversary import key_exchange
 
 DIM = 20
 
@@ -70,12 +71,7 @@ def test_advertisement_signature_binds_round_device_context_and_keys():
 def _to_consistency(n=5, drop_mask=()):
     ca, p, devs = _fleet(n)
     srv = SecAggServer(p, ca=ca.public)
-    for d in devs.values():
-        srv.receive(d.advertise())
-    roster = srv.close_advertise()
-    for d in devs.values():
-        srv.receive(d.share_keys(roster))
-    inboxes = srv.close_share_keys()
+    roster, inboxes = key_exchange(srv, devs)
     w = {u: (np.full(DIM, 0.01 * u, np.float32), u) for u in devs}
     for u, d in devs.items():
         if u not in drop_mask:

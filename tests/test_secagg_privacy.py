@@ -11,6 +11,7 @@ import pytest
 from device_sim.secagg_sim import gaussian_updates, run_round
 from fedfs_sdk.federation.secagg import RefusedError, ReplayError, SecAggDevice, SecAggParams, SecAggServer, shamir
 from fedfs_sdk.federation.secagg.prg import expand
+from secagg_adversary import key_exchange
 
 DIM = 4000
 N = 8
@@ -95,12 +96,7 @@ def _to_unmask(n=5, round_id=2):
     p = SecAggParams(round_id=round_id, dim=10)
     srv = SecAggServer(p)
     devs = {u: SecAggDevice(p, u) for u in range(1, n + 1)}
-    for d in devs.values():
-        srv.receive(d.advertise())
-    roster = srv.close_advertise()
-    for d in devs.values():
-        srv.receive(d.share_keys(roster))
-    inboxes = srv.close_share_keys()
+    roster, inboxes = key_exchange(srv, devs)
     for u, d in devs.items():
         srv.receive(d.masked_input(inboxes[u], np.zeros(10, np.float32), 1))
     return p, srv, devs
