@@ -134,13 +134,15 @@ _POP = {}
 def _population(clients: int, images: int, size: int):
     """The ``fedfs simulate`` clients (synth data, default split seeds), built once per process."""
     if "pop" not in _POP:
-        from device_sim.cli_common import add_data_arguments, build_data
+        from device_sim.cli_common import add_data_arguments
+        from device_sim.experiment_data import build_data
+        from device_sim.experiment_resolve import experiment_from_args
         from device_sim.population import Population
 
         p = argparse.ArgumentParser()
         add_data_arguments(p)
-        ds, splits = build_data(p.parse_args(["--clients", str(clients), "--train-per-client", str(images),
-                                              "--image-size", str(size)]))
+        ds, splits = build_data(experiment_from_args(p.parse_args(
+            ["--clients", str(clients), "--train-per-client", str(images), "--image-size", str(size)])))
         _POP["pop"] = Population(ds, splits)
     return _POP["pop"]
 

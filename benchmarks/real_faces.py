@@ -217,18 +217,19 @@ def protocol_a(labels: np.ndarray, public: np.ndarray, evaluated: np.ndarray, fr
 
 def protocol_b(run: Path, files_by_key: dict[tuple[str, str], int], fr: np.ndarray,
                fedfs: dict[str, np.ndarray], fr_label: str) -> list[tuple[str, dict, str]]:
-    from device_sim.cli_common import build_data
+    from device_sim.experiment import ExperimentConfig
+    from device_sim.experiment_data import build_data
+    from device_sim.experiment_resolve import resolve_experiment
     from device_sim.report import lookup
 
     res = json.loads((run / "results.json").read_text())
     if "per_seed" in res:
         raise SystemExit(f"{run} is a --seeds run: pass one seed's folder ({run}/seed_0)")
-    st = argparse.Namespace(**res["settings"])
-    if (getattr(st, "capture_shift", "none") or "none") != "none":
+    cfg = resolve_experiment(ExperimentConfig.from_mapping(res["settings"]))   # the run's data, as it resolved it
+    if (cfg.data.capture_shift or "none") != "none":
         raise SystemExit("protocol B needs a run without a capture shift (face_recognition would have to see the "
                          "shifted pixels)")
-    st.quiet = True
-    ds, splits = build_data(st)
+    ds, splits = build_data(cfg)
     ev = res["methods"][0]["eval"]
     clients = ev["clients"]
     test = {c: [files_by_key[(ds.names[splits.clients[c].identity], Path(ds.files[splits.clients[c].identity][j]).stem)]

@@ -26,6 +26,8 @@ from fedfs_sdk.runtime.inference import TorchBackend
 from fedfs_sdk.runtime.operating_point import describe
 
 from . import cli_simulate
+from .experiment import ExperimentConfig
+from .experiment_resolve import experiment_from_args
 from .federation import Federation
 from .population import Population
 from .report import headroom_line, markdown_table
@@ -64,15 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress display")
 
 
-def simulate_args(args: argparse.Namespace) -> argparse.Namespace:
-    """``fedfs simulate``'s arguments with the demo's overrides."""
+def simulate_config(args: argparse.Namespace) -> ExperimentConfig:
+    """The resolved config of ``fedfs simulate`` with the demo's options."""
     p = argparse.ArgumentParser()
     cli_simulate.add_arguments(p)
-    sim = p.parse_args([])
-    for k, v in vars(args).items():
-        if hasattr(sim, k) and k != "command":
-            setattr(sim, k, v)
-    return sim
+    sim = vars(p.parse_args([]))
+    sim.update({k: v for k, v in vars(args).items() if k in sim and k != "command"})
+    return experiment_from_args(argparse.Namespace(**sim))
 
 
 def demo_enrollment(fed: Federation, pop: Population, client: int = 0, impostors=None, far: float = 1e-3,
@@ -106,23 +106,23 @@ def demo_enrollment(fed: Federation, pop: Population, client: int = 0, impostors
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
-    sim = simulate_args(args)
+    cfg = simulate_config(args)
     feds: dict[str, Federation] = {}
-    results = cli_simulate.run_simulation(sim, title="fedfs demo", keep=feds)
-    table = markdown_table(results["methods"], f"fedfs demo — {sim.scenario} scenario, "
+    results = cli_simulate.run_simulation(cfg, title="fedfs demo", keep=feds)
+    table = markdown_table(results["methods"], f"fedfs demo — {cfg.data.scenario} scenario, "
                                                f"{results['population']['clients']} SynthFaces clients, "
-                                               f"{sim.rounds} rounds, participation {sim.participation}")
+                                               f"{cfg.train.rounds} rounds, participation {cfg.train.participation}")
     print(table)
     print(headroom_line(results["methods"]))
     xi_stats = results["xi"]["stats"]
     print(f"ξ: pre-trained on {results['population']['public']} public identities "
           f"(train acc {xi_stats.get('final_train_acc', float('nan')):.2f}{', cached' if results['xi']['cached'] else ''})")
-    combined = next((s for s in sim.method if s.split(":")[0] == "fedfs+feduv"), None) or \
-        next((s for s in sim.method if s.split(":")[0] != "pretrained"), None)
+    combined = next((s for s in cfg.train.method if s.split(":")[0] == "fedfs+feduv"), None) or \
+        next((s for s in cfg.train.method if s.split(":")[0] != "pretrained"), None)
     if combined is not None:
         fed = feds[combined]
         pop = getattr(fed.data, "pop", fed.data)          # all of the client's photos (the hold-out too)
-        info = demo_enrollment(fed, pop, client=0, impostors=cli_simulate.public_impostors(sim, pop))
+        info = demo_enrollment(fed, pop, client=0, impostors=cli_simulate.public_impostors(cfg, pop))
         own, stranger = info["own"], info["stranger"]
         print(f"\nenrollment ({info['method']}, client {info['client']}, {info['mode']} mode, "
               f"{info['n_warmup']} warm-up images): threshold τ = {info['threshold']:.4f}")

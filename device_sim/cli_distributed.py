@@ -16,11 +16,12 @@ from typing import Callable
 from fedfs_sdk.errors import FedFSError, InputError
 
 from . import distributed
+from .experiment import ExperimentConfig
 from .federation import check_distributable
 from .methods import parse_method
 from .rank_split import SPLITS
 
-Body = Callable[[argparse.Namespace], int]
+Body = Callable[[ExperimentConfig], int]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,22 +40,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "its home rank (uneven splits: the round waits for the busiest rank)")
 
 
-def run_distributed(args: argparse.Namespace, body: Body) -> int:
-    """Run ``body(args)`` as one rank of a process group (``--distributed``) or in
+def run_distributed(cfg: ExperimentConfig, body: Body) -> int:
+    """Run ``body(cfg)`` as one rank of a process group (``--distributed``) or in
     ``--workers`` spawned processes; the exit status of rank 0's body (2 when a worker failed)."""
-    if args.workers < 1:
-        raise InputError(f"--workers must be ≥ 1, got {args.workers}")
-    if args.distributed and args.workers > 1:
+    rt = cfg.runtime
+    if rt.workers < 1:
+        raise InputError(f"--workers must be ≥ 1, got {rt.workers}")
+    if rt.distributed and rt.workers > 1:
         raise InputError("--workers N starts its own processes; under torchrun use --distributed with "
                          "torchrun's --nproc-per-node instead of --workers")
-    if any(getattr(args, k, None) is not None for k in ("dp_epsilon", "dp_noise", "dp_clip")):
+    if any(v is not None for v in (cfg.dp.dp_epsilon, cfg.dp.dp_noise, cfg.dp.dp_clip)):
         raise InputError("--dp-* (DP-FedAvg's clipped, noised sum) runs in one process: drop --workers / --distributed")
-    for spec in args.method:            # fail before any process starts
+    for spec in cfg.train.method:       # fail before any process starts
         check_distributable(parse_method(spec))
-    if args.distributed:
-        return _rank_main(args, body)
+    if rt.distributed:
+        return _rank_main(cfg, body)
     try:
-        distributed.spawn_workers(_worker, (args, body), args.workers)
+        distributed.spawn_workers(_worker, (cfg, body), rt.workers)
     except Exception as e:          # noqa: BLE001 — torch.multiprocessing's ProcessExitedException et al.
         code = getattr(e, "exit_code", None)
         if code == 2:               # the worker printed its error line
@@ -63,12 +65,11 @@ def run_distributed(args: argparse.Namespace, body: Body) -> int:
     return 0
 
 
-def _worker(args: argparse.Namespace, body: Body) -> None:
+def _worker(cfg: ExperimentConfig, body: Body) -> None:
     """One spawned ``--workers`` process: a rank of the local process group."""
-    args = argparse.Namespace(**vars(args))
-    args.distributed, args.workers = True, 1
+    cfg = cfg.with_fields(distributed=True, workers=1)
     try:
-        code = _rank_main(args, body)
+        code = _rank_main(cfg, body)
     except FedFSError as e:
         print(f"fedfs simulate: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -76,12 +77,12 @@ def _worker(args: argparse.Namespace, body: Body) -> None:
         sys.exit(code)
 
 
-def _rank_main(args: argparse.Namespace, body: Body) -> int:
-    ctx = distributed.init_from_env(args.device)
-    if args.threads is None:
-        args.threads = distributed.threads_per_worker(ctx.local_world_size)
+def _rank_main(cfg: ExperimentConfig, body: Body) -> int:
+    ctx = distributed.init_from_env(cfg.runtime.device)
+    if cfg.runtime.threads is None:
+        cfg = cfg.with_fields(threads=distributed.threads_per_worker(ctx.local_world_size))
     try:
-        code = body(args)
+        code = body(cfg)
         distributed.barrier()       # the others wait while rank 0 evaluates and writes, then all leave
         return code
     finally:

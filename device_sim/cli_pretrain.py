@@ -22,10 +22,12 @@ import time
 import numpy as np
 import torch
 
-from .cli_common import (add_data_arguments, add_device_argument, add_pretrain_arguments, build_data,
-                         build_pretrain_data, run_pretrain, setup_device, skipped_lines)
+from .cli_common import add_data_arguments, add_device_argument, add_pretrain_arguments, setup_device, skipped_lines
+from .experiment_data import build_data, build_pretrain_data
+from .experiment_resolve import experiment_from_args
 from .metrics import verification_metrics
 from .pretrain import embed_images
+from .xi_source import run_pretrain
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,15 +59,16 @@ def new_identity_auroc(xi, ds, splits, max_images: int = 2000) -> dict[str, floa
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_device(args)
+    cfg = experiment_from_args(args, real_face_default=False)    # pre-training ξ is the point here
+    setup_device(cfg.runtime)
     t0 = time.perf_counter()
-    ds, splits = build_data(args)
-    src_ds, src_splits = build_pretrain_data(args, ds, splits)
+    ds, splits = build_data(cfg)
+    src_ds, src_splits = build_pretrain_data(cfg, ds, splits)
     for line in splits.meta.get("plan", []) + skipped_lines(splits.meta.get("skipped") or {}) + (
-            skipped_lines(src_splits.meta.get("skipped") or {}, where=f"--pretrain-data {args.pretrain_data}")
+            skipped_lines(src_splits.meta.get("skipped") or {}, where=f"--pretrain-data {cfg.data.pretrain_data}")
             if src_splits is not splits else []):
         print(line)
-    res = run_pretrain(args, src_ds, src_splits, out=args.out, force=args.force, quiet=args.quiet)
+    res = run_pretrain(cfg, src_ds, src_splits, out=args.out, force=args.force, quiet=args.quiet)
     st = res.stats
     print(f"ξ: {res.model.config.backbone} on {st.get('num_classes')} public identities, {st.get('num_images')} images, "
           f"{st.get('steps')} steps{' (from cache)' if res.cached else ''}: "

@@ -18,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,11 @@ from fedfs_sdk.fileio import atomic_write_bytes
 from fedfs_sdk.errors import InputError
 
 from . import cli_distributed, distributed, dp_sim
-from .cli_common import (public_impostor_images, add_data_arguments, add_device_argument, add_pretrain_arguments, build_data,
-                         progress_bar, resolve_xi, setup_device, skipped_lines)
+from .cli_common import (add_data_arguments, add_device_argument, add_pretrain_arguments, progress_bar, setup_device,
+                         skipped_lines)
+from .experiment import ExperimentConfig
+from .experiment_data import build_data, public_impostor_images
+from .experiment_resolve import experiment_from_args
 from .evaluate import EvalConfig, evaluate
 from .executors import LocalConfig
 from .folder_split import auto_warmup_q
@@ -38,6 +42,7 @@ from .population import Population
 from .prefetch import PREFETCH_MODES
 from .report import (combine_seeds, headroom_line, markdown_table, notes_lines, seeds_markdown_table, slug,
                      write_results)
+from .xi_source import resolve_xi
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -96,44 +101,51 @@ def _add_dp_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-delta", type=float, default=None, help="δ of the reported ε (default N^-1.1)")
 
 
-def federation_config(args: argparse.Namespace) -> FederationConfig:
-    local = LocalConfig(lr=args.lr, head_lr=args.head_lr, local_epochs=args.local_epochs,
-                        batch_size=args.batch_size, momentum=args.momentum, weight_decay=args.weight_decay,
-                        amp=args.amp)
-    return FederationConfig(rounds=args.rounds, participation=args.participation, local=local, seed=args.seed,
-                            device=args.device, executor=args.executor, chunk_size=args.chunk_size,
-                            store_dtype=args.store_dtype, store_location=args.store_location,
-                            prefetch=getattr(args, "prefetch", "auto"))
+def experiment_from_argv(argv: list[str], command: str | None = None) -> ExperimentConfig:
+    """The resolved config of ``fedfs simulate ARGV`` (for scripts and tests)."""
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return replace(experiment_from_args(p.parse_args(argv)), command=command)
 
 
-def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Path,
+def federation_config(cfg: ExperimentConfig) -> FederationConfig:
+    t, rt = cfg.train, cfg.runtime
+    local = LocalConfig(lr=t.lr, head_lr=t.head_lr, local_epochs=t.local_epochs, batch_size=t.batch_size,
+                        momentum=t.momentum, weight_decay=t.weight_decay, amp=rt.amp)
+    return FederationConfig(rounds=t.rounds, participation=t.participation, local=local, seed=t.seed,
+                            device=rt.device, executor=rt.executor, chunk_size=rt.chunk_size,
+                            store_dtype=rt.store_dtype, store_location=rt.store_location, prefetch=rt.prefetch)
+
+
+def run_method(spec: str, pop: Population, xi, cfg: ExperimentConfig, out: Path,
                eval_cfg: EvalConfig, keep: dict[str, Federation] | None = None) -> dict[str, Any]:
     """Train (or resume) one method's federation, evaluate it, return its result row
     (and put the federation in ``keep[spec]`` when given)."""
     method = parse_method(spec)
-    cfg = federation_config(args)
+    fcfg = federation_config(cfg)
     ckdir = out / "checkpoints" / slug(method.label)
-    dist = distributed.current(getattr(args, "rank_split", "balanced"))
+    dist = distributed.current(cfg.runtime.rank_split)
     data = pop
-    if getattr(method, "scope", "all") == "top" and args.weight_decay:
+    if getattr(method, "scope", "all") == "top" and cfg.train.weight_decay:
         raise InputError(f"{method.label}: scope=top keeps the trunk at ξ's weights; --weight-decay would shrink it")
     if getattr(method, "select", "off") != "off":    # do no harm: train without the hold-out, choose after
-        imp = public_impostors(args, pop)
+        imp = public_impostors(cfg, pop)
         if imp.shape[0] >= 2:
-            data = HoldoutView(pop, imp, method.holdout, seed=args.seed)
+            data = HoldoutView(pop, imp, method.holdout, seed=cfg.train.seed)
         elif method.select != "auto":   # auto: no public identities, no check (said in the method's options)
             raise InputError(f"{method.label}: select={method.select} needs a public impostor set, i.e. public "
                              "identities (--public N ≥ 1, or --pretrain-data); or pass select=off")
-    fed = Federation(method, data, xi, cfg, store_path=ckdir / "store.mmap", dist=dist)
-    fed.dp = dp_sim.from_args(args, pop.num_clients) if method.trains else None
+    fed = Federation(method, data, xi, fcfg, store_path=ckdir / "store.mmap", dist=dist)
+    fed.dp = dp_sim.from_experiment(cfg, pop.num_clients) if method.trains else None
     if fed.dp is not None:
         dp_sim.check_dp_method(method)
-    if args.resume and (ck := latest_checkpoint(ckdir)) is not None:
+    quiet, every, ck_every = cfg.output.quiet, cfg.evaluation.eval_every, cfg.output.checkpoint_every
+    if cfg.output.resume and (ck := latest_checkpoint(ckdir)) is not None:
         fed.load(ck)
     planned = fed.planned_rounds          # one pass for a per-client baseline (local_only)
     t0 = time.perf_counter()
     if method.trains and fed.round < planned:
-        with progress_bar(f"{method.label}", total=planned, unit="round", disable=args.quiet) as bar:
+        with progress_bar(f"{method.label}", total=planned, unit="round", disable=quiet) as bar:
             bar.update(fed.round)
 
             def on_round(f: Federation, rec) -> None:
@@ -141,16 +153,16 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
                 bar.set_postfix(loss=f"{rec.metrics.get('loss_mean', float('nan')):.4f}",
                                 upd_s=f"{rec.client_updates_per_s:.1f}")
                 # evaluate first, so a checkpoint of this round holds its eval in the history
-                if args.eval_every and f.round % args.eval_every == 0 and f.round < planned:
+                if every and f.round % every == 0 and f.round < planned:
                     f.collect_private()             # distributed: the shards to rank 0, which evaluates
-                    rec.eval = _summary(_evaluate(f, pop, eval_cfg, args, quiet=True)) if f.is_main else None
-                if args.checkpoint_every and (f.round % args.checkpoint_every == 0 or f.round == planned):
+                    rec.eval = _summary(_evaluate(f, pop, eval_cfg, cfg, quiet=True)) if f.is_main else None
+                if ck_every and (f.round % ck_every == 0 or f.round == planned):
                     f.save(checkpoint_path(ckdir, f.round))
 
             fed.run(planned, on_round=on_round)
     train_s = time.perf_counter() - t0
     fed.collect_private()
-    result = _evaluate(fed, pop, eval_cfg, args, quiet=args.quiet) if fed.is_main else None
+    result = _evaluate(fed, pop, eval_cfg, cfg, quiet=quiet) if fed.is_main else None
     if keep is not None:
         keep[spec] = fed
     selection = None
@@ -169,21 +181,21 @@ def run_method(spec: str, pop: Population, xi, args: argparse.Namespace, out: Pa
 _IMPOSTORS: dict[int, Any] = {}
 
 
-def public_impostors(args: argparse.Namespace, pop: Population):
+def public_impostors(cfg: ExperimentConfig, pop: Population):
     """The run's public impostor set (:func:`public_impostor_images`), built once per population."""
     key = id(pop)
     if key not in _IMPOSTORS:
         _IMPOSTORS.clear()
-        _IMPOSTORS[key] = public_impostor_images(args, pop.dataset, pop.splits)
+        _IMPOSTORS[key] = public_impostor_images(cfg, pop.dataset, pop.splits)
     return _IMPOSTORS[key]
 
 
-def _evaluate(fed: Federation, pop: Population, cfg: EvalConfig, args: argparse.Namespace, quiet: bool) -> dict:
+def _evaluate(fed: Federation, pop: Population, eval_cfg: EvalConfig, cfg: ExperimentConfig, quiet: bool) -> dict:
     with progress_bar(f"evaluating {fed.method.label}", unit="client", disable=quiet) as bar:
         def cb(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
-        return evaluate(fed.method, fed.global_weights, fed.private_weights, pop, cfg, args.device,
+        return evaluate(fed.method, fed.global_weights, fed.private_weights, pop, eval_cfg, cfg.runtime.device,
                         client_state=fed.client_state, progress=cb)
 
 
@@ -192,49 +204,52 @@ def _summary(ev: dict) -> dict:
             "warmup_tpr": ev["warmup"]["tpr"]["mean"], "warmup_fpr": ev["warmup"]["fpr_participants"]["mean"]}
 
 
-def run_simulation(args: argparse.Namespace, title: str = "fedfs simulate",
+def run_simulation(cfg: ExperimentConfig, title: str = "fedfs simulate",
                    keep: dict[str, Federation] | None = None) -> dict[str, Any] | None:
-    """Everything ``fedfs simulate`` does; returns the results dict (also written to ``--out``).
-    ``keep`` receives the trained federations by method spec. In a distributed run only
-    rank 0 evaluates, writes and returns the results; the other ranks return None."""
-    setup_device(args)
+    """Everything ``fedfs simulate`` does for a resolved config; returns the results dict (also
+    written to ``--out``). ``keep`` receives the trained federations by method spec. In a
+    distributed run only rank 0 evaluates, writes and returns the results; the other ranks
+    return None."""
+    cfg.require_resolved("run_simulation")
+    setup_device(cfg.runtime)
     dctx = distributed.current()
     main = dctx is None or dctx.is_main
     if not main:
-        args.quiet = True
-    if args.rounds < 0:
-        raise InputError(f"--rounds must be ≥ 0, got {args.rounds}")
-    for spec in args.method:  # fail fast on a typo before any pre-training
+        cfg = cfg.with_fields(quiet=True)
+    quiet, t = cfg.output.quiet, cfg.train
+    if t.rounds < 0:
+        raise InputError(f"--rounds must be ≥ 0, got {t.rounds}")
+    for spec in t.method:  # fail fast on a typo before any pre-training
         parse_method(spec)
-    out = Path(args.out)
+    out = Path(cfg.output.out)
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out} exists and is not a directory")
     if main:
         out.mkdir(parents=True, exist_ok=True)      # an unwritable --out fails now, not after training
     t0 = time.perf_counter()
-    ds, splits = build_data(args)
+    ds, splits = build_data(cfg)
     notes = list(splits.meta.get("plan", []))
-    q = args.q
+    q = cfg.evaluation.q
     if q is None:
-        q, why = auto_warmup_q(splits) if args.data != "synth" else (0.9, None)
+        q, why = auto_warmup_q(splits) if cfg.data.data != "synth" else (0.9, None)
         notes += [why] if why else []
-    if not args.quiet:      # before training, so a long run shows at once what it runs on
+    if not quiet:      # before training, so a long run shows at once what it runs on
         for line in notes + skipped_lines(splits.meta.get("skipped") or {}):
             print(line, file=sys.stderr, flush=True)
     pop = Population(ds, splits)
-    cache = plan_data_cache(getattr(args, "data_cache", "auto"), pop.image_store_bytes(), args.device)
+    cache = plan_data_cache(cfg.runtime.data_cache, pop.image_store_bytes(), cfg.runtime.device)
     pop.use_image_store(cache)
-    if not args.quiet:
+    if not quiet:
         print(cache.reason, file=sys.stderr, flush=True)
-    xi, xi_info = resolve_xi(args, ds, splits, quiet=args.quiet) if main else (None, None)
+    xi, xi_info = resolve_xi(cfg, ds, splits, quiet=quiet) if main else (None, None)
     if dctx is not None:        # ξ pre-trained (or read) once, on rank 0: every rank the same weights
         xi, xi_info = distributed.broadcast((xi, xi_info), dctx)
-    eval_cfg = EvalConfig(q=q, max_clients=args.eval_clients, impostor_pool=args.impostor_pool, seed=args.seed)
-    rows = [run_method(spec, pop, xi, args, out, eval_cfg, keep) for spec in args.method]
+    eval_cfg = EvalConfig(q=q, max_clients=cfg.evaluation.eval_clients, impostor_pool=cfg.evaluation.impostor_pool,
+                          seed=t.seed)
+    rows = [run_method(spec, pop, xi, cfg, out, eval_cfg, keep) for spec in t.method]
     if not main:
         return None
-    settings = {k: v for k, v in vars(args).items() if k not in ("func",)}
-    results = {"title": title, "settings": settings, "xi": xi_info, "eval_config": vars(eval_cfg),
+    results = {"title": title, "settings": cfg.to_settings(), "xi": xi_info, "eval_config": vars(eval_cfg),
                "population": {"clients": pop.num_clients, "new_users": pop.num_new_users,
                               "public": len(splits.public), "image_size": pop.image_size, "data": repr(ds)},
                "notes": notes, "skipped": splits.meta.get("skipped"),
@@ -253,23 +268,23 @@ def _client_names(ds, splits) -> list[str]:
     return ds.identity_names(splits.identities("clients"))
 
 
-def run_seeds(args: argparse.Namespace, title: str = "fedfs simulate") -> dict[str, Any] | None:
+def run_seeds(cfg: ExperimentConfig, title: str = "fedfs simulate") -> dict[str, Any] | None:
     """``--seeds K``: :func:`run_simulation` K times (seed and split seed ``+k``) into
     ``--out/seed_k``, then the combined table (mean ± sd over seeds, each seed's paired Δ)
     in ``--out/results.md`` and ``--out/results.json``."""
-    if args.seeds < 1:
-        raise InputError(f"--seeds must be ≥ 1, got {args.seeds}")
-    out = Path(args.out)
+    t = cfg.train
+    if t.seeds < 1:
+        raise InputError(f"--seeds must be ≥ 1, got {t.seeds}")
+    out = Path(cfg.output.out)
     per_seed = []
-    for k in range(args.seeds):
-        a = argparse.Namespace(**vars(args))
-        a.seed, a.split_seed, a.out = args.seed + k, args.split_seed + k, str(out / f"seed_{k}")
-        per_seed.append(run_simulation(a, title=f"{title} (seed {a.seed})"))
+    for k in range(t.seeds):
+        c = cfg.with_fields(seed=t.seed + k, split_seed=cfg.data.split_seed + k, out=str(out / f"seed_{k}"))
+        per_seed.append(run_simulation(c, title=f"{title} (seed {c.train.seed})"))
     if per_seed[0] is None:         # a distributed rank other than 0: rank 0 writes
         return None
     rows = combine_seeds(per_seed)
-    head = f"{title}: {per_seed[0]['population']['clients']} clients, {args.rounds} rounds, " \
-           f"p = {args.participation}, {args.seeds} seeds"
+    head = f"{title}: {per_seed[0]['population']['clients']} clients, {t.rounds} rounds, " \
+           f"p = {t.participation}, {t.seeds} seeds"
     table = seeds_markdown_table(rows, head)
     # cells a seed could not measure (FAR below 1/n_impostor, empty warm-ups): said once, from every seed
     foot = notes_lines([r for res in per_seed for r in res["methods"]])
@@ -277,7 +292,7 @@ def run_seeds(args: argparse.Namespace, title: str = "fedfs simulate") -> dict[s
     if foot or notes:
         table += "\n" + "\n".join(notes + (["Per seed (seed_*/results.md marks the cells):"] + foot if foot else [])) + "\n"
     combined = {"title": title, "seeds": [r["settings"]["seed"] for r in per_seed], "methods": rows, "notes": notes,
-                "per_seed": [str(out / f"seed_{k}" / "results.json") for k in range(args.seeds)]}
+                "per_seed": [str(out / f"seed_{k}" / "results.json") for k in range(t.seeds)]}
     atomic_write_bytes(out / "results.json", json.dumps(combined, indent=1, default=str).encode())
     atomic_write_bytes(out / "results.md", table.encode())
     return {"table": table, "combined": combined, "per_seed": per_seed,
@@ -285,31 +300,35 @@ def run_seeds(args: argparse.Namespace, title: str = "fedfs simulate") -> dict[s
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.distributed or args.workers > 1:
-        return cli_distributed.run_distributed(args, run_here)
-    return run_here(args)
+    """``fedfs simulate``: the command line becomes a resolved :class:`ExperimentConfig` here, once."""
+    cfg = experiment_from_args(args)
+    if cfg.runtime.distributed or cfg.runtime.workers > 1:
+        return cli_distributed.run_distributed(cfg, run_here)
+    return run_here(cfg)
 
 
-def run_here(args: argparse.Namespace) -> int:
+def run_here(cfg: ExperimentConfig) -> int:
     """``fedfs simulate`` in this process (one rank of it when distributed: rank 0 prints)."""
-    if args.seeds > 1:
-        res = run_seeds(args)
+    t = cfg.train
+    if t.seeds > 1:
+        res = run_seeds(cfg)
         if res is None:
             return 0
         print(res["table"])
         print(f"wrote {', '.join(res['files'].values())} and seed_*/")
         return 0
-    results = run_simulation(args)
+    results = run_simulation(cfg)
     if results is None:
         return 0
     print(markdown_table(results["methods"], f"{results['population']['clients']} clients, "
-                                             f"{args.rounds} rounds, p = {args.participation}"))
+                                             f"{t.rounds} rounds, p = {t.participation}"))
     print(headroom_line(results["methods"]))
     for line in results["notes"] + skipped_lines(results.get("skipped") or {}) + \
-            skipped_lines(results["xi"].get("skipped") or {}, where=f"--pretrain-data {args.pretrain_data}"):
+            skipped_lines(results["xi"].get("skipped") or {}, where=f"--pretrain-data {cfg.data.pretrain_data}"):
         print(line)
     print(f"wrote {', '.join(results['files'].values())} ({results['wall_seconds']:.0f} s)")
     return 0
 
 
-__all__ = ["add_arguments", "run", "run_simulation", "run_seeds", "run_method", "federation_config"]
+__all__ = ["add_arguments", "run", "run_simulation", "run_seeds", "run_method", "federation_config",
+           "experiment_from_argv"]

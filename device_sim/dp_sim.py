@@ -26,9 +26,10 @@ from fedfs_sdk.federation.dp import DpParams
 from fedfs_sdk.errors import InputError
 from server_agg.dp import DpFedAvg, calibrate_noise, default_delta, epsilon
 
+from .experiment import ExperimentConfig
 from .methods.base import FederatedMethod
 
-__all__ = ["SimDp", "from_args", "check_dp_method"]
+__all__ = ["SimDp", "from_experiment", "check_dp_method"]
 
 
 @dataclass
@@ -97,27 +98,28 @@ def check_dp_method(method: FederatedMethod) -> None:
                          "reads per-client uploads on the server or does not federate — run it without --dp-*")
 
 
-def from_args(args: Any, num_clients: int) -> SimDp | None:
+def from_experiment(cfg: ExperimentConfig, num_clients: int) -> SimDp | None:
     """The run's DP settings from ``--dp-epsilon / --dp-noise / --dp-clip / --dp-delta`` (None: off)."""
-    eps, sigma = getattr(args, "dp_epsilon", None), getattr(args, "dp_noise", None)
+    dp, t = cfg.dp, cfg.train
+    eps, sigma = dp.dp_epsilon, dp.dp_noise
     if eps is None and sigma is None:
-        if getattr(args, "dp_clip", None) is not None:
+        if dp.dp_clip is not None:
             raise InputError("--dp-clip needs --dp-epsilon or --dp-noise")
         return None
     if eps is not None and sigma is not None:
         raise InputError("give --dp-epsilon (σ is calibrated) or --dp-noise (σ), not both")
-    clip = getattr(args, "dp_clip", None)
+    clip = dp.dp_clip
     if clip is None:
         raise InputError("--dp-epsilon / --dp-noise need --dp-clip C (the L2 bound of a client's update)")
-    if getattr(args, "distributed", False) or getattr(args, "workers", 1) > 1:
+    if cfg.runtime.distributed or cfg.runtime.workers > 1:
         raise InputError("--dp-* runs in one process; drop --distributed / --workers")
-    delta = args.dp_delta if getattr(args, "dp_delta", None) is not None else default_delta(num_clients)
-    q = float(args.participation)
+    delta = dp.dp_delta if dp.dp_delta is not None else default_delta(num_clients)
+    q = float(t.participation)
     if eps is not None:
         if not eps > 0:
             raise InputError(f"--dp-epsilon must be > 0 (inf: no noise), got {eps}")
-        sigma = calibrate_noise(eps, delta, q, max(int(args.rounds), 1))
+        sigma = calibrate_noise(eps, delta, q, max(int(t.rounds), 1))
     elif sigma < 0:
         raise InputError(f"--dp-noise must be ≥ 0, got {sigma}")
     return SimDp(clip=float(clip), noise_multiplier=float(sigma), delta=float(delta), q=q,
-                 num_clients=num_clients, seed=int(args.seed), target_epsilon=eps)
+                 num_clients=num_clients, seed=int(t.seed), target_epsilon=eps)

@@ -21,7 +21,6 @@ names the flag to change. Identities the split leaves out are named with the rea
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,6 +29,7 @@ from fedfs_sdk.runtime.enrollment import min_warmup_images
 from fedfs_sdk.errors import InputError
 
 from .datasets import SkippedIdentity
+from .experiment import DataConfig
 from .splits import FaceSplits
 
 PUBLIC_SHARE = 0.25
@@ -53,18 +53,18 @@ def _given(v: int | None) -> bool:
     return v is not None
 
 
-def plan_folder_split(counts: np.ndarray, args: argparse.Namespace, pretrain_here: bool) -> FolderPlan:
+def plan_folder_split(counts: np.ndarray, data: DataConfig, pretrain_here: bool) -> FolderPlan:
     """The split sizes for a folder with ``counts[i]`` usable images per identity.
 
-    ``pretrain_here``: ξ is pre-trained on this folder's public identities (no other
-    ``--pretrain-data``). Raises :class:`InputError` — one line naming the flag — when the
-    given flags cannot be met."""
+    ``data``: the run's resolved data settings. ``pretrain_here``: ξ is pre-trained on this
+    folder's public identities (no other ``--pretrain-data``). Raises :class:`InputError` — one
+    line naming the flag — when the given flags cannot be met."""
     n = int(counts.size)
-    warm = int(args.warmup_per_client or 0)
-    fixed = _given(args.train_per_client) and args.train_per_client > 0
+    warm = int(data.warmup_per_client or 0)
+    fixed = _given(data.train_per_client) and data.train_per_client > 0
     if fixed:
-        train = int(args.train_per_client)
-        test = int(args.test_per_client) if _given(args.test_per_client) and args.test_per_client > 0 \
+        train = int(data.train_per_client)
+        test = int(data.test_per_client) if _given(data.test_per_client) and data.test_per_client > 0 \
             else max(1, round(train / 4))
         per_user = train + test + warm
     else:
@@ -80,35 +80,35 @@ def plan_folder_split(counts: np.ndarray, args: argparse.Namespace, pretrain_her
                          + (f" --warmup-per-client {warm}" if warm else "")
                          + f" need {per_user} images per identity; {eligible} of the folder's {n} identities have "
                            f"that many (median {median}): pass --train-per-client 0 (80/20 split of each identity)")
-    if _given(args.public):
-        public = int(args.public)
+    if _given(data.public):
+        public = int(data.public)
     else:
         public = max(2, round(PUBLIC_SHARE * n)) if pretrain_here else 0
-    new = int(args.new_users) if _given(args.new_users) else (round(NEW_USER_SHARE * n) if n >= 10 else 0)
+    new = int(data.new_users) if _given(data.new_users) else (round(NEW_USER_SHARE * n) if n >= 10 else 0)
     for flag, v in (("--public", public), ("--new-users", new)):
         if v < 0:
             raise InputError(f"{flag} must be ≥ 0, got {v}")
     room = min(eligible - new, n - public - new)
     why = (f"the folder has {n} usable identities ({eligible} with ≥ {per_user} images)"
            f" and {public} are public, {new} new users")
-    if _given(args.clients) and args.clients > 0:
-        clients = int(args.clients)
+    if _given(data.clients) and data.clients > 0:
+        clients = int(data.clients)
         if clients > room:
             raise InputError(f"--clients {clients} does not fit: {why}, which leaves {max(room, 0)}; lower --clients "
                              f"(or pass --clients 0: every identity that fits)")
     else:
-        if _given(args.clients) and args.clients < 0:
-            raise InputError(f"--clients must be ≥ 0 (0: every identity that fits), got {args.clients}")
+        if _given(data.clients) and data.clients < 0:
+            raise InputError(f"--clients must be ≥ 0 (0: every identity that fits), got {data.clients}")
         clients = room
     if clients < 2:
-        given = [f for f, v in (("--public", args.public), ("--new-users", args.new_users)) if _given(v)]
+        given = [f for f, v in (("--public", data.public), ("--new-users", data.new_users)) if _given(v)]
         fix = f"lower {' / '.join(given)}" if given else "add identity folders (each person a sub-folder)"
         raise InputError(f"too few clients ({max(clients, 0)}; a client's impostors are the other clients, so ≥ 2 "
                          f"are needed): {why}; {fix}")
     notes = [f"split of the folder: {public} public identities (ξ), {clients} clients, {new} new users; "
              + (f"{train} train + {test} test images per client" if fixed else "80/20 train/test images per identity")
              + (f" + {warm} warm-up" if warm else "")]
-    if not pretrain_here and not _given(args.public):
+    if not pretrain_here and not _given(data.public):
         notes.append("no public identities held out: ξ is pre-trained elsewhere (--pretrain-data, or a built-in ξ)")
     return FolderPlan(public, clients, new, train, test, per_user, notes)
 

@@ -33,11 +33,13 @@ public / client / new-user split is one split of one universe and ξ never sees 
 """
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from fedfs_sdk.errors import InputError
+
+if TYPE_CHECKING:
+    from .experiment import DataConfig
 
 
 @dataclass(frozen=True)
@@ -79,28 +81,28 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
 )}
 
 
-def apply_scenario(args: argparse.Namespace) -> None:
-    """Set the data arguments of ``args.scenario`` (no-op without one); say what is missing."""
-    name = args.scenario
+def apply_scenario(data: DataConfig) -> DataConfig:
+    """``data`` with the settings of its ``scenario`` (unchanged without one); says what is missing."""
+    name = data.scenario
     if not name:
-        return
+        return data
     sc = SCENARIOS.get(name)
     if sc is None:
         raise InputError(f"unknown --scenario {name!r}; choose one of {sorted(SCENARIOS)}")
+    changes: dict[str, Any] = {}
     if sc.data is None:
-        if args.data == "synth":
+        if data.data == "synth":
             raise InputError(f"--scenario {name} needs the clients' images: pass --data PATH (an ImageFolder)")
     else:
-        args.data = sc.data
+        changes["data"] = sc.data
     if sc.pretrain_data is None:
-        if not args.pretrain_data:
+        if not data.pretrain_data:
             raise InputError(f"--scenario {name} needs ξ's images: pass --pretrain-data PATH (an ImageFolder)")
     elif sc.pretrain_data == "synth":
-        args.pretrain_data = "synth"
+        changes["pretrain_data"] = "synth"
     else:
-        args.pretrain_data = None
-    for k, v in sc.settings.items():
-        setattr(args, k, v)
+        changes["pretrain_data"] = None
+    return replace(data, **{**changes, **sc.settings})
 
 
 def scenario_help() -> str:

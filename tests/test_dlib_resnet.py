@@ -199,33 +199,37 @@ def _sim_args(*argv: str):
 
 
 def test_real_folder_default_xi_is_the_builtin_where_installed(tmp_path: Path, monkeypatch) -> None:
-    from device_sim.cli_common import apply_real_face_default
+    from device_sim.experiment_resolve import experiment_from_args
     from fedfs_sdk.errors import InputError
 
-    monkeypatch.setattr("device_sim.cli_common.default_real_face_model", lambda: "dlib-resnet")
-    a = _sim_args("--data", str(tmp_path))
-    notes = apply_real_face_default(a)
-    assert (a.pretrained, a.image_size, a.detect_face) == ("dlib-resnet", 150, "dlib-chip")
-    assert "built-in dlib-resnet" in notes[0]
+    def resolved(*argv: str):
+        cfg = experiment_from_args(_sim_args(*argv))
+        return cfg, (cfg.xi.pretrained, cfg.data.image_size, cfg.data.detect_face)
+
+    monkeypatch.setattr("device_sim.experiment_resolve.default_real_face_model", lambda: "dlib-resnet")
+    a, got = resolved("--data", str(tmp_path))
+    assert got == ("dlib-resnet", 150, "dlib-chip")
+    assert "built-in dlib-resnet" in a.notes[0]
     # asking for a ξ of one's own (or synthetic data) keeps the pre-training path and its defaults
     for argv in (["--backbone", "tiny"], ["--width", "4"], ["--pretrain-data", "synth"], ["--data", "synth"]):
-        b = _sim_args("--data", str(tmp_path), *argv)
-        assert apply_real_face_default(b) == [] and (b.pretrained, b.image_size, b.detect_face) == (None, 32, False)
+        b, got = resolved("--data", str(tmp_path), *argv)
+        assert b.notes == () and got == (None, 32, False)
     with pytest.raises(InputError, match="150 px"):
-        apply_real_face_default(_sim_args("--data", str(tmp_path), "--pretrained", "dlib-resnet", "--image-size", "112"))
+        resolved("--data", str(tmp_path), "--pretrained", "dlib-resnet", "--image-size", "112")
     # without the faces extra: the old default, and one line saying what to install
-    monkeypatch.setattr("device_sim.cli_common.default_real_face_model", lambda: None)
-    c = _sim_args("--data", str(tmp_path))
-    (line,) = apply_real_face_default(c)
-    assert c.pretrained is None and c.image_size == 32 and "pip install 'fedfs[faces]'" in line
+    monkeypatch.setattr("device_sim.experiment_resolve.default_real_face_model", lambda: None)
+    c, got = resolved("--data", str(tmp_path))
+    (line,) = c.notes
+    assert got[:2] == (None, 32) and "pip install 'fedfs[faces]'" in line
 
 
 @needs_dlib
 def test_builtin_xi_by_name_is_frozen_and_checkpointable(tmp_path: Path) -> None:
-    from device_sim.cli_common import resolve_xi
+    from device_sim.experiment_resolve import experiment_from_args
+    from device_sim.xi_source import resolve_xi
     from fedfs_sdk.nn.checkpoint import load_checkpoint
 
-    xi, info = resolve_xi(_sim_args("--pretrained", "dlib-resnet"), None, None)
+    xi, info = resolve_xi(experiment_from_args(_sim_args("--pretrained", "dlib-resnet")), None, None)
     assert info["builtin"] == "dlib-resnet" and not any(p.requires_grad for p in xi.parameters())
     assert xi.config.backbone == "dlib-resnet" and xi.input_size == 150
     path = builtin_models.save_builtin("dlib-resnet", tmp_path / "xi.safetensors")

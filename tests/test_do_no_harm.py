@@ -4,7 +4,6 @@ better; scope='top' trains only the top and equals the simulator's; capture shif
 deterministic per seed."""
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 import torch
@@ -121,24 +120,22 @@ def test_simulator_scope_top_matches_the_device_trainer() -> None:
 # ---- the simulator: a planted bad update is not used -----------------------------------------
 
 def test_simulated_selection_keeps_xi_for_a_planted_bad_update(tmp_path) -> None:
-    from device_sim.cli_common import build_data
-    from device_sim.cli_simulate import add_arguments, public_impostors
+    from device_sim.cli_simulate import experiment_from_argv, public_impostors
+    from device_sim.experiment_data import build_data
     from device_sim.methods import parse_method
     from device_sim.methods.base import SimContext
     from device_sim.methods.selection import HoldoutView
     from device_sim.population import Population
     from device_sim.pretrain import PretrainConfig, train_xi
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    args = p.parse_args(["--clients", "6", "--new-users", "0", "--public", "12", "--out", str(tmp_path)])
-    ds, splits = build_data(args)
+    cfg = experiment_from_argv(["--clients", "6", "--new-users", "0", "--public", "12", "--out", str(tmp_path)])
+    ds, splits = build_data(cfg)
     pop = Population(ds, splits)
     ids, idx, lab = splits.pairs("public", "train")
     xi = train_xi(ds, ids, idx, lab, PretrainConfig(backbone="tiny", epochs=6, seed=0))[0].eval()
     m = parse_method("fedfs:select=on")
     m.setup(SimContext(ModelConfig("tiny"), xi, num_clients=pop.num_clients))
-    view = HoldoutView(pop, public_impostors(args, pop), seed=0)
+    view = HoldoutView(pop, public_impostors(cfg, pop), seed=0)
     m.prepare(view)
     g = m.init_global()
     torch.manual_seed(0)

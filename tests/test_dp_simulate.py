@@ -2,7 +2,6 @@
 results.json and the table gain ε, and the σ calibrated for --dp-epsilon reaches it."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
 
@@ -11,7 +10,8 @@ import pytest
 import torch
 
 from conftest_sim import RandomClients, setup_method, xi  # noqa: F401
-from device_sim.dp_sim import SimDp, check_dp_method, from_args
+from device_sim.dp_sim import SimDp, check_dp_method, from_experiment
+from device_sim.experiment import DpConfig, ExperimentConfig, TrainConfig
 from device_sim.executors import LocalConfig
 from device_sim.federation import Federation, FederationConfig
 from device_sim.methods import parse_method
@@ -60,18 +60,18 @@ def test_dp_federation_round_is_the_clipped_noised_mean(xi) -> None:
 
 
 def test_dp_arguments_are_checked() -> None:
-    ns = argparse.Namespace(dp_epsilon=None, dp_noise=1.0, dp_clip=None, dp_delta=None, participation=0.5,
-                            rounds=3, seed=0, distributed=False, workers=1)
+    cfg = ExperimentConfig(dp=DpConfig(dp_noise=1.0), train=TrainConfig(participation=0.5, rounds=3, seed=0))
     with pytest.raises(InputError, match="--dp-clip"):
-        from_args(ns, 10)
-    ns.dp_clip = 2.0
-    dp = from_args(ns, 10)
+        from_experiment(cfg, 10)
+    cfg = cfg.with_fields(dp_clip=2.0)
+    dp = from_experiment(cfg, 10)
     assert dp is not None and dp.delta == pytest.approx(10 ** -1.1) and dp.params.std == pytest.approx(1.0 * 2.0 / 5.0)
-    ns.dp_epsilon = 1.0
     with pytest.raises(InputError, match="not both"):
-        from_args(ns, 10)
-    ns.dp_noise, ns.dp_epsilon = None, math.inf
-    assert from_args(ns, 10).noise_multiplier == 0.0 and from_args(ns, 10).epsilon(3) == math.inf
+        from_experiment(cfg.with_fields(dp_epsilon=1.0), 10)
+    cfg = cfg.with_fields(dp_noise=None, dp_epsilon=math.inf)
+    assert from_experiment(cfg, 10).noise_multiplier == 0.0 and from_experiment(cfg, 10).epsilon(3) == math.inf
+    with pytest.raises(InputError, match="drop --distributed"):
+        from_experiment(cfg.with_fields(workers=2), 10)
     with pytest.raises(InputError, match="per-client uploads"):
         check_dp_method(parse_method("fedaws"))
     rng = np.random.default_rng(0)

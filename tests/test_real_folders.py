@@ -123,12 +123,14 @@ def test_synth_defaults_unchanged() -> None:
     import argparse
 
     from device_sim import cli_simulate
-    from device_sim.cli_common import build_data
+    from device_sim.experiment_data import build_data
+    from device_sim.experiment_resolve import experiment_from_args
     p = argparse.ArgumentParser()
     cli_simulate.add_arguments(p)
-    a = p.parse_args(["--public-images", "4"])
-    ds, splits = build_data(a)
-    assert (a.clients, a.new_users, a.public, a.train_per_client, a.test_per_client) == (100, 20, 300, 20, 10)
+    d = experiment_from_args(p.parse_args(["--public-images", "4"]))
+    ds, splits = build_data(d)
+    d = d.data
+    assert (d.clients, d.new_users, d.public, d.train_per_client, d.test_per_client) == (100, 20, 300, 20, 10)
     assert splits.num_clients == 100 and len(splits.public) == 300 and splits.clients[0].train.size == 20
 
 

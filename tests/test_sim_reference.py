@@ -11,7 +11,9 @@ import torch
 
 from conftest_sim import RandomClients, setup_method, xi  # noqa: F401
 from device_sim import cli_simulate
-from device_sim.cli_common import build_data, build_pretrain_data
+from device_sim.experiment import ExperimentConfig
+from device_sim.experiment_data import build_data, build_pretrain_data
+from device_sim.experiment_resolve import experiment_from_args
 from device_sim.executors import LocalConfig
 from device_sim.federation import Federation, FederationConfig
 from device_sim.methods import parse_method
@@ -105,20 +107,21 @@ def test_head_template_verifier_is_the_projection(xi) -> None:
     assert parse_method("feduv:lr=0.2,epochs=3").default_lr() == 0.2
 
 
-def _args(**kw) -> argparse.Namespace:
+def _args(**kw) -> ExperimentConfig:
+    """The resolved config of a small ``fedfs simulate`` command line with ``kw`` as options."""
     p = argparse.ArgumentParser()
     cli_simulate.add_arguments(p)
     a = p.parse_args(["--clients", "3", "--new-users", "1", "--public", "4", "--train-per-client", "4",
                       "--test-per-client", "2", "--public-images", "4"])
     for k, v in kw.items():
         setattr(a, k, v)
-    return a
+    return experiment_from_args(a)
 
 
 def test_cross_domain_scenario_data_is_deterministic_and_shifted() -> None:
     a = _args(scenario="cross-domain")
     ds, splits = build_data(a)
-    assert a.domain == "phone" and a.pretrain_domain == "studio"
+    assert a.data.domain == "phone" and a.data.pretrain_domain == "studio"
     src, src_splits = build_pretrain_data(a, ds, splits)
     assert src_splits is splits and src is not ds           # same identities, another look
     u = splits.public[0]
@@ -153,7 +156,7 @@ def test_synth_xi_for_folder_clients_uses_synth_public_identities(tmp_path) -> N
     src, src_splits = build_pretrain_data(a, ds, splits)
     assert len(src_splits.public) == 7 and "studio" in repr(src)
     assert math.isfinite(float(src.images(src_splits.public[0].identity, src_splits.public[0].train).mean()))
-    assert np.all([u.train.size == a.public_images for u in src_splits.public])
+    assert np.all([u.train.size == a.data.public_images for u in src_splits.public])
 
 
 TINY = ["--clients", "4", "--new-users", "2", "--public", "6", "--train-per-client", "10", "--test-per-client", "3",

@@ -4,7 +4,6 @@ one simulated client's personalized verifier; ``fedfs verify`` of a device enrol
 no ``--model``; a folder given to verify verifies each image."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -27,9 +26,8 @@ SIM = ["--clients", "4", "--new-users", "1", "--public", "6", "--train-per-clien
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sim")
-    p = argparse.ArgumentParser()
-    cli_simulate.add_arguments(p)
-    args = p.parse_args(["--method", "fedfs", "--out", str(tmp / "run"), "--cache-dir", str(tmp / "c"), *SIM])
+    args = cli_simulate.experiment_from_argv(["--method", "fedfs", "--out", str(tmp / "run"),
+                                              "--cache-dir", str(tmp / "c"), *SIM])
     keep: dict = {}
     res = cli_simulate.run_simulation(args, keep=keep)
     ck = latest_checkpoint(tmp / "run" / "checkpoints" / "fedfs")
@@ -140,10 +138,9 @@ def test_feduv_methods_client_verifiers(tmp_path) -> None:
     model for every client (it keeps no θ_c)."""
     from device_sim.report import slug
 
-    p = argparse.ArgumentParser()
-    cli_simulate.add_arguments(p)
-    args = p.parse_args(["--method", "fedfs+feduv:verify=personal", "feduv", "--out", str(tmp_path / "run"),
-                         "--cache-dir", str(tmp_path / "c"), *SIM])
+    args = cli_simulate.experiment_from_argv(["--method", "fedfs+feduv:verify=personal", "feduv",
+                                              "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "c"),
+                                              *SIM])
     keep: dict = {}
     cli_simulate.run_simulation(args, keep=keep)
     fed = keep["fedfs+feduv:verify=personal"]
@@ -169,10 +166,8 @@ def test_default_fedfs_feduv_client_exports_its_dual_verifier(tmp_path, capsys) 
     from fedfs_sdk.nn.dual_verifier import load_dual_verifier
     from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 
-    p = argparse.ArgumentParser()
-    cli_simulate.add_arguments(p)
-    args = p.parse_args(["--method", "fedfs+feduv", "--out", str(tmp_path / "run"), "--cache-dir", str(tmp_path / "c"),
-                         *SIM])
+    args = cli_simulate.experiment_from_argv(["--method", "fedfs+feduv", "--out", str(tmp_path / "run"),
+                                              "--cache-dir", str(tmp_path / "c"), *SIM])
     keep: dict = {}
     cli_simulate.run_simulation(args, keep=keep)
     fed = keep["fedfs+feduv"]
