@@ -4,15 +4,8 @@ All three trained methods evaluate exactly the device objective of
 :func:`fedfs_sdk.training.objective.local_objective` (the function the phone's trainer and the ONNX
 training graphs use), called functionally on the executor's parameters.
 
-Verification (see ``docs/simulation.md``):
-
-* ``pretrained`` — ξ's embedding, cosine template.
-* ``fedfs`` — the personalized ``q'`` = ``ϕ(θ_c)`` backbone output, cosine template
-  (``q'`` rather than ``q``: the projection only serves ``F_insub``'s ``z = r ⊕ q``, while
-  ``F_reg`` (Eq. 8) ties ``q'`` to the global ``r'``; see ``docs/methods.md`` item 6).
-* ``feduv`` — the global model and head, score ``(1/c) v_uᵀ σ(W g(x))`` (FedUV Eq. 5).
-* ``fedfs+feduv`` — the personalized backbone ``q'`` with the global head ``W`` and the
-  client's codeword.
+How each verifies, and the do-no-harm choice among ξ, global and personalized:
+:mod:`.sdk_verifiers`.
 """
 from __future__ import annotations
 
@@ -38,7 +31,8 @@ from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, 
                    backbone_weights, frozen, verifier_net)
 from .reference import fold_standardization, norm_fold
 from .presets import PRESETS, base_vector  # noqa: F401 (re-exported: the presets, the simulated b_u)
-from .selection import HoldoutView, SimSelection, split_spec, top_verifier
+from .selection import HoldoutView, SimSelection, split_spec
+from .sdk_verifiers import SDKVerifiers
 
 NEG_MODES = ("none", "all", "early")
 
@@ -65,7 +59,7 @@ class PretrainedOnly(FederatedMethod):
                           self.context.xi)
 
 
-class SDKMethod(FederatedMethod):
+class SDKMethod(SDKVerifiers, FederatedMethod):
     """Shared machinery of ``fedfs``, ``feduv`` and ``fedfs+feduv``.
 
     Args:
@@ -396,77 +390,6 @@ class SDKMethod(FederatedMethod):
         if name.startswith("uv_head.") and head_lr is not None:
             return head_lr
         return base_lr
-
-    # ---- evaluation --------------------------------------------------------------------
-    def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
-        """The client's verifier (:meth:`_verifier`); with ``select=on`` the one of ξ, the global
-        model and it that did best on the client's hold-out (:mod:`.selection`)."""
-        if not self._selecting():
-            return self._split(self._verifier(state, global_weights, private))
-        return self.selection.choose(state.client, self._candidates(state, global_weights, private))
-
-    def _selecting(self) -> bool:
-        """``select=auto`` is on once bound to a hold-out (:meth:`prepare`); ``on`` always (it
-        raises, naming the fix, when it has nothing to check with)."""
-        return self.selection is not None and (self.select != "auto" or self.selection.data is not None)
-
-    def _candidates(self, state: ClientState, global_weights: Weights, private: Params | None) -> dict[str, VerifierSpec]:
-        return {"xi": self._split(self.xi_verifier()),
-                "global": self._split(self.new_user_verifier(state, global_weights)),
-                "personalized": self._split(self._verifier(state, global_weights, private))}
-
-    def prepare_evaluation(self, global_weights: Weights, private: Any, clients) -> None:
-        """``select=on``: every evaluated client's check first, then the federation's verdicts."""
-        if self._selecting():
-            self.selection.prepare(clients, lambda c: self._candidates(self.client_state_init(c), global_weights,
-                                                                        private(c)))
-
-    def xi_verifier(self) -> VerifierSpec:
-        """ξ as it is, with a cosine template (what the device had before any training)."""
-        return VerifierSpec(self._personal_vnet, backbone_weights(self.context.xi.state_dict()), None, shared_key="xi")
-
-    def _split(self, spec: VerifierSpec) -> VerifierSpec:
-        """``scope="top"``: the spec runs its top on ξ's cached trunk features."""
-        if self.scope != "top" or spec.trunk is not None:
-            return spec
-        top = self._tops.get(id(spec.net))
-        if top is None:
-            top = self._tops[id(spec.net)] = top_verifier(spec.net)
-        return replace(spec, trunk=self._trunk, top=top)
-
-    def _verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
-        """A trained client verifies with its ``θ_c`` backbone (FedFS) or the global model
-        (FedUV, ``verify=global``). A client that never trained has no ``θ_c``: it verifies
-        with the current global backbone — the ``θ_c`` it would start from, the model a new
-        user gets (:meth:`new_user_verifier`). (A real device refuses to verify before it has
-        trained θ_c; the simulator scores such clients like new users instead of dropping them.)"""
-        if self.sdk_method == "feduv" or self.verify == "global" or private is None or "personal" not in private:
-            return self.new_user_verifier(state, global_weights)
-        weights = backbone_weights(private["personal"])
-        if self.sdk_method == "fedfs":
-            return VerifierSpec(self._personal_vnet, weights, None)
-        weights = {**weights, "uv_head.weight": global_weights["uv_head.weight"]}
-        if self.verify == "both":
-            weights.update({"global_" + k: v for k, v in backbone_weights(global_weights).items()})
-            return VerifierSpec(self._dual_vnet, weights, None)
-        return VerifierSpec(self._global_vnet, weights, self._codeword_for(state))
-
-    def _codeword_for(self, state: ClientState) -> np.ndarray | None:
-        """The codeword a verifier scores against (None: cosine template of ``W·g``)."""
-        return state.codeword if self.score == "codeword" else None
-
-    def new_user_verifier(self, state: ClientState, global_weights: Weights) -> VerifierSpec:
-        """A new user starts from the shipped global model: ``r'`` template for FedFS,
-        global backbone + head + a fresh codeword for the FedUV methods."""
-        if self.code_length is None:
-            return self._split(VerifierSpec(self._personal_vnet, backbone_weights(global_weights), None,
-                                            shared_key="global"))
-        return self._split(VerifierSpec(self._global_vnet, self._global_head_weights(global_weights),
-                                        self._codeword_for(state), shared_key="global"))
-
-    @staticmethod
-    def _global_head_weights(global_weights: Weights) -> Weights:
-        return {**backbone_weights(global_weights), "uv_head.weight": global_weights["uv_head.weight"]}
 
 
 class FedFSMethod(SDKMethod):
