@@ -80,7 +80,8 @@ def test_frozen_stem_once_per_chunk_gives_the_sequential_updates(spec: str, xi, 
     the chunk and trains only the top on its outputs; the updates equal the sequential
     executor's (which runs the trunk inside the objective), and the trunk's tensors stay ξ's."""
     m = setup_method(spec, xi)
-    assert m.scope == "top" and m.frozen_stem() is not None and not m.trunks()
+    assert m.scope == "top" and m.frozen_stem() is not None and not m.trunks() and m.trains is True
+    assert parse_method("pretrained").trains is False       # the per-tensor hook leaves the class flag alone
     plan, tasks = make_tasks(m, data, [0, 1, 2, 3])
     cfg = LocalConfig(batch_size=4)
     seq = SequentialExecutor().train(m, plan, tasks, cfg)
@@ -96,8 +97,8 @@ def test_frozen_stem_once_per_chunk_gives_the_sequential_updates(spec: str, xi, 
     assert max_diff(seq.params, got.params) < 1e-5
     start = {g: {k: torch.stack([t.params[g][k] for t in tasks]) for k in w} for g, w in tasks[0].params.items()}
     moved = [k for g, w in got.params.items() for k in w if not torch.equal(w[k], start[g][k])]
-    assert moved and all(m.trains("global", k) for k in moved), moved     # only the top moved …
-    frozen = [k for k in start["global"] if not m.trains("global", k)]
+    assert moved and all(m.trains_tensor("global", k) for k in moved), moved     # only the top moved …
+    frozen = [k for k in start["global"] if not m.trains_tensor("global", k)]
     assert frozen and all(torch.equal(seq.params[g][k], start[g][k]) for g in start for k in start[g] if k in frozen)
 
 

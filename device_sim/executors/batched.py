@@ -246,7 +246,7 @@ class BatchedExecutor:
     def _split(self, method: FederatedMethod, params: Params) -> tuple[Params, Params]:
         """(differentiated, fixed) entries: groups the objective trains, less their frozen tensors."""
         trained = method.trained_groups()
-        moves = {g: {n: (trained is None or g in trained) and method.trains(g, n) for n in w} for g, w in params.items()}
+        moves = {g: {n: (trained is None or g in trained) and method.trains_tensor(g, n) for n in w} for g, w in params.items()}
         train = {g: {n: p for n, p in w.items() if moves[g][n]} for g, w in params.items()}
         fixed = {g: {n: p for n, p in w.items() if not moves[g][n]} for g, w in params.items()}
         return {g: w for g, w in train.items() if w}, {g: w for g, w in fixed.items() if w}

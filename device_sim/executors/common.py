@@ -168,7 +168,7 @@ def sgd_update(params: Params, grads: Params, lrs: Mapping[str, Mapping[str, flo
             torch._foreach_add_(ps, ds, alpha=-lr)
         return
     # only what has a gradient steps: a group the objective does not train (FederatedMethod.trained_groups)
-    # and a frozen tensor of a trained one (FederatedMethod.trains) are left as they are
+    # and a frozen tensor of a trained one (FederatedMethod.trains_tensor) are left as they are
     for g, gw in grads.items():
         for k, d in gw.items():
             p = params[g][k]

@@ -46,7 +46,7 @@ class SequentialExecutor:
                    cfg: LocalConfig) -> tuple[Params, list[dict[str, float]], int]:
         dev = self.device
         trained = method.trained_groups()
-        moves = {g: {k: (trained is None or g in trained) and method.trains(g, k) for k in w}
+        moves = {g: {k: (trained is None or g in trained) and method.trains_tensor(g, k) for k in w}
                  for g, w in task.params.items()}
         params = {g: {k: v.detach().to(dev, torch.float32).clone().requires_grad_(moves[g][k])
                       for k, v in w.items()} for g, w in task.params.items()}

@@ -160,7 +160,7 @@ class FederatedMethod(ABC):
         are carried through a client's local training unchanged."""
         return None
 
-    def trains(self, group: str, name: str) -> bool:
+    def trains_tensor(self, group: str, name: str) -> bool:
         """Whether tensor ``name`` of a trained group moves in local training. ``False`` marks a
         frozen tensor inside a trained group (``scope="top"``: the trunk, which stays ξ's): the
         executors neither differentiate nor step it, so it leaves local training unchanged."""

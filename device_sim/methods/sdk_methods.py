@@ -366,7 +366,7 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
     def xi_model(self) -> torch.nn.Module | None:
         return self.xi
 
-    def trains(self, group: str, name: str) -> bool:
+    def trains_tensor(self, group: str, name: str) -> bool:
         return self.scope != "top" or is_top_key(name)
 
     def frozen_stem(self) -> torch.nn.Module | None:
