@@ -253,26 +253,34 @@ class CaptureShiftDataset:
         return self.batch(identity, indices)
 
     def batch(self, identities, indices):
+        from .image_cache import normalize
+
+        return normalize(self.batch_uint8(identities, indices))
+
+    def batch_uint8(self, identities, indices, device=None, cache: bool = True):
+        """uint8 ``[N, 3, S, S]``: the folder's photos, the shifted identities' through their
+        capture shift (the image store and the population read this; without it they would get
+        the wrapped folder's unshifted photos)."""
         import torch
 
         from .synthfaces import broadcast_pairs
 
         ids, idx = broadcast_pairs(identities, indices)
-        x = self.base.batch(ids, idx)
+        x = self.base.batch_uint8(ids, idx, cache=cache)
         on = self.shifted[ids] if ids.size else np.zeros(0, dtype=bool)
-        if not on.any():
-            return x
-        S = self.image_size
-        pos = np.flatnonzero(on)
-        scratch = torch.empty((pos.size, 3, S, S), dtype=torch.uint8)
-        missing = self.cache.fetch_into(ids[pos], idx[pos], scratch)
-        if missing:
-            m = np.asarray(missing)
-            src = torch.round(x[torch.as_tensor(pos[m])] * 127.5 + 127.5).clamp(0, 255).to(torch.uint8).numpy()
-            names = [self._names[int(i)] for i in ids[pos[m]]]
-            shifted = torch.from_numpy(shift_images(src, self.shift, self.seed, names, idx[pos[m]]))
-            scratch[torch.as_tensor(m)] = shifted
-            self.cache.put_many(ids[pos], idx[pos], missing, shifted)
-        out = x.clone()
-        out[torch.as_tensor(pos)] = (scratch.to(torch.float32) - 127.5) / 127.5
-        return out
+        if on.any():
+            pos = np.flatnonzero(on)
+            S = self.image_size
+            shifted = torch.empty((pos.size, 3, S, S), dtype=torch.uint8)
+            missing = self.cache.fetch_into(ids[pos], idx[pos], shifted) if cache else list(range(pos.size))
+            if missing:
+                m = np.asarray(missing)
+                names = [self._names[int(i)] for i in ids[pos[m]]]
+                fresh = torch.from_numpy(shift_images(x[torch.as_tensor(pos[m])].cpu().numpy(), self.shift, self.seed,
+                                                      names, idx[pos[m]]))
+                shifted[torch.as_tensor(m)] = fresh
+                if cache:
+                    self.cache.put_many(ids[pos], idx[pos], missing, fresh)
+            x = x.clone()
+            x[torch.as_tensor(pos)] = shifted.to(x.device)
+        return x if device is None else x.to(device)

@@ -241,6 +241,13 @@ def test_shifted_dataset_changes_phones_only_and_any_batch_order(tmp_path) -> No
     assert ds.fingerprint() != CaptureShiftDataset(base, "night", seed=8, shifted=[1, 2]).fingerprint()
     levels = shifted * 127.5 + 127.5
     assert torch.equal(levels, levels.round())          # still on the uint8 grid of every fedfs input
+    # the uint8 path — what the simulator's image store and population read — is shifted the same
+    # (it once forwarded to the folder and silently dropped the shift)
+    fresh = CaptureShiftDataset(base, "night", seed=7, shifted=[1, 2])
+    for cache in (True, False):
+        u8 = fresh.batch_uint8([1, 2, 1, 0], [0, 2, 2, 1], cache=cache)
+        assert u8.dtype == torch.uint8 and torch.equal(u8[:3].float(), levels)
+        assert torch.equal(u8[3], base.batch_uint8([0], [1])[0])
 
 
 def test_real_night_on_lfw_is_deterministic_and_leaves_public_photos_alone(tmp_path) -> None:
