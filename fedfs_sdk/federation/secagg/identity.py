@@ -118,6 +118,19 @@ def write_private_key(path: str | os.PathLike[str], sk: Ed25519PrivateKey) -> No
     atomic_write_bytes(path, private_key_pem(sk), mode=0o600)
 
 
+
+def _load(cls, path: str | os.PathLike[str], what: str, kind: str):
+    """``cls.from_json`` of the JSON file ``path``; :class:`InputError` naming the file and what
+    it should have been (``what``: "the certificate"; ``kind``: "a fedfs device certificate …")."""
+    p = Path(path)
+    try:
+        return cls.from_json(json.loads(p.read_text()))
+    except OSError as e:
+        raise InputError(f"cannot read {what} {p}: {e.strerror or e}") from None
+    except (ValueError, IdentityError) as e:
+        raise InputError(f"{p} is not {kind}: {e}") from None
+
+
 @dataclass(frozen=True)
 class CaPublicKey:
     """The operator CA's public key: what devices pin (``ca.pub``)."""
@@ -147,13 +160,7 @@ class CaPublicKey:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "CaPublicKey":
         """Read a ``ca.pub`` file (``fedfs ca init``); :class:`InputError` naming the problem."""
-        p = Path(path)
-        try:
-            return cls.from_json(json.loads(p.read_text()))
-        except OSError as e:
-            raise InputError(f"cannot read the CA public key {p}: {e.strerror or e}") from None
-        except (ValueError, IdentityError) as e:
-            raise InputError(f"{p} is not a fedfs CA public key (fedfs ca init writes ca.pub): {e}") from None
+        return _load(cls, path, "the CA public key", "a fedfs CA public key (fedfs ca init writes ca.pub)")
 
 
 @dataclass(frozen=True)
@@ -221,13 +228,7 @@ class Certificate:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Certificate":
-        p = Path(path)
-        try:
-            return cls.from_json(json.loads(p.read_text()))
-        except OSError as e:
-            raise InputError(f"cannot read the certificate {p}: {e.strerror or e}") from None
-        except (ValueError, IdentityError) as e:
-            raise InputError(f"{p} is not a fedfs device certificate (fedfs ca sign writes one): {e}") from None
+        return _load(cls, path, "the certificate", "a fedfs device certificate (fedfs ca sign writes one)")
 
 
 class CertificateAuthority:
