@@ -118,7 +118,6 @@ def write_private_key(path: str | os.PathLike[str], sk: Ed25519PrivateKey) -> No
     atomic_write_bytes(path, private_key_pem(sk), mode=0o600)
 
 
-
 def _load(cls, path: str | os.PathLike[str], what: str, kind: str):
     """``cls.from_json`` of the JSON file ``path``; :class:`InputError` naming the file and what
     it should have been (``what``: "the certificate"; ``kind``: "a fedfs device certificate …")."""
