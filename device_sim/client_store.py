@@ -19,6 +19,10 @@ index per client) with three knobs:
   participation) or ``θ_0``. No row is allocated until it first trains, so memory grows with
   the number of *touched* clients ``N·(1 − (1 − p)^T)`` for participation ``p`` after ``T``
   rounds. (Codewords are likewise regenerated from the seed, see ``methods.sdk_methods``.)
+* shared tensors — a tensor that no client's training moves (``scope="top"``: the trunk, which
+  stays ξ's, :meth:`~device_sim.methods.base.FederatedMethod.trains_tensor`) is held once, from
+  ``θ_0``, not in every row: MobileFaceNet's personalized model is 0.99 M parameters, its top
+  0.07 M.
 
 :func:`estimate_memory` gives the numbers; ``docs/simulation.md`` tabulates them.
 """
@@ -90,10 +94,13 @@ class ClientStore:
         location: ``cpu`` | ``pinned`` | ``cuda`` | ``disk``.
         path: the memmap file for ``location="disk"``.
         encoding: ``absolute`` or ``delta`` (from ``θ_0``); default delta for half types.
+        shared: ``(group, name)`` of tensors that are the same for every client at every round
+            (frozen in local training): kept once, from ``template``, and given to every client.
     """
 
     def __init__(self, num_clients: int, template: Params, dtype: str = "fp32", location: str = "cpu",
-                 path: str | Path | None = None, encoding: str | None = None) -> None:
+                 path: str | Path | None = None, encoding: str | None = None,
+                 shared: "Sequence[tuple[str, str]] | set[tuple[str, str]]" = ()) -> None:
         if dtype not in DTYPES:
             raise InputError(f"store dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         if location not in LOCATIONS:
@@ -106,8 +113,16 @@ class ClientStore:
         if self.encoding not in ("absolute", "delta"):
             raise InputError(f"encoding must be 'absolute' or 'delta', got {self.encoding!r}")
         self.num_clients, self.dtype, self.location = int(num_clients), dtype, location
-        self.keys: list[tuple[str, str]] = [(g, k) for g, w in template.items() for k in w]
-        self.shapes = {gk: tuple(template[gk[0]][gk[1]].shape) for gk in self.keys}
+        every = [(g, k) for g, w in template.items() for k in w]
+        unknown = set(shared) - set(every)
+        if unknown:
+            raise InputError(f"shared tensors not in the template: {sorted(unknown)[:3]}")
+        self.keys: list[tuple[str, str]] = [gk for gk in every if gk not in set(shared)]
+        """The per-client tensors, in row order."""
+        self.shared: dict[tuple[str, str], torch.Tensor] = {
+            gk: template[gk[0]][gk[1]].detach().float().cpu().clone() for gk in every if gk in set(shared)}
+        self._order = every
+        self.shapes = {gk: tuple(template[gk[0]][gk[1]].shape) for gk in every}
         sizes = [math.prod(self.shapes[gk]) for gk in self.keys]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.params_per_client = int(self.offsets[-1])
@@ -205,7 +220,13 @@ class ClientStore:
                 stored = self._data[r].to(dev).float()
             pos = torch.from_numpy(have).to(dev)
             flat[pos] = stored + self._template.to(dev).unsqueeze(0) if self.encoding == "delta" else stored
-        return self._unflatten(flat)
+        out = self._unflatten(flat)
+        for (g, name), t in self.shared.items():     # one tensor for all: a view, no copy per client
+            out.setdefault(g, {})[name] = t.to(dev).unsqueeze(0).expand((len(a),) + tuple(t.shape))
+        ordered: Params = {}
+        for g, name in self._order:                 # the template's order
+            ordered.setdefault(g, {})[name] = out[g][name]
+        return ordered
 
     def decode_rows(self, raw: torch.Tensor, device: str | torch.device = "cpu") -> torch.Tensor:
         """Flat float32 ``[K, P]`` weights of rows kept as stored (:meth:`export_rows`,
@@ -302,7 +323,9 @@ class ClientStore:
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Tensors that restore the store exactly (used rows only)."""
         return {"rows": torch.from_numpy(self.rows.copy()),
-                "data": self._data[:self.used].detach().to("cpu").contiguous().clone()}
+                "data": self._data[:self.used].detach().to("cpu").contiguous().clone(),
+                # the tensors no row holds, so that a reader (sim_export) can rebuild a client's θ_c
+                **{f"shared/{g}/{name}": t.clone() for (g, name), t in self.shared.items()}}
 
     def load_state_tensors(self, state: Mapping[str, torch.Tensor]) -> None:
         rows = state["rows"].numpy().astype(np.int64)

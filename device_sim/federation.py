@@ -170,8 +170,10 @@ class Federation:
         self.feature_caches = feature_caches(method, config.device, config.local.amp) if method.trains else []
         """ξ(x) — and a frozen stem's outputs — of every participant's images, computed once per run."""
         template = method.init_private(self.global_weights)
+        # tensors no client's training moves (scope=top: the trunk) are kept once, not per client
+        frozen = [(g, k) for g, w in template.items() for k in w if not method.trains_tensor(g, k)]
         self.store = ClientStore(data.num_clients, template, config.store_dtype, config.store_location,
-                                 path=store_path) if method.private_groups else None
+                                 path=store_path, shared=frozen) if method.private_groups else None
         self.round = 0
         self.sampler = np.random.default_rng([config.seed, 0x5A4D])
         self.history: list[RoundRecord] = []

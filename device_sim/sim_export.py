@@ -83,13 +83,18 @@ def _client_weights(tensors: dict[str, torch.Tensor], ident: dict[str, Any], glo
     if ident.get("config", {}).get("store_dtype", "fp32") != "fp32":
         raise CheckpointError(f"{name} keeps θ_c as {ident['config']['store_dtype']} differences from the round-0 "
                               "model, which needs ξ to rebuild: re-run the simulation with --store-dtype fp32")
+    # tensors no client trains (scope=top: the trunk) are stored once, not in the rows
+    shared = {k[len("store/shared/personal/"):]: v for k, v in tensors.items() if k.startswith("store/shared/personal/")}
     shapes = [(k, v.shape) for k, v in FaceNet(global_cfg).state_dict().items() if not k.startswith("uv_head.")]
-    total = sum(int(torch.Size(s).numel()) for _, s in shapes)
+    total = sum(int(torch.Size(s).numel()) for k, s in shapes if k not in shared)
     if total != data.shape[1]:
         raise CheckpointError(f"{name}: client store rows hold {data.shape[1]} values, the personalized model "
                               f"has {total}")
     flat, out, at = data[row].float(), {}, 0
     for k, s in shapes:
+        if k in shared:
+            out[k] = shared[k].float().reshape(s).clone()
+            continue
         size = int(torch.Size(s).numel())
         out[k] = flat[at:at + size].reshape(s).clone()
         at += size

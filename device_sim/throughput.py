@@ -162,7 +162,8 @@ def store_estimate(cfg: BenchConfig, num_clients: int = 10_000) -> dict[str, flo
     method = parse_method(cfg.method)
     method.setup(SimContext(mc, FaceNet(mc), num_clients, cfg.seed))
     priv = method.init_private(method.init_global())
-    params = sum(v.numel() for w in priv.values() for v in w.values())
+    # what the store keeps per client: the tensors local training moves (scope=top: the top only)
+    params = sum(v.numel() for g, w in priv.items() for k, v in w.items() if method.trains_tensor(g, k))
     return {"params_per_client": params, **{dt: estimate_memory(num_clients, params, dt).gib for dt in ("fp32", "fp16")}}
 
 

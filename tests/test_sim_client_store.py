@@ -34,6 +34,25 @@ def test_roundtrip_fp32_and_untouched_clients_get_the_template() -> None:
     assert s.used == 3
 
 
+def test_shared_tensors_are_kept_once_and_given_to_every_client() -> None:
+    """A tensor no client's training moves (scope=top's trunk) has no column in the rows: every
+    client gets θ_0's value (a view), rows hold the rest, and a put ignores the frozen entries."""
+    s = ClientStore(100, template(), dtype="fp16", shared=[("personal", "a")])
+    assert s.params_per_client == 7 and s.keys == [("personal", "b")]
+    assert s.estimate().gib == estimate_memory(100, 7, "fp16").gib
+    w = stacked(2, 1)
+    s.put([3, 8], w)                                  # "a" moved in w: ignored, it is frozen by contract
+    got = s.get([8, 3, 50])
+    assert list(got["personal"]) == ["a", "b"]        # the template's order
+    for i in range(3):
+        assert torch.equal(got["personal"]["a"][i], template()["personal"]["a"])
+    assert torch.allclose(got["personal"]["b"][0], w["personal"]["b"][1], atol=1e-2)
+    assert torch.equal(got["personal"]["b"][2], template()["personal"]["b"])
+    assert s.get_one(3)["personal"]["a"].shape == (3, 4)
+    with pytest.raises(InputError, match="not in the template"):
+        ClientStore(10, template(), shared=[("personal", "z")])
+
+
 def test_fp16_delta_keeps_small_updates_that_absolute_fp16_drops() -> None:
     w = stacked(2, 3, scale=1e-3)                      # updates tiny relative to the weights (|θ_0| ~ 5)
     exact = {k: v.clone() for k, v in w["personal"].items()}

@@ -326,6 +326,9 @@ def test_federation_caches_the_frozen_stem_and_xi_on_it(xi, data) -> None:
         fed.run(2)
         return fed, calls
     batched, calls = run("batched")
+    top = sum(v.numel() for g, w in batched.method.init_private(batched.global_weights).items() for k, v in w.items()
+              if batched.method.trains_tensor(g, k))
+    assert batched.store.params_per_client == top                     # the frozen trunk is not stored per client
     assert sum(calls) == sum(int(data.x[c].shape[0]) for c in batched.feature_caches[0]._v)
     sequential, _ = run("sequential")
     assert max_diff({"g": batched.global_weights}, {"g": sequential.global_weights}) < 1e-5
