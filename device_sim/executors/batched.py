@@ -128,7 +128,9 @@ class BatchedExecutor:
             return self._folded[key]
         trunks, trained = method.trunks() if self.fold == "auto" else {}, method.trained_groups()
         out: dict[str, torch.nn.Module] = {}
-        note = "fold=off" if self.fold == "off" else "the method has no backbone/head split"
+        note = "fold=off" if self.fold == "off" else (
+            "scope=top: the frozen stem runs once per image, vmap over the top" if method.frozen_stem() is not None
+            else "the method has no backbone/head split")
         try:
             for g, backbone in trunks.items():
                 if trained is not None and g not in trained:
