@@ -114,13 +114,13 @@ class ClientStore:
             raise InputError(f"encoding must be 'absolute' or 'delta', got {self.encoding!r}")
         self.num_clients, self.dtype, self.location = int(num_clients), dtype, location
         every = [(g, k) for g, w in template.items() for k in w]
-        unknown = set(shared) - set(every)
-        if unknown:
-            raise InputError(f"shared tensors not in the template: {sorted(unknown)[:3]}")
-        self.keys: list[tuple[str, str]] = [gk for gk in every if gk not in set(shared)]
+        shared = set(shared)
+        if shared - set(every):
+            raise InputError(f"shared tensors not in the template: {sorted(shared - set(every))[:3]}")
+        self.keys: list[tuple[str, str]] = [gk for gk in every if gk not in shared]
         """The per-client tensors, in row order."""
         self.shared: dict[tuple[str, str], torch.Tensor] = {
-            gk: template[gk[0]][gk[1]].detach().float().cpu().clone() for gk in every if gk in set(shared)}
+            gk: template[gk[0]][gk[1]].detach().float().cpu().clone() for gk in every if gk in shared}
         self._order = every
         self.shapes = {gk: tuple(template[gk[0]][gk[1]].shape) for gk in every}
         sizes = [math.prod(self.shapes[gk]) for gk in self.keys]
@@ -221,6 +221,8 @@ class ClientStore:
             pos = torch.from_numpy(have).to(dev)
             flat[pos] = stored + self._template.to(dev).unsqueeze(0) if self.encoding == "delta" else stored
         out = self._unflatten(flat)
+        if not self.shared:
+            return out
         for (g, name), t in self.shared.items():     # one tensor for all: a view, no copy per client
             out.setdefault(g, {})[name] = t.to(dev).unsqueeze(0).expand((len(a),) + tuple(t.shape))
         ordered: Params = {}

@@ -199,14 +199,10 @@ class ExperimentConfig:
 
     def with_fields(self, **changes: Any) -> ExperimentConfig:
         """A copy with fields changed by their (unique) names, e.g. ``with_fields(seed=1, out="x")``."""
-        where = _field_groups()
-        unknown = sorted(set(changes) - set(where))
+        unknown = sorted(set(changes) - set(_field_groups()))
         if unknown:
             raise TypeError(f"unknown experiment field(s) {unknown}")
-        by_group: dict[str, dict[str, Any]] = {}
-        for k, v in changes.items():
-            by_group.setdefault(where[k], {})[k] = v
-        return replace(self, **{g: replace(getattr(self, g), **kv) for g, kv in by_group.items()})
+        return replace(self, **{g: replace(getattr(self, g), **kv) for g, kv in _by_group(changes).items()})
 
     def to_settings(self) -> dict[str, Any]:
         """The flat ``settings`` of results.json: each option by its command-line name."""
@@ -226,11 +222,7 @@ class ExperimentConfig:
         """An unresolved config from option values by name (``vars(namespace)``, a results.json
         ``settings``); names it does not hold (``func``, ``force``, ``json`` …) are ignored and
         missing ones keep their defaults."""
-        where = _field_groups()
-        by_group: dict[str, dict[str, Any]] = {}
-        for k, v in values.items():
-            if k in where:
-                by_group.setdefault(where[k], {})[k] = v
+        by_group = _by_group(values)
         groups = {g: t(**_typed(by_group.get(g, {}))) for g, t in GROUPS}
         command = values.get("command")
         return cls(**groups, command=command if isinstance(command, str) else None)
@@ -250,6 +242,16 @@ def _typed(values: dict[str, Any]) -> dict[str, Any]:
 
 def _field_groups() -> dict[str, str]:
     return {f.name: g for g, t in GROUPS for f in fields(t)}
+
+
+def _by_group(values: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{group: {field: value}}`` of the values that name a field (the others are left out)."""
+    where = _field_groups()
+    out: dict[str, dict[str, Any]] = {}
+    for k, v in values.items():
+        if k in where:
+            out.setdefault(where[k], {})[k] = v
+    return out
 
 
 __all__ = ["ExperimentConfig", "DataConfig", "XiConfig", "TrainConfig", "EvalSettings", "DpConfig",

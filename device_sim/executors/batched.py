@@ -29,7 +29,7 @@ from fedfs_sdk.errors import InputError
 
 from ..methods.base import FederatedMethod, Params, RoundPlan
 from .common import (FP16_LOSS_SCALE, ChunkResult, ClientTask, LocalConfig, Metrics, autocast, check_tasks,
-                     client_batches, learning_rates, normalized, sgd_update)
+                     client_batches, learning_rates, moving, normalized, sgd_update)
 from .folding import POINTWISE_MODES, NotFoldable, check_folding, fold_module, folded_call
 from .memory import MemoryPlan, cuda_memory_probe
 
@@ -165,38 +165,53 @@ class BatchedExecutor:
                 active[t, c] = True
         all_active = active.all(1).tolist()
         nmax = max(ns)
-        first = tasks[0].images
-        dtype = torch.uint8 if all(t.images.dtype == torch.uint8 for t in tasks) else torch.float32
-        images = torch.zeros((k, nmax) + tuple(first.shape[1:]), dtype=dtype, device=dev)
-        for c, t in enumerate(tasks):
-            src = t.images if dtype == torch.uint8 else normalized(t.images)
-            images[c, :t.num_samples] = src.to(dev, non_blocking=True)
         stem = method.frozen_stem()
-        if stem is not None:
-            # scope=top: the trunk is ξ's and frozen — its outputs are computed once (here, or for
-            # the run by the federation), and the local steps train only the small top on them
-            images = self._features(stem, images, [t.stem_features for t in tasks], ns, cfg)
+        stems = [t.stem_features for t in tasks]
+        if stem is not None and all(v is not None for v in stems):
+            # scope=top with the run's cached stem outputs: the images are not needed on the device
+            images, inputs = None, self._stacked(stems, ns, nmax)
+        else:
+            images = self._images(tasks, ns, nmax)
+            # scope=top: the trunk is ξ's and frozen — its outputs are computed once here, and the
+            # local steps train only the small top on them
+            inputs = images if stem is None else self._features(stem, images, cfg)
         xi = None
         if method.xi_model() is not None and self.xi_once:
+            given = [t.xi_features for t in tasks]
             after = method.xi_after_stem() if stem is not None else None
-            xi = self._features(after if after is not None else method.xi_model(), images,
-                                [t.xi_features for t in tasks], ns, cfg)
+            if all(v is not None for v in given):
+                xi = self._stacked(given, ns, nmax)
+            elif after is not None:     # ξ = ξ's top on the stem's outputs: no second trunk pass
+                xi = self._features(after, inputs, cfg)
+            else:
+                xi = self._features(method.xi_model(), images if images is not None else self._images(tasks, ns, nmax),
+                                    cfg)
         params = {g: {name: torch.stack([t.params[g][name].to(dev, torch.float32) for t in tasks])
                       for name in w} for g, w in tasks[0].params.items()}
         consts = {name: torch.stack([t.consts[name].to(dev) for t in tasks]) for name in tasks[0].consts}
-        return _Chunk(k, ns, idx.to(dev), valid.to(dev), active.to(dev), all_active, images, xi, params, consts,
+        return _Chunk(k, ns, idx.to(dev), valid.to(dev), active.to(dev), all_active, inputs, xi, params, consts,
                       stem is not None)
 
-    def _features(self, model: torch.nn.Module, inputs: torch.Tensor, given: list[torch.Tensor | None],
-                  ns: list[int], cfg: LocalConfig) -> torch.Tensor:
-        """``[K, n_max, …]`` outputs of a frozen ``model`` on the chunk's ``inputs``: the tasks'
-        cached ones when every task has them, else one batched pass (padding included)."""
+    def _images(self, tasks: Sequence[ClientTask], ns: list[int], nmax: int) -> torch.Tensor:
+        """The chunk's images ``[K, n_max, 3, S, S]`` on the device, uint8 where every task's is."""
+        dtype = torch.uint8 if all(t.images.dtype == torch.uint8 for t in tasks) else torch.float32
+        images = torch.zeros((len(tasks), nmax) + tuple(tasks[0].images.shape[1:]), dtype=dtype, device=self.device)
+        for c, (t, n) in enumerate(zip(tasks, ns)):
+            images[c, :n] = (t.images if dtype == torch.uint8 else normalized(t.images)).to(self.device,
+                                                                                             non_blocking=True)
+        return images
+
+    def _stacked(self, given: list[torch.Tensor], ns: list[int], nmax: int) -> torch.Tensor:
+        """Per-client ``[n_c, …]`` tensors as one zero-padded float32 ``[K, n_max, …]`` on the device."""
+        out = torch.zeros((len(given), nmax) + tuple(given[0].shape[1:]), dtype=torch.float32, device=self.device)
+        for c, (v, n) in enumerate(zip(given, ns)):
+            out[c, :n] = v.to(self.device, torch.float32, non_blocking=True)
+        return out
+
+    def _features(self, model: torch.nn.Module, inputs: torch.Tensor, cfg: LocalConfig) -> torch.Tensor:
+        """``[K, n_max, …]`` outputs of a frozen ``model`` on the chunk's ``inputs`` ``[K, n_max, …]``,
+        in one batched pass (padding included)."""
         k, nmax = inputs.shape[:2]
-        if all(v is not None for v in given):
-            out = torch.zeros((k, nmax) + tuple(given[0].shape[1:]), dtype=torch.float32, device=self.device)
-            for c, (v, n) in enumerate(zip(given, ns)):
-                out[c, :n] = v.to(self.device, torch.float32, non_blocking=True)
-            return out
         flat = xi_features(model, inputs.reshape((k * nmax,) + tuple(inputs.shape[2:])), self.device, cfg.amp)
         return flat.reshape((k, nmax) + tuple(flat.shape[1:]))
 
@@ -247,8 +262,7 @@ class BatchedExecutor:
 
     def _split(self, method: FederatedMethod, params: Params) -> tuple[Params, Params]:
         """(differentiated, fixed) entries: groups the objective trains, less their frozen tensors."""
-        trained = method.trained_groups()
-        moves = {g: {n: (trained is None or g in trained) and method.trains_tensor(g, n) for n in w} for g, w in params.items()}
+        moves = moving(method, params)
         train = {g: {n: p for n, p in w.items() if moves[g][n]} for g, w in params.items()}
         fixed = {g: {n: p for n, p in w.items() if not moves[g][n]} for g, w in params.items()}
         return {g: w for g, w in train.items() if w}, {g: w for g, w in fixed.items() if w}

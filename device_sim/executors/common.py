@@ -136,6 +136,15 @@ def client_batches(n: int, batch_size: int, epochs: int, seed: int, min_batch: i
     return out
 
 
+def moving(method: FederatedMethod, params: Params) -> dict[str, dict[str, bool]]:
+    """Which tensors local training differentiates and steps: those of the groups the objective
+    trains (:meth:`FederatedMethod.trained_groups`) less their frozen ones
+    (:meth:`FederatedMethod.trains_tensor`, e.g. ``scope="top"``'s trunk)."""
+    trained = method.trained_groups()
+    return {g: {k: (trained is None or g in trained) and method.trains_tensor(g, k) for k in w}
+            for g, w in params.items()}
+
+
 def learning_rates(method: FederatedMethod, params: Params, cfg: LocalConfig) -> dict[str, dict[str, float]]:
     base = cfg.lr_for(method)
     head = cfg.head_lr if cfg.head_lr is not None else method.default_head_lr()

@@ -11,7 +11,7 @@ import torch
 
 from ..methods.base import FederatedMethod, Params, RoundPlan
 from .common import (FP16_LOSS_SCALE, ChunkResult, ClientTask, LocalConfig, Metrics, autocast, check_tasks,
-                     client_batches, learning_rates, normalized, sgd_update)
+                     client_batches, learning_rates, moving, normalized, sgd_update)
 
 
 class SequentialExecutor:
@@ -46,8 +46,7 @@ class SequentialExecutor:
                    cfg: LocalConfig) -> tuple[Params, list[dict[str, float]], int]:
         dev = self.device
         trained = method.trained_groups()
-        moves = {g: {k: (trained is None or g in trained) and method.trains_tensor(g, k) for k in w}
-                 for g, w in task.params.items()}
+        moves = moving(method, task.params)
         params = {g: {k: v.detach().to(dev, torch.float32).clone().requires_grad_(moves[g][k])
                       for k, v in w.items()} for g, w in task.params.items()}
         leaves = [(g, k) for g, w in params.items() for k in w if moves[g][k]]
@@ -55,18 +54,21 @@ class SequentialExecutor:
         lrs = learning_rates(method, params, cfg)
         bufs: dict[str, dict[str, torch.Tensor]] = {g: {} for g in params}
         scale = FP16_LOSS_SCALE if (cfg.amp == "fp16" and dev.type == "cuda") else 1.0
-        images = task.images
+        # scope=top with the federation's cached stem outputs: the objective trains the top on them
+        # (without them it runs the trunk itself, through its cache)
+        stem = task.stem_features if method.frozen_stem() is not None else None
+        images = task.images if stem is None else stem.to(dev)
         xi = task.xi_features.to(dev) if task.xi_features is not None else None
         history: list[dict[str, float]] = []
         batches = client_batches(task.num_samples, cfg.batch_size, cfg.epochs_for(method), task.seed,
                                  method.min_batch())
         for idx in batches:
             x = normalized(images[idx].to(dev, non_blocking=True))
+            feats = {} if xi is None else {"xi": xi[idx.to(dev)]}
+            if stem is not None:
+                feats["trunk"], x = x, None
             with autocast(dev, cfg.amp):
-                if xi is None:
-                    loss, parts = method.objective(plan, params, consts, x, None)
-                else:
-                    loss, parts = method.objective(plan, params, consts, x, None, features={"xi": xi[idx.to(dev)]})
+                loss, parts = method.objective(plan, params, consts, x, None, **({"features": feats} if feats else {}))
             loss = loss.float()
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"client {task.client}: local loss became {loss.item()} "
