@@ -21,7 +21,7 @@ from typing import Any, Callable, Collection, Mapping
 import numpy as np
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.federation.secagg import SecAggDevice, SecAggParams, SecAggResult, SecAggServer, from_json, to_json
+from fedfs_sdk.federation.secagg import DevicePolicy, SecAggDevice, SecAggParams, SecAggResult, SecAggServer, from_json, to_json
 
 STEPS = ("advertise", "share_keys", "masked_input", "unmask")
 UpdateFn = Callable[[int], tuple[np.ndarray, int]]
@@ -60,8 +60,10 @@ def _timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
 
 def run_round(params: SecAggParams, device_ids: Collection[int], update_of: UpdateFn,
               drop: Mapping[str, Collection[int]] | None = None, keep_transcript: bool = False,
-              via_json: bool = False) -> SimReport:
+              via_json: bool = False, policy: DevicePolicy | None = None) -> SimReport:
     """One round; raises what the server raises (e.g. :class:`RoundFailedError`).
+    ``policy``: the devices' (default: the default floors with the ``fedfs-secagg/1`` opt-in —
+    this is the cost model of the unauthenticated protocol).
     ``via_json`` passes every message through :func:`to_json` / :func:`from_json`, as a
     transport would."""
     drop = {k: set(v) for k, v in (drop or {}).items()}
@@ -72,7 +74,8 @@ def run_round(params: SecAggParams, device_ids: Collection[int], update_of: Upda
     gone: set[int] = set()
     cost = {s: StepCost() for s in STEPS}
     srv = SecAggServer(params, keep_transcript=keep_transcript)
-    devs = {u: SecAggDevice(params, u) for u in ids}
+    pol = policy if policy is not None else DevicePolicy.honest_but_curious()
+    devs = {u: SecAggDevice(params, u, policy=pol) for u in ids}
 
     def send(step: str, u: int, fn: Callable[..., dict], *args: Any) -> None:
         msg, dt = _timed(fn, *args)

@@ -18,6 +18,8 @@ that requires secure ones run over real HTTP: ``tests/test_secagg_identity_http.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import numpy as np
 import pytest
 
@@ -29,6 +31,19 @@ from fedfs_sdk.federation.secagg import messages as M
 from fedfs_sdk.federation.secagg.device import SECRET_BYTES
 from fedfs_sdk.federation.secagg.params import neighbours
 from fedfs_sdk.federation.secagg.prg import add_mask
+
+
+@dataclass(frozen=True)
+class _NoSybilFloor(DevicePolicy):
+    """The default policy without the issue-30 floor ``t > n − q(n)``: to show that the other
+    checks (here: connectivity) hold on their own."""
+
+    def check_sybil_floor(self, params, t, m, where):
+        return None
+
+
+def _without_sybil_floor(p: DevicePolicy) -> DevicePolicy:
+    return _NoSybilFloor(**{f.name: getattr(p, f.name) for f in fields(p)})
 
 
 def _inboxes(share_msgs: dict[int, dict], ids: list[int], rid: int) -> dict[int, dict]:
@@ -125,7 +140,7 @@ def test_split_views_are_refused_on_v2():
         Fleet(5, "v2", threshold=3).device(1)
     f = Fleet(5, "v2")
     out = execute(f, SPLIT)
-    assert "fewer than the threshold 4" in out.refused[1]
+    assert "roster has 3 devices, fewer than min_devices=4" in out.refused[1]
     assert attempt(f, SPLIT, out, 1) is None
     full = Plan(rosters={u: [1, 2, 3, 4, 5] for u in range(1, 6)},
                 u3={1: {1, 2, 3, 4}, 2: {1, 2, 3, 4}, 3: {1, 2, 3, 4}, 4: {1, 2, 4, 5}, 5: {1, 2, 4, 5}})
@@ -161,7 +176,7 @@ def test_roster_lie_is_refused_on_v2():
     f = Fleet(10, "v2")
     plan = _roster_lie(10)
     out = execute(f, plan)
-    assert "roster has 3 devices, fewer than the threshold 7" in out.refused[1]
+    assert "roster has 3 devices, fewer than min_devices=7" in out.refused[1]
     assert attempt(f, plan, out, 1) is None
     lie = Plan(rosters=plan.rosters, u3=plan.u3, participants={1: 3})
     f = Fleet(10, "v2", seed=2)
@@ -246,16 +261,22 @@ def test_secaggplus_group_sums_are_refused_by_the_device_floors():
     """The same round with the devices' default policy: k = 2 and t = 2 of 3 holders are below
     the floors. At k = 4 (the default minimum), an active server that declares two devices at each
     of two places of the ring dropped — so that the 11 survivors of 15 form two groups — is refused
-    at the consistency check: the survivors are not connected."""
+    at the consistency check: the survivors are not connected. (Since issue 30 a device refuses
+    k = 4 of 15 invited at once — 4 of 5 share holders is not above the 15 − 11 = 4 devices the
+    server may hold — so the check runs here with that floor relaxed: ``min_roster``-style
+    floors are the device's, the connectivity check must hold on its own.)"""
     p = SecAggParams(round_id=5, dim=DIM, threshold=2, neighbours=2)
-    dev = SecAggDevice(p, 1)
+    dev = SecAggDevice(p, 1, policy=DevicePolicy.honest_but_curious())
     srv = SecAggServer(p)
     others = [SecAggDevice(p, u, policy=DevicePolicy.legacy()) for u in range(2, 10)]
     for d in [dev, *others]:
         srv.receive(d.advertise())
     with pytest.raises(RefusedError, match="SecAgg\\+ degree k = 2 is below this device's minimum 4"):
         dev.share_keys(srv.close_advertise())
+    with pytest.raises(RefusedError, match="SecAgg\\+ threshold 4 of 5 share holders is not above 4"):
+        Fleet(15, "v2", neighbours=4, round_id=6).device(1)
     f = Fleet(15, "v2", neighbours=4, round_id=6)     # 11 survivors reach the quorum ⌊2·15/3⌋ + 1
+    f.policy = _without_sybil_floor(f.policy)
     ring = neighbours(f.params, f.ids)
     order = [1]                                       # walk the ring: the ±1 neighbour not yet seen
     while len(order) < 15:

@@ -51,7 +51,9 @@ class Recording(Base):
         Path({record!r}, f"r{{task['round_id']}}.safetensors").write_bytes(u.body)
         return u
 
-cfg = DeviceConfig(rounds={rounds}, wait_timeout_s=120, artifacts=Path(art) if art else None)
+from fedfs_sdk.federation.secagg import DevicePolicy
+cfg = DeviceConfig(rounds={rounds}, wait_timeout_s=120, artifacts=Path(art) if art else None,
+                   secagg=DevicePolicy.honest_but_curious())   # the server runs fedfs-secagg/1 (no --secagg-ca)
 events = []
 agent = DeviceAgent(ServerClient({url!r}, audit_dir={audit!r}), DeviceState({state!r}),
                     list_images(Path({images!r})), cfg, runtime=Recording(art) if art else Recording("cpu"),

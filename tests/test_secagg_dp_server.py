@@ -22,7 +22,7 @@ from scipy import stats
 
 from conftest_server import read_safetensors, start_server, wait_open, wait_round
 from fedfs_sdk.training.ort_device import encode_update
-from fedfs_sdk.federation.secagg import FixedPoint, from_json
+from fedfs_sdk.federation.secagg import DevicePolicy, FixedPoint, from_json
 from fedfs_sdk.federation.secagg.http_device import DP_INPUT, SecAggRoundLost, SecAggSession
 from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient
 from server_agg.dp import epsilon
@@ -77,7 +77,7 @@ class Dev:
         assert task["secagg"]["input"] == DP_INPUT and task["dp"]["clip"] == CLIP
         assert task["secagg"]["max_samples"] == 1        # the weight word: w_k·Δ travels with weight 1
         assert task["secagg"]["clip"] == CLIP or "dp_noise" in task["secagg"]       # range C (central noise)
-        self.session = SecAggSession(self.client, task, sleep=time.sleep)
+        self.session = SecAggSession(self.client, task, sleep=time.sleep, policy=DevicePolicy.honest_but_curious())
         flat, fl = _flat(ref), _floating(ref)
         idx = np.flatnonzero(fl)[self.i * BLOCK:(self.i + 1) * BLOCK]
         delta = np.zeros_like(flat)
@@ -248,7 +248,8 @@ def test_device_refuses_a_dp_round_that_would_mask_weights():
         SecAggSession(None, {"round_id": 1, "secagg": fields, "dp": dp})
     with pytest.raises(SecAggRoundLost, match="without DP"):
         SecAggSession(None, {"round_id": 1, "secagg": {**fields, "input": DP_INPUT}})
-    s = SecAggSession(None, {"round_id": 1, "secagg": {**fields, "input": DP_INPUT}, "dp": dp})
+    s = SecAggSession(None, {"round_id": 1, "secagg": {**fields, "input": DP_INPUT}, "dp": dp},
+                      policy=DevicePolicy.honest_but_curious())
     assert s.dp.clip == 0.5 and s.dp.weight_cap == 10
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fedfs_sdk.federation.secagg import (BadMessageError, IntegrityError, RefusedError, ReplayError, RoundFailedError,
-                              SecAggDevice, SecAggParams, SecAggServer, UnknownDeviceError, from_json, to_json)
+                              DevicePolicy, SecAggDevice, SecAggParams, SecAggServer, UnknownDeviceError, from_json, to_json)
 from fedfs_sdk.federation.secagg import keys
 
 DIM = 20
@@ -27,7 +27,7 @@ class Round:
     def __init__(self, n=N, round_id=4):
         self.p = SecAggParams(round_id=round_id, dim=DIM)
         self.srv = SecAggServer(self.p)
-        self.devs = {u: SecAggDevice(self.p, u) for u in range(1, n + 1)}
+        self.devs = {u: SecAggDevice(self.p, u, policy=DevicePolicy.honest_but_curious()) for u in range(1, n + 1)}
         self.adv = {u: d.advertise() for u, d in self.devs.items()}
 
     def advertise(self):
@@ -112,7 +112,7 @@ def test_message_from_stranger_and_from_device_dropped_earlier():
     r.adv.pop(6)
     r.devs.pop(6)
     r.advertise()
-    stranger = SecAggDevice(r.p, 77)
+    stranger = SecAggDevice(r.p, 77, policy=DevicePolicy.honest_but_curious())
     stranger.advertise()
     with pytest.raises(UnknownDeviceError, match="device 77"):
         r.srv.receive(dict(r.shares[1], device=77))
@@ -249,7 +249,7 @@ def test_unmask_share_of_device_not_asked_for():
 def test_wrong_update_length_on_device():
     r = Round()
     r.share()
-    d = SecAggDevice(r.p, 1)
+    d = SecAggDevice(r.p, 1, policy=DevicePolicy.honest_but_curious())
     with pytest.raises(ReplayError):
         d.masked_input(r.inboxes[1], *_w(1))       # never went through the earlier steps
     r2 = Round()

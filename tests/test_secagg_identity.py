@@ -176,7 +176,10 @@ def test_device_floors_refuse_before_any_key_is_sent():
     # a full graph is fine whatever k; the majority rule accepts t = 3 of 5
     SecAggDevice(SecAggParams(round_id=1, dim=4, participants=3, neighbours=2, authenticated=True), 1,
                  identity=ident, policy=strict)
-    SecAggDevice(SecAggParams(round_id=1, dim=4, threshold=3), 1, policy=DevicePolicy(threshold_rule="majority"))
+    SecAggDevice(SecAggParams(round_id=1, dim=4, threshold=3), 1,
+                 policy=DevicePolicy(threshold_rule="majority", allow_unauthenticated=True))
+    with pytest.raises(RefusedError, match="opt in with --allow-unauthenticated-secagg"):   # issue 30: no silent /1
+        SecAggDevice(SecAggParams(round_id=1, dim=4, threshold=3), 1, policy=DevicePolicy(threshold_rule="majority"))
     with pytest.raises(RefusedError, match="σ = 0.5 is below this device's minimum 1"):
         DevicePolicy(min_noise_multiplier=1.0).check_dp_noise(0.5, 3, 4, "t")
     with pytest.raises(RefusedError, match="would hold only 4/5 of σ²C²"):
@@ -201,7 +204,7 @@ def test_previous_snapshot_format_still_restores():
     p = SecAggParams(round_id=3, dim=DIM)
     srv = SecAggServer(p)
     for u in range(1, 4):
-        srv.receive(SecAggDevice(p, u).advertise())
+        srv.receive(SecAggDevice(p, u, policy=DevicePolicy.honest_but_curious()).advertise())
     snap = snapshot(srv)
     old = {k: v for k, v in snap.items() if k not in ("adverts", "u4", "csigs")}
     old["format"] = "fedfs-secagg-server/1"

@@ -3,7 +3,7 @@ a server rebuilt from its JSON snapshot after each message finishes the round co
 import numpy as np
 import pytest
 
-from fedfs_sdk.federation.secagg import (BadMessageError, ReplayError, SecAggDevice, SecAggParams, SecAggServer, from_json,
+from fedfs_sdk.federation.secagg import (BadMessageError, DevicePolicy, ReplayError, SecAggDevice, SecAggParams, SecAggServer, from_json,
                               restore, snapshot, to_json)
 
 DIM = 30
@@ -16,7 +16,7 @@ def _reborn(p, srv):
 @pytest.mark.parametrize("drop", [(), (3,)])
 def test_restart_after_every_message(drop):
     p = SecAggParams(round_id=12, dim=DIM)
-    devs = {u: SecAggDevice(p, u) for u in range(1, 7)}
+    devs = {u: SecAggDevice(p, u, policy=DevicePolicy.honest_but_curious()) for u in range(1, 7)}
     srv = SecAggServer(p)
     for d in devs.values():
         srv.receive(d.advertise())

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from device_sim.secagg_sim import gaussian_updates, run_round
-from fedfs_sdk.federation.secagg import RefusedError, ReplayError, SecAggDevice, SecAggParams, SecAggServer, shamir
+from fedfs_sdk.federation.secagg import DevicePolicy, RefusedError, ReplayError, SecAggDevice, SecAggParams, SecAggServer, shamir
 from fedfs_sdk.federation.secagg.prg import expand
 from secagg_adversary import key_exchange
 
@@ -95,7 +95,7 @@ def test_server_never_holds_both_shares_of_one_device(round_seen_by_server):
 def _to_unmask(n=5, round_id=2):
     p = SecAggParams(round_id=round_id, dim=10)
     srv = SecAggServer(p)
-    devs = {u: SecAggDevice(p, u) for u in range(1, n + 1)}
+    devs = {u: SecAggDevice(p, u, policy=DevicePolicy.honest_but_curious()) for u in range(1, n + 1)}
     roster, inboxes = key_exchange(srv, devs)
     for u, d in devs.items():
         srv.receive(d.masked_input(inboxes[u], np.zeros(10, np.float32), 1))

@@ -61,17 +61,13 @@ def test_configured_threshold_and_minimum(monkeypatch):
     """The server accepts a configured threshold down to a strict majority (⌊m/2⌋ + 1); devices
     accept it only with the honest-but-curious rule (``threshold_rule="majority"``) — by default
     they need two thirds, and refuse the roster (test_secagg_attacks.py has the reason)."""
-    import functools
-
-    import device_sim.secagg_sim as sim
     from fedfs_sdk.federation.secagg import DevicePolicy, RefusedError
 
     with pytest.raises(RefusedError, match="threshold 6 is below this device's floor 7"):
         run_round(SecAggParams(round_id=1, dim=50, threshold=6), range(1, 11), gaussian_updates(50))
-    monkeypatch.setattr(sim, "SecAggDevice", functools.partial(sim.SecAggDevice,
-                                                               policy=DevicePolicy(threshold_rule="majority")))
     rep = run_round(SecAggParams(round_id=1, dim=50, threshold=6), range(1, 11), gaussian_updates(50),
-                    {"masked_input": [1, 2, 3, 4]})
+                    {"masked_input": [1, 2, 3, 4]},
+                    policy=DevicePolicy(threshold_rule="majority", allow_unauthenticated=True))
     assert len(rep.result.survivors) == 6
     with pytest.raises(RoundFailedError, match="below the minimum 6"):
         run_round(SecAggParams(round_id=1, dim=50, threshold=5), range(1, 11), gaussian_updates(50))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedfs_sdk.federation.secagg import SecAggDevice, from_json, to_json
+from fedfs_sdk.federation.secagg import DevicePolicy, SecAggDevice, from_json, to_json
 from server_agg.secagg_rounds import SecAggRound
 
 FIELDS = {"dim": 6, "threshold": None, "neighbours": None, "clip": 4.0, "scale_bits": 20, "max_devices": 3,
@@ -18,7 +18,7 @@ def test_stale_sum_file_from_a_crashed_save_is_overwritten(tmp_path):
     path.parent.mkdir()
     sr = SecAggRound(1, IDS, FIELDS, path, opened=0.0, masked_deadline=100.0)
     sr.save()
-    devs = {d: SecAggDevice(sr.params, sr.index[d]) for d in IDS}
+    devs = {d: SecAggDevice(sr.params, sr.index[d], policy=DevicePolicy.honest_but_curious()) for d in IDS}
     for d in IDS:
         sr.receive(d, "advertise", to_json(devs[d].advertise()).encode())
     sr.advance(1.0)

@@ -21,7 +21,7 @@ import pytest
 from conftest_server import ADMIN, read_safetensors, start_server, wait_open, wait_round
 from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient
 from fedfs_sdk.training.ort_device import encode_update
-from fedfs_sdk.federation.secagg import FixedPoint, from_json, to_json
+from fedfs_sdk.federation.secagg import DevicePolicy, FixedPoint, from_json, to_json
 from fedfs_sdk.federation.secagg.http_device import SecAggSession, flatten_update
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,7 +56,7 @@ class Dev:
     def start(self, rnd: int, ref: dict[str, np.ndarray], rng: np.random.Generator) -> None:
         task = self.task()
         assert task["action"] == "train" and task["round_id"] == rnd and task["secagg"]["device"] >= 1, task
-        self.session = SecAggSession(self.client, task, sleep=time.sleep)
+        self.session = SecAggSession(self.client, task, sleep=time.sleep, policy=DevicePolicy.honest_but_curious())
         self.n = int(rng.integers(1, 50))
         upd = {k: (v + rng.normal(0, 0.05, v.shape)).astype(np.float32) for k, v in ref.items()}
         self.body = encode_update(upd, round_id=rnd, model_version=task["model_version"], num_samples=self.n)

@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--require-secure-aggregation", action=argparse.BooleanOptionalAction, default=None,
                    help="take part only in secure-aggregation rounds (the server then sees only the sum of the "
                         "round's updates); a plain round is refused, nothing is trained or sent. Default: required "
-                        "once the server has offered secure aggregation, or with --secagg-ca; "
+                        "with a server on another machine, once the server has offered secure aggregation, or with "
+                        "--secagg-ca; "
                         "--no-require-secure-aggregation accepts plain rounds")
     g = p.add_argument_group("secure aggregation: this device's own floors (the server cannot lower them)")
     g.add_argument("--secagg-ca", type=Path, metavar="CA_PUB",
@@ -65,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or ⌊m/2⌋+1 (majority: honest-but-curious server only) of the m share holders")
     g.add_argument("--secagg-min-neighbours", type=int, default=4, metavar="K",
                    help="SecAgg+: refuse a sparse graph of degree below K (default 4)")
+    g.add_argument("--allow-unauthenticated-secagg", action="store_true",
+                   help="also take part in fedfs-secagg/1 rounds (no identities): safe against an honest-but-curious "
+                        "server only — an active server reads every update (off: only fedfs-secagg/2 with --secagg-ca)")
     g.add_argument("--dp-min-noise", type=float, metavar="SIGMA",
                    help="distributed DP: refuse a round whose noise multiplier σ is below this")
     p.add_argument("--tls-ca", type=Path, metavar="PEM",
@@ -126,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
 
     policy = DevicePolicy(ca=CaPublicKey.load(args.secagg_ca) if args.secagg_ca is not None else None,
                           min_roster=args.secagg_min_roster, threshold_rule=args.secagg_threshold_rule,
-                          min_neighbours=args.secagg_min_neighbours, min_noise_multiplier=args.dp_min_noise)
+                          min_neighbours=args.secagg_min_neighbours, min_noise_multiplier=args.dp_min_noise,
+                          allow_unauthenticated=args.allow_unauthenticated_secagg)
     if args.identity_cert is not None and not args.identity_cert.is_file():
         raise InputError(f"--identity-cert: no such file {args.identity_cert}")
     config = DeviceConfig(rounds=args.rounds, device=args.device, artifacts=args.artifacts, xi_path=args.xi,

@@ -49,10 +49,16 @@ class SecureRounds:
 
     def secure_required(self) -> bool:
         """Whether this device takes part only in secure rounds (``config.require_secure_aggregation``;
-        automatic: once its server offered secure aggregation, or with a pinned identity CA)."""
+        automatic: always with a server on another machine — no trust on first use, an on-path
+        attacker could strip the first offers — else once its server offered secure
+        aggregation, or with a pinned identity CA)."""
         req = self.config.require_secure_aggregation
         if req is not None:
             return bool(req)
+        from .secagg.http_device import is_loopback
+
+        if not is_loopback(self.client.base_url):   # no trust on first use: plain rounds off this machine are
+            return True                              # refused unless the owner said so up front (False)
         info = self.state.info
         return self.config.secagg.ca is not None or bool(info is not None and info.secure_aggregation)
 
@@ -72,11 +78,12 @@ class SecureRounds:
         pending round only so that ``θ_c`` advances once the masked input is accepted, and a
         secure pending round is never uploaded again (:meth:`resume_pending` discards it)."""
         from .secagg.http_device import SecAggSession
+        from .secagg.round_log import FILENAME, RoundLog
 
         round_id, version, method = int(task["round_id"]), int(task["model_version"]), str(task["method"])
         session = SecAggSession(self.client, task, sleep=self._sleep, clock=self._clock,
                                 wait_timeout_s=self.config.wait_timeout_s, identity=self._identity,
-                                policy=self.config.secagg)
+                                policy=self.config.secagg, round_log=RoundLog(self.state.path / FILENAME))
         self._emit("round_started", {"round_id": round_id, "model_version": version, "method": method,
                                      "runtime": self.runtime.name, "secure_aggregation": True})
         session.advertise()

@@ -6,7 +6,12 @@ device reveals shares only after at least a quorum of roster devices signed the 
 
 * advertisement: ``Ed25519(fedfs-secagg/2|advertise | round | device | context | c_pk | s_pk)``,
   the identity key certified by the pinned CA (:mod:`.identity`);
-* consistency: ``Ed25519(fedfs-secagg/2|consistency | round | context | U3)``.
+* consistency: ``Ed25519(fedfs-secagg/2|consistency | round | context | run | U3)``, where
+  ``run`` (:func:`run_digest`) hashes this run's roster — every device index with its fresh
+  X25519 keys. A signature collected in one run of a round id therefore verifies in no other
+  run (the keys are new each time): a server that re-runs a round id cannot gather a quorum
+  over a survivor set of its choice from several runs (issue 30, attack 1). The same digest
+  seeds the SecAgg+ graph of an authenticated round (:func:`~.params.neighbours`).
 
 ``context`` is a digest of every parameter the round agreed on (:meth:`SecAggParams.digest`
 and the transport's task): devices told different parameters — a different number of invited
@@ -39,10 +44,26 @@ def advertisement_payload(round_id: int, device: int, context: bytes, c_pk: byte
             + context + c_pk + s_pk)
 
 
-def consistency_payload(round_id: int, context: bytes, survivors: Iterable[int]) -> bytes:
+def run_digest(round_id: int, context: bytes, pks: Mapping[int, tuple[bytes, bytes]]) -> bytes:
+    """32 bytes naming this run of the round: the round, context and every roster entry's
+    device index and fresh ``(c_pk, s_pk)`` (each signed by its certified identity, so the
+    identities are bound too). Two devices shown different rosters get different digests."""
+    h = hashlib.sha256(_TAG + b"|run|" + int(round_id).to_bytes(8, "big") + context
+                       + len(pks).to_bytes(4, "big"))
+    for u in sorted(pks):
+        c_pk, s_pk = pks[u]
+        h.update(int(u).to_bytes(4, "big") + c_pk + s_pk)
+    return h.digest()
+
+
+def consistency_payload(round_id: int, context: bytes, survivors: Iterable[int], run: bytes) -> bytes:
+    """What a ConsistencyCheck signature covers: the survivor set U3 of *this run* (``run``:
+    :func:`run_digest` of the roster the signer accepted)."""
+    if not isinstance(run, bytes) or len(run) != 32:
+        raise ValueError("run must be the 32-byte run_digest of the roster")
     ids = sorted(int(u) for u in survivors)
-    return (_TAG + b"|consistency|" + int(round_id).to_bytes(8, "big") + context + len(ids).to_bytes(4, "big")
-            + b"".join(u.to_bytes(4, "big") for u in ids))
+    return (_TAG + b"|consistency|" + int(round_id).to_bytes(8, "big") + context + run
+            + len(ids).to_bytes(4, "big") + b"".join(u.to_bytes(4, "big") for u in ids))
 
 
 def certificate_of(entry: Mapping[str, Any], where: str) -> Certificate:
@@ -85,13 +106,13 @@ def check_roster_identities(entries: Sequence[Mapping[str, Any]], round_id: int,
 
 
 def check_signatures(signatures: Any, survivors: set[int], identities: Mapping[int, bytes], round_id: int,
-                     context: bytes, quorum: int, where: str) -> list[int]:
+                     context: bytes, quorum: int, where: str, run: bytes) -> list[int]:
     """The devices whose ConsistencyCheck signature over ``survivors`` verifies (each a
     survivor with a verified identity, counted once); :class:`RefusedError` if fewer than
     ``quorum``."""
     if not isinstance(signatures, list):
         raise BadMessageError(f"{where}: 'signatures' must be a list")
-    payload = consistency_payload(round_id, context, survivors)
+    payload = consistency_payload(round_id, context, survivors, run)
     good: set[int] = set()
     for e in signatures:
         if not isinstance(e, dict):
@@ -100,8 +121,9 @@ def check_signatures(signatures: Any, survivors: set[int], identities: Mapping[i
         if v in survivors and v in identities and verify(identities[v], e.get("sig"), payload):
             good.add(v)
     if len(good) < quorum:
-        raise RefusedError(f"{where}: only {len(good)} valid consistency signatures over this survivor set, this "
-                           f"device needs {quorum}: the server may be showing devices different survivor sets")
+        raise RefusedError(f"{where}: only {len(good)} valid consistency signatures over this survivor set in this "
+                           f"run, this device needs {quorum}: the server may be showing devices different survivor "
+                           "sets or rosters, or replaying signatures of another run")
     return sorted(good)
 
 
@@ -120,5 +142,5 @@ def connected(graph: Mapping[int, Sequence[int]], nodes: Iterable[int]) -> bool:
     return seen == alive
 
 
-__all__ = ["context_digest", "advertisement_payload", "consistency_payload", "check_advertisement",
+__all__ = ["context_digest", "advertisement_payload", "consistency_payload", "run_digest", "check_advertisement",
            "check_roster_identities", "check_signatures", "connected", "certificate_of"]

@@ -35,6 +35,7 @@ from .identity import DeviceIdentity
 from .params import SecAggParams, neighbours
 from .policy import DevicePolicy
 from .prg import add_mask
+from .round_log import RoundLog
 
 SECRET_BYTES = 32
 SHARE_BYTES = shamir.share_length(SECRET_BYTES)
@@ -49,20 +50,28 @@ class SecAggDevice:
     ``identity``: the device's certified signing key (needed in an authenticated round);
     ``policy``: its floors (default :class:`DevicePolicy`); ``context``: the transport's digest
     of what else the round agreed on, bound into every signature. A round below the policy is
-    refused here, before any key is sent (:class:`RefusedError`)."""
+    refused here, before any key is sent (:class:`RefusedError`). ``round_log``: the round ids
+    this device already took part in (:class:`~.round_log.RoundLog`, persisted in its state);
+    a round id in it is refused (:class:`ReplayError`), and :meth:`advertise` records this one
+    before the keys leave."""
 
     def __init__(self, params: SecAggParams, device_id: int, *, identity: DeviceIdentity | None = None,
-                 policy: DevicePolicy | None = None, context: bytes = b""):
+                 policy: DevicePolicy | None = None, context: bytes = b"", round_log: RoundLog | None = None):
         self.params = params
         self.id = M.get_id({"device": device_id}, "device", "SecAggDevice")
         self.policy = policy if policy is not None else DevicePolicy()
         self.policy.check_params(params, self._where("task"))
+        self.round_log = round_log
+        self._scope = self.policy.ca.key_id if self.policy.ca is not None else ""
+        if round_log is not None:
+            round_log.check(params.round_id, self._scope, self._where("task"))
         if params.authenticated and (identity is None or identity.certificate is None):
             raise RefusedError(f"{self._where('task')}: an authenticated round needs this device's identity "
                                "certificate (fedfs ca request / fedfs ca sign)")
         self.identity = identity if params.authenticated else None
         self.context = auth.context_digest(params, context)
         self._ids: dict[int, bytes] = {}                    # authenticated: device → verified identity key
+        self._run: bytes | None = None                      # authenticated: auth.run_digest of the roster
         self._u3: list[int] | None = None                   # the survivor set this device signed
         self._c_sk = keys.new_private_key()
         self._s_sk = keys.new_private_key()
@@ -87,6 +96,8 @@ class SecAggDevice:
     # -- round 0: AdvertiseKeys -------------------------------------------------------------
     def advertise(self) -> dict[str, Any]:
         self._expect("new", "advertise")
+        if self.round_log is not None:      # persisted before any key leaves: a restart cannot forget it
+            self.round_log.record(self.params.round_id, self._scope, self._where("advertise"))
         self._step = "advertised"
         msg: dict[str, Any] = {"type": M.ADVERTISE, "round": self.params.round_id, "device": self.id,
                                "c_pk": keys.public_bytes(self._c_sk), "s_pk": keys.public_bytes(self._s_sk)}
@@ -134,7 +145,10 @@ class SecAggDevice:
             raise RefusedError(f"{where}: roster graph degree {roster.get('neighbours')!r} ≠ agreed "
                                f"{self.params.neighbours!r}")
         self._pks, self._t = pks, t
-        self._graph = neighbours(self.params, list(pks))
+        if self.params.authenticated:        # this run: what every signature binds and what seeds the graph
+            self._run = auth.run_digest(self.params.round_id, self.context, pks)
+        self._graph = neighbours(self.params, list(pks), self._run)
+        self._check_holders(len(pks), t, where)
         holders = self._graph[self.id] + [self.id]
         self._b = os.urandom(SECRET_BYTES)
         shares = shamir.split([keys.private_bytes(self._s_sk), self._b], holders, t)
@@ -146,6 +160,16 @@ class SecAggDevice:
         self._own = (shares[self.id][0], shares[self.id][1])
         self._step = "shared"
         return {"type": M.SHARE_KEYS, "round": self.params.round_id, "device": self.id, "ciphertexts": out}
+
+    def _check_holders(self, n_roster: int, t: int, where: str) -> None:
+        """Who will hold this device's shares: ``min(k, roster − 1)`` distinct roster devices
+        other than itself, at least ``t − 1`` of them (its own share is the t-th)."""
+        mine = self._graph.get(self.id, [])
+        k = self.params.neighbours
+        want = n_roster - 1 if k is None else min(k, n_roster - 1)
+        if len(set(mine)) != want or self.id in mine or not set(mine) <= set(self._pks) or len(mine) + 1 < t:
+            raise RefusedError(f"{where}: this device's share holders {sorted(mine)[:10]} are not {want} distinct "
+                               f"other roster devices (threshold {t})")
 
     # -- round 2: MaskedInputCollection -----------------------------------------------------
     def masked_input(self, inbox: dict[str, Any], update: np.ndarray, n_samples: int) -> dict[str, Any]:
@@ -208,7 +232,8 @@ class SecAggDevice:
         u3 = set(M.get_id_list(request, "survivors", where))
         self._check_survivors(u3, where)
         assert self.identity is not None
-        sig = self.identity.sign(auth.consistency_payload(self.params.round_id, self.context, u3))
+        assert self._run is not None
+        sig = self.identity.sign(auth.consistency_payload(self.params.round_id, self.context, u3, self._run))
         self._u3 = sorted(u3)
         return {"type": M.CONSISTENCY, "round": self.params.round_id, "device": self.id, "sig": sig}
 
@@ -253,8 +278,9 @@ class SecAggDevice:
             if sorted(u3) != self._u3:
                 raise RefusedError(f"{where}: the survivors differ from the set this device signed in the "
                                    "consistency check")
+            assert self._run is not None
             auth.check_signatures(request.get("signatures"), u3, self._ids, self.params.round_id, self.context,
-                                  self.policy.quorum(self.params, self._t), where)
+                                  self.policy.quorum(self.params, self._t), where, self._run)
         held = dict(self._held)
         assert self._own is not None
         held[self.id] = self._own

@@ -43,6 +43,7 @@ from .errors import SecAggError
 from .identity import DeviceIdentity
 from .params import PROTOCOL_V1, PROTOCOL_V2, SecAggParams
 from .policy import ABSOLUTE_MIN_ROSTER, DevicePolicy
+from .round_log import RoundLog
 
 TASK_FIELDS = ("dim", "threshold", "neighbours", "clip", "scale_bits", "max_devices", "max_samples",
                "min_devices", "layout_sha256")
@@ -149,7 +150,8 @@ class SecAggSession:
 
     def __init__(self, client: Any, task: Mapping[str, Any], *, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.monotonic, wait_timeout_s: float = 3600.0,
-                 identity: DeviceIdentity | None = None, policy: DevicePolicy | None = None) -> None:
+                 identity: DeviceIdentity | None = None, policy: DevicePolicy | None = None,
+                 round_log: RoundLog | None = None) -> None:
         fields = task.get("secagg")
         self.round_id = int(task["round_id"])
         if client is not None:
@@ -160,10 +162,16 @@ class SecAggSession:
         self.layout_sha256 = str(fields["layout_sha256"])  # type: ignore[index]
         self.dp = dp_of_task(task)
         self.dp_kind = str(fields.get("input") or DP_INPUT) if self.dp is not None else None  # type: ignore[union-attr]
+        where = f"device {self.index}, round {self.round_id}, DP"
+        if self.dp_kind == DP_INPUT_V1 and not self.policy.allow_dp_clipped_delta:
+            raise SecAggRoundLost("refused", f"{where}: the round asks for the older input {DP_INPUT_V1!r}, whose "
+                                  "weight word reveals Σ min(n, ŵ); this device masks only "
+                                  f"{DP_INPUT!r} (allow_dp_clipped_delta to accept it)")
+        self._local(self.policy.check_dp_floor, self.dp, where)
         noise = fields.get("dp_noise") if isinstance(fields, Mapping) else None   # type: ignore[union-attr]
         self.noise_min_inputs = noise_request(noise, self.dp, self.params.fixed_point.max_devices)
         self.device = self._local(SecAggDevice, self.params, self.index, identity=identity, policy=self.policy,
-                                  context=task_context(task))
+                                  context=task_context(task), round_log=round_log)
         if self.noise_min_inputs and self.params.participants is not None:   # t is known before the roster
             self._local(self._check_noise, self.params.threshold_for(self.params.participants))
         self.client, self._sleep, self._clock, self.wait_timeout_s = client, sleep, clock, wait_timeout_s

@@ -129,15 +129,22 @@ def consistency_quorum(params: SecAggParams, t: int) -> int:
     return max(int(t), default_threshold(n) if n else 0)
 
 
-def neighbours(params: SecAggParams, roster: Sequence[int]) -> dict[int, list[int]]:
-    """The communication graph on ``roster``: ``{device: sorted neighbours (not itself)}``."""
+def neighbours(params: SecAggParams, roster: Sequence[int], seed: bytes | None = None) -> dict[int, list[int]]:
+    """The communication graph on ``roster``: ``{device: sorted neighbours (not itself)}``.
+
+    ``seed``: in an authenticated round the run's :func:`~.auth.run_digest`, a hash of every
+    roster device's fresh keys — so the server cannot pick the graph by trying round ids
+    (issue 30, attack 2); ``None`` (``fedfs-secagg/1``): round id and roster only."""
     ids = sorted(int(i) for i in roster)
     n = len(ids)
     k = params.neighbours
     if k is None or k >= n - 1:
         return {u: [v for v in ids if v != u] for u in ids}
-    digest = hashlib.sha256(b"fedfs-secagg/1|graph|%d|" % params.round_id
-                            + b",".join(str(i).encode() for i in ids)).digest()
+    if seed is not None:
+        digest = hashlib.sha256(b"fedfs-secagg/2|graph|" + bytes(seed)).digest()
+    else:
+        digest = hashlib.sha256(b"fedfs-secagg/1|graph|%d|" % params.round_id
+                                + b",".join(str(i).encode() for i in ids)).digest()
     order = np.random.default_rng(int.from_bytes(digest[:16], "little")).permutation(ids).tolist()
     pos = {u: i for i, u in enumerate(order)}
     return {u: sorted(order[(pos[u] + s) % n] for s in range(-k // 2, k // 2 + 1) if s != 0) for u in ids}

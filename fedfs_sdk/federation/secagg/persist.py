@@ -16,7 +16,7 @@ import numpy as np
 from .auth import certificate_of
 from .errors import BadMessageError
 from .identity import CaPublicKey
-from .params import SecAggParams, neighbours
+from .params import SecAggParams
 from .server import SecAggServer
 
 FORMAT = "fedfs-secagg-server/2"
@@ -57,7 +57,7 @@ def restore(params: SecAggParams, snap: dict[str, Any], *, context: bytes = b"",
     srv.threshold = int(snap["threshold"])
     srv.pks = {int(u): (bytes(c), bytes(s)) for u, c, s in snap["pks"]}
     if srv.step != "advertise" and srv.pks:
-        srv.graph = neighbours(params, list(srv.pks))
+        srv.set_graph()
     for u, v, ct in snap["cts"]:
         srv.cts.setdefault(int(u), {})[int(v)] = bytes(ct)
     srv.u2, srv.u3 = [int(u) for u in snap["u2"]], [int(u) for u in snap["u3"]]

@@ -8,6 +8,14 @@ request for ``min_inputs`` above what can be unmasked leaves the sum with less n
 promised. :class:`DevicePolicy` holds the device's own settings; the device state machine
 (:class:`~.device.SecAggDevice`) refuses a round below any of them with a
 :class:`~.errors.RefusedError` naming the setting, before it sends a key.
+
+Secure by default (issue 30): :class:`DevicePolicy()` takes part only in authenticated
+rounds (``fedfs-secagg/2``, which need a pinned CA); an unauthenticated ``fedfs-secagg/1``
+round — safe against an honest-but-curious server only — needs ``allow_unauthenticated``.
+With ``n`` invited devices (authenticated rounds) the floors follow from ``n``: a roster of
+at least ``q(n) = ⌊2n/3⌋ + 1`` devices, and a threshold over each device's share holders
+above ``n − q(n)``, the most certified devices the server may hold for the guarantee of
+docs/privacy.md ("Against an active server holding s certified devices").
 """
 from __future__ import annotations
 
@@ -46,6 +54,12 @@ class DevicePolicy:
             inputs, which the server may unmask, would then hold less than ``σ²C²``).
         require_connected: SecAgg+: refuse to unmask when the survivors' graph is not connected
             (the server would learn each component's sum, not only the total).
+        allow_unauthenticated: take part in ``fedfs-secagg/1`` rounds (no identities, no
+            consistency check): **honest-but-curious server only** — an active server
+            substitutes keys and reads every update. Off by default; the owner's opt-in
+            (``fedfs device --allow-unauthenticated-secagg``).
+        allow_dp_clipped_delta: accept the older DP input ``dp_clipped_delta``, whose weight
+            word reveals ``Σ min(n, ŵ)`` (sample counts no DP accountant covers). Off by default.
     """
 
     ca: CaPublicKey | None = None
@@ -54,6 +68,8 @@ class DevicePolicy:
     min_neighbours: int = 4
     min_noise_multiplier: float | None = None
     require_connected: bool = True
+    allow_unauthenticated: bool = False
+    allow_dp_clipped_delta: bool = False
 
     def __post_init__(self) -> None:
         if self.ca is not None and not isinstance(self.ca, CaPublicKey):
@@ -74,7 +90,14 @@ class DevicePolicy:
         """The acceptance rules of ``fedfs-secagg/1`` before device floors existed: a bare
         majority threshold, SecAgg+ degree 2, no connectivity check, no identities. Safe only
         against an honest-but-curious server; kept to show what the floors stop (tests)."""
-        return cls(threshold_rule="majority", min_neighbours=2, require_connected=False)
+        return cls(threshold_rule="majority", min_neighbours=2, require_connected=False, allow_unauthenticated=True,
+                   allow_dp_clipped_delta=True)
+
+    @classmethod
+    def honest_but_curious(cls, **kw: object) -> "DevicePolicy":
+        """The default floors, and ``fedfs-secagg/1`` allowed: for a server trusted to follow
+        the protocol (``--allow-unauthenticated-secagg``)."""
+        return cls(allow_unauthenticated=True, **kw)  # type: ignore[arg-type]
 
     def min_threshold(self, holders: int) -> int:
         return THRESHOLD_RULES[self.threshold_rule](holders)
@@ -88,6 +111,11 @@ class DevicePolicy:
     def check_params(self, params: SecAggParams, where: str) -> None:
         """What can be checked before the roster: the protocol and, in an authenticated round
         (whose threshold depends on the invited ``n``), the threshold, size and degree."""
+        if not params.authenticated and self.ca is None and not self.allow_unauthenticated:
+            raise RefusedError(f"{where}: the round runs {params.protocol} (unauthenticated keys, no consistency "
+                               "check: safe only against an honest-but-curious server) and this device pins no "
+                               "identity CA; pin one (fedfs device --secagg-ca ca.pub) or opt in with "
+                               "--allow-unauthenticated-secagg")
         if self.ca is not None and not params.authenticated:
             raise RefusedError(f"{where}: the round runs {params.protocol} (unauthenticated keys, no consistency "
                                "check) and this device pins an identity CA: it takes part only in fedfs-secagg/2 "
@@ -102,13 +130,20 @@ class DevicePolicy:
         if params.participants is not None and n_roster > params.participants:
             raise RefusedError(f"{where}: the roster lists {n_roster} devices, the round invited "
                                f"{params.participants}")
-        need = max(self.min_roster, params.min_devices)
+        need = max(self.min_roster, params.min_devices, self.roster_floor(params))
         if n_roster < need:
             raise RefusedError(f"{where}: roster has {n_roster} devices, fewer than min_devices={need} (this device's "
-                               "minimum roster, or the round's if larger); the sum would reveal too much")
+                               "minimum roster, the round's, or ⌊2n/3⌋ + 1 of the n invited); the sum would reveal "
+                               "too much")
         if n_roster < t:
             raise RefusedError(f"{where}: roster has {n_roster} devices, fewer than the threshold {t}")
         self._check_size(params, n_roster, "lists", where, t)
+
+    def roster_floor(self, params: SecAggParams) -> int:
+        """``⌊2n/3⌋ + 1`` of the ``n`` invited (0 when ``n`` is not stated, ``fedfs-secagg/1``):
+        a roster the server trimmed to the victim and its own devices is refused."""
+        n = params.participants
+        return 2 * n // 3 + 1 if n else 0
 
     def _check_size(self, params: SecAggParams, n: int, verb: str, where: str, t: int | None = None) -> None:
         if n < self.min_roster:
@@ -126,6 +161,33 @@ class DevicePolicy:
         if t < need:
             raise RefusedError(f"{where}: threshold {t} is below this device's floor {need} ({self.threshold_rule} "
                                f"of {m} share holders)")
+        self.check_sybil_floor(params, t, m, where)
+
+    def check_sybil_floor(self, params: SecAggParams, t: int, m: int, where: str) -> None:
+        """Authenticated rounds: ``t > n − q(n)``. The guarantee of docs/privacy.md holds for a
+        server with up to ``n − q(n)`` certified devices of the ``n`` invited; if that many
+        could hold ``t`` of one device's ``m`` shares (a sparse SecAgg+ graph the server
+        steered, or chance), they rebuild its secrets — whatever the graph. Also every device
+        then has an honest neighbour: ``k + 1 > t > n − q(n)``."""
+        inv = params.participants
+        if params.authenticated and inv and t <= inv - self.roster_floor(params):
+            raise RefusedError(f"{where}: SecAgg+ threshold {t} of {m} share holders is not above "
+                               f"{inv - self.roster_floor(params)}, the devices of {inv} a server may control within "
+                               f"this protocol's guarantee: use a larger degree k")
+
+    def check_dp_floor(self, dp: object, where: str) -> None:
+        """The owner's DP floor holds whatever the task says: with ``min_noise_multiplier`` set,
+        a round without DP, or with ``σ`` below the floor (central or distributed), is refused."""
+        floor = self.min_noise_multiplier
+        if floor is None:
+            return
+        if dp is None:
+            raise RefusedError(f"{where}: the round runs without differential privacy and this device requires a "
+                               f"noise multiplier of at least {floor:g}")
+        sigma = float(getattr(dp, "noise_multiplier"))
+        if not sigma >= floor:
+            raise RefusedError(f"{where}: the round's DP noise multiplier σ = {sigma:g} is below this device's "
+                               f"minimum {floor:g}")
 
     def check_dp_noise(self, noise_multiplier: float, min_inputs: int, t: int, where: str) -> None:
         """A distributed-noise DP round: each device adds ``N(0, σ²C²/m)``; any sum of ``≥ t``

@@ -73,6 +73,7 @@ class SecAggServer:
         self.pks: dict[int, tuple[bytes, bytes]] = {}
         self.threshold = 0
         self.graph: dict[int, list[int]] = {}
+        self.run: bytes | None = None                       # authenticated: auth.run_digest of the roster
         self.cts: dict[int, dict[int, bytes]] = {}          # sender → recipient → ciphertext
         self.u2: list[int] = []
         self._sum: np.ndarray | None = None
@@ -189,7 +190,9 @@ class SecAggServer:
     def _on_consistency(self, msg: dict[str, Any]) -> None:
         u = self._sender(msg, set(self.u3), self.csigs, "consistency_signature")
         sig = M.get_bytes(msg, "sig", "consistency_signature", 64)
-        if not verify(self.ids[u], sig, auth.consistency_payload(self.params.round_id, self.context, self.u3)):
+        assert self.run is not None
+        if not verify(self.ids[u], sig, auth.consistency_payload(self.params.round_id, self.context, self.u3,
+                                                                      self.run)):
             raise RefusedError(f"consistency_signature: device {u}'s signature does not cover this round's survivors")
         self.csigs[u] = sig
 
@@ -231,11 +234,17 @@ class SecAggServer:
             raise
         except ValueError as e:
             raise self._fail(str(e), n) from e
-        self.graph = neighbours(self.params, list(self.pks))
+        self.set_graph()
         if self.threshold > len(self._holders(min(self.pks))):
             raise self._fail(f"{n} devices advertised keys, the threshold is {self.threshold}", n)
         self.step = "share_keys"
         return self._log(self.roster())
+
+    def set_graph(self) -> None:
+        """The run digest (authenticated rounds) and the graph, from the roster's keys."""
+        if self.params.authenticated:
+            self.run = auth.run_digest(self.params.round_id, self.context, self.pks)
+        self.graph = neighbours(self.params, list(self.pks), self.run)
 
     def roster(self) -> dict[str, Any]:
         """The roster U1 (authenticated: each entry with its certificate and signature)."""
