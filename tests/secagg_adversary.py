@@ -301,6 +301,8 @@ def execute(fleet: Fleet, plan: Plan) -> Outcome:
                 k = keys.pair_key(fkeys[v][0], adverts[u]["c_pk"], b"enc", rid, v, u)
                 sv, bv = open_shares(k, rid, u, v, ct)
                 s.setdefault(u, {})[v], b.setdefault(u, {})[v] = sv, bv
+    if callable(plan.u3):      # survivor sets that depend on the run's graph (seeded by the roster's keys)
+        plan.u3 = plan.u3(next(iter(devs.values()))._graph)
     ys: dict[int, bytes] = {}
     for u, d in list(devs.items()):
         cts, senders = [], [u]
@@ -362,7 +364,8 @@ def attempt(fleet: Fleet, plan: Plan, out: Outcome, victim: int) -> np.ndarray |
     if bv is None:
         return None
     view = out.shown[victim]
-    graph = neighbours(fleet.params, list(view))
+    dev = fleet.devs.get(victim)
+    graph = dev._graph if dev is not None and dev._graph else neighbours(fleet.params, list(view))
     seeds = []
     for w in graph[victim]:
         if w in plan.fake.get(victim, set()):               # a key the attacker made

@@ -277,14 +277,18 @@ def test_secaggplus_group_sums_are_refused_by_the_device_floors():
         Fleet(15, "v2", neighbours=4, round_id=6).device(1)
     f = Fleet(15, "v2", neighbours=4, round_id=6)     # 11 survivors reach the quorum ⌊2·15/3⌋ + 1
     f.policy = _without_sybil_floor(f.policy)
-    ring = neighbours(f.params, f.ids)
-    order = [1]                                       # walk the ring: the ±1 neighbour not yet seen
-    while len(order) < 15:
-        order.append(next(w for w in ring[order[-1]] if w not in order and
-                          len(set(ring[w]) & set(ring[order[-1]])) == 2))
-    survivors = set(f.ids) - {order[0], order[1], order[7], order[8]}
-    plan = Plan(rosters={u: f.ids for u in f.ids}, u3={u: survivors for u in f.ids})
+
+    def split(ring: dict) -> dict:      # the graph is the run's (seeded by the roster's keys): known after it
+        order = [1]                                   # walk the ring: the ±1 neighbour not yet seen
+        while len(order) < 15:
+            order.append(next(w for w in ring[order[-1]] if w not in order and
+                              len(set(ring[w]) & set(ring[order[-1]])) == 2))
+        alive = set(f.ids) - {order[0], order[1], order[7], order[8]}
+        return {u: alive for u in f.ids}
+
+    plan = Plan(rosters={u: f.ids for u in f.ids}, u3=split)
     out = execute(f, plan)
+    survivors = plan.u3[2]
     assert sorted(out.refused) == f.ids, out.refused
     assert all("not form one connected group" in out.refused[u] for u in survivors), out.refused
     assert all("listed as dropped" in out.refused[u] for u in set(f.ids) - survivors)
