@@ -226,6 +226,9 @@ class Plan:
     participants: dict[int, int] = field(default_factory=dict)
     rogue: CertificateAuthority | None = None
     """Certifies (and signs for) the fake entries: the attacker's own CA (v2)."""
+    sybils: set[int] = field(default_factory=set)
+    """Real devices of the fleet, certified by the operator's CA and running the real device
+    code, whose private state the server reads (issue 30): every share they hold, their keys."""
 
 
 @dataclass
@@ -324,9 +327,18 @@ def execute(fleet: Fleet, plan: Plan) -> Outcome:
         except SecAggError as e:
             refused[u] = str(e)
             del devs[u]
+    for w in plan.sybils & set(devs):   # the server reads its own devices' state: every share they hold
+        for v, (sv, bv) in devs[w]._held.items():
+            s.setdefault(v, {})[w], b.setdefault(v, {})[w] = sv, bv
     sigs = []
+    if fleet.params.authenticated and plan.sybils:   # its devices' identity keys sign every survivor set it shows
+        for w in sorted(plan.sybils & set(devs)):
+            for x in {tuple(sorted(v)) for v in plan.u3.values()}:
+                sigs.append({"device": w, "sig": fleet.identity[w].sign(_consistency(devs[w], set(x)))})
     if fleet.params.authenticated:
         for u, d in list(devs.items()):
+            if u in plan.sybils:
+                continue
             try:
                 sigs.append({"device": u, "sig": d.consistency(
                     {"type": M.CONSISTENCY_REQUEST, "round": rid, "survivors": sorted(plan.u3[u])})["sig"]})
@@ -334,6 +346,8 @@ def execute(fleet: Fleet, plan: Plan) -> Outcome:
                 refused[u] = str(e)
                 del devs[u]
     for u, d in devs.items():
+        if u in plan.sybils:                      # its own devices: their shares were read already
+            continue
         u2 = set(d._u2)
         req = {"type": M.UNMASK_REQUEST, "round": rid, "survivors": sorted(plan.u3[u]),
                "dropped": sorted(u2 - plan.u3[u]), "signatures": sigs}
@@ -349,6 +363,17 @@ def execute(fleet: Fleet, plan: Plan) -> Outcome:
             if e["of"] not in plan.fake.get(u, set()):
                 s.setdefault(e["of"], {})[u] = e["share"]
     return Outcome(refused, b, s, ys, fkeys, shown, thresholds)
+
+
+def _consistency(d: SecAggDevice, u3: set[int]) -> bytes:
+    """What device ``d``'s identity signs over ``u3`` in its run (before issue 30: no run digest)."""
+    import inspect
+
+    from fedfs_sdk.federation.secagg import auth
+
+    if "run" in inspect.signature(auth.consistency_payload).parameters:
+        return auth.consistency_payload(d.params.round_id, d.context, u3, d._run)
+    return auth.consistency_payload(d.params.round_id, d.context, u3)
 
 
 def attempt(fleet: Fleet, plan: Plan, out: Outcome, victim: int) -> np.ndarray | None:
@@ -367,9 +392,16 @@ def attempt(fleet: Fleet, plan: Plan, out: Outcome, victim: int) -> np.ndarray |
     dev = fleet.devs.get(victim)
     graph = dev._graph if dev is not None and dev._graph else neighbours(fleet.params, list(view))
     seeds = []
+    own = reconstruct(out.s.get(victim, {}), t)      # the victim's own mask key: every pairwise mask
     for w in graph[victim]:
+        if own is not None:
+            sk_v = keys.private_from_bytes(own)
+            seeds.append((keys.pair_key(sk_v, view[w][1], b"mask", rid, victim, w), +1 if victim < w else -1))
+            continue
         if w in plan.fake.get(victim, set()):               # a key the attacker made
             sk = out.keys[w][1]
+        elif w in plan.sybils:                              # its own device: it reads the key
+            sk = fleet.devs[w]._s_sk
         else:
             raw = reconstruct(out.s.get(w, {}), out.thresholds.get(w, t))
             if raw is None:
