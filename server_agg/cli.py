@@ -125,6 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve HTTPS with this certificate (chain) — devices then connect with https:// and check it "
                         "(fedfs device --tls-ca); needs --tls-key")
     g.add_argument("--tls-key", type=Path, metavar="PEM", help="the private key of --tls-cert")
+    g.add_argument("--insecure-plain-http", action="store_true",
+                   help="listen on a non-loopback --host without TLS: anyone on the path reads and rewrites every "
+                        "request (tokens, updates, the secure-aggregation protocol); refused without this flag")
     g.add_argument("--max-body-mb", type=float, default=256.0, help="request body limit in MiB; "
                    "uploads are also limited to the model's size plus 1 MiB")
     g.add_argument("--keep-updates", action="store_true", help="keep update files of closed rounds (audit)")
@@ -251,6 +254,16 @@ def check_proj_dim(method: str, model_config: dict[str, Any] | None, xi_config: 
                          f"FedFS (combine={combine!r}) needs proj_dim = {need} for {where}; {fix}")
 
 
+def check_plain_bind(host: str, tls: bool, insecure_plain_http: bool) -> None:
+    """Refuse plain HTTP on an interface other machines reach, unless named (issue 30)."""
+    from fedfs_sdk.federation.secagg.http_device import is_loopback
+
+    if not tls and not insecure_plain_http and not is_loopback(f"http://[{host}]" if ":" in host else f"http://{host}"):
+        raise InputError(f"--host {host} without TLS: other machines would talk to this server in plain HTTP, "
+                         "readable and rewritable on the path; give --tls-cert/--tls-key (fedfs ca tls-cert makes "
+                         "them) or --insecure-plain-http")
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port``, bound before the state is touched so a busy
     port fails the start without writing anything (uvicorn then serves on it)."""
@@ -300,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
     from .transport import tls_files
 
     tls = tls_files(getattr(args, "tls_cert", None), getattr(args, "tls_key", None))
+    check_plain_bind(args.host, tls is not None, bool(getattr(args, "insecure_plain_http", False)))
     if overrides.get("dp_noise_multiplier") is not None:
         from .dp import require_accountant
 

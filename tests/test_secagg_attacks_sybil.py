@@ -280,3 +280,28 @@ def test_no_device_state_is_needed_for_a_one_shot_device():
     assert log.seen(7, "ca-a") and not log.seen(7, "ca-b") and not log.seen(8, "ca-a")
     with pytest.raises(SecAggError, match="already took part in round 7"):
         log.record(7, "ca-a", "t")
+
+
+def test_serve_refuses_a_plain_http_bind_off_loopback(tmp_path):
+    """``fedfs serve --host 0.0.0.0`` without TLS listened in plain HTTP without a word. Now it
+    stops before binding (nothing listens), naming --tls-cert/--tls-key and the opt-out;
+    loopback, TLS or --insecure-plain-http pass the check."""
+    import subprocess
+    import sys
+
+    from conftest_server import ROOT, subprocess_env
+    from fedfs_sdk.errors import InputError
+    from server_agg.cli import check_plain_bind
+
+    for host in ("0.0.0.0", "192.0.2.1", "::", "fl.example.org"):
+        with pytest.raises(InputError, match="--insecure-plain-http"):
+            check_plain_bind(host, tls=False, insecure_plain_http=False)
+    for host in ("127.0.0.1", "localhost", "::1"):
+        check_plain_bind(host, tls=False, insecure_plain_http=False)
+    check_plain_bind("0.0.0.0", tls=True, insecure_plain_http=False)
+    check_plain_bind("0.0.0.0", tls=False, insecure_plain_http=True)
+    r = subprocess.run([sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--host", "0.0.0.0", "--port", "0",
+                        "--state", str(tmp_path / "s"), "--init-backbone", "tiny"], cwd=ROOT, env=subprocess_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "without TLS" in r.stderr, r.stderr[-1500:]
+    assert not (tmp_path / "s").exists()
