@@ -17,6 +17,8 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.secagg import RoundFailedError, SecAggResult
 from fedfs_sdk.federation.secagg.dp_input import DP_INPUT
 from fedfs_sdk.federation.secagg.http_device import params_from_task, task_context
+from fedfs_sdk.federation.secagg.params import PROTOCOL_V2
+from fedfs_sdk.federation.secagg.revocation import SERVER_FILENAME, RevocationList
 
 from .errors import Conflict, Forbidden, Gone, NotFound
 from .secagg_rounds import SecAggRound, ca_of, task_fields, unflatten
@@ -51,6 +53,12 @@ class SecAggCoordinator:
             raise Conflict(f"a secure-aggregation round needs at least secagg_min_devices = "
                            f"{policy.secagg_min_devices} devices; {len(selected)} sampled", code="too_few_devices")
         fields = task_fields(policy, {k: tuple(t.shape) for k, t in model.weights.items()}, len(selected))
+        crl = self.layout.root / SERVER_FILENAME  # type: ignore[attr-defined]
+        if fields.get("protocol") == PROTOCOL_V2 and crl.is_file():   # the operator's list (issue 30)
+            try:
+                fields["revocations"] = RevocationList.load(crl).to_json()
+            except InputError as e:
+                raise Conflict(f"secure aggregation cannot run this round: {e}", code="secagg_revocations") from None
         try:
             params = params_from_task(round_id, fields)
             params.threshold_for(len(selected))

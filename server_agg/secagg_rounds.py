@@ -104,6 +104,12 @@ def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int
     return fields
 
 
+def revoked_serials(fields: Mapping[str, Any]) -> frozenset[str]:
+    """The certificate serials of the round's revocation list (its advertisements are refused)."""
+    doc = fields.get("revocations")
+    return frozenset(str(s) for s in doc.get("revoked", [])) if isinstance(doc, Mapping) else frozenset()
+
+
 def unflatten(mean: np.ndarray, reference: Mapping[str, Any]) -> dict[str, Any]:
     """The averaged vector back into tensors of ``reference``'s layout and dtypes (sorted
     names, C order — :func:`fedfs_sdk.federation.secagg.http_device.flatten_update`'s order)."""
@@ -141,6 +147,7 @@ class SecAggRound:
         self.deadline = opened + self.phase_timeout     # of the current phase
         self.path = path
         self.srv = SecAggServer(self.params, context=context, ca=ca)
+        self.srv.revoked = revoked_serials(fields)
         self.roster: dict[str, Any] | None = None
         self.request: dict[str, Any] | None = None           # the unmask request
         self.check: dict[str, Any] | None = None             # the consistency request (authenticated rounds)
@@ -192,6 +199,7 @@ class SecAggRound:
             if core["sum"] is not None and len(core["sum"]) != 8 * r.params.words:
                 raise ValueError(f"{name} has {len(core['sum'])} bytes, expected {8 * r.params.words}")
             r.srv = restore(r.params, core, context=r.context, ca=ca)
+            r.srv.revoked = revoked_serials(r.fields)
             r._sum_saved = len(r.srv._masked_from) if name is not None else -1
         except (KeyError, TypeError, ValueError, OSError, SecAggError, FedFSError) as e:
             raise InputError(f"secure round {round_id}: {path} is corrupt: {e}") from None

@@ -56,12 +56,14 @@ class SecAggDevice:
     before the keys leave."""
 
     def __init__(self, params: SecAggParams, device_id: int, *, identity: DeviceIdentity | None = None,
-                 policy: DevicePolicy | None = None, context: bytes = b"", round_log: RoundLog | None = None):
+                 policy: DevicePolicy | None = None, context: bytes = b"", round_log: RoundLog | None = None,
+                 revoked: frozenset[str] = frozenset()):
         self.params = params
         self.id = M.get_id({"device": device_id}, "device", "SecAggDevice")
         self.policy = policy if policy is not None else DevicePolicy()
         self.policy.check_params(params, self._where("task"))
         self.round_log = round_log
+        self.revoked = frozenset(revoked)        # certificate serials of the operator's revocation list
         self._scope = self.policy.ca.key_id if self.policy.ca is not None else ""
         if round_log is not None:
             round_log.check(params.round_id, self._scope, self._where("task"))
@@ -133,6 +135,9 @@ class SecAggDevice:
             ids = auth.check_roster_identities(entries, self.params.round_id, self.context, self.policy.ca, where)
             if ids.get(self.id) != self.identity.public_key:
                 raise RefusedError(f"{where}: the roster does not carry this device's own identity")
+            bad = sorted(e["device"] for e in entries if auth.certificate_of(e, where).serial in self.revoked)
+            if bad:
+                raise RefusedError(f"{where}: devices {bad[:10]} present certificates the operator revoked")
             self._ids = ids
         try:
             t = self.params.threshold_for(len(pks))

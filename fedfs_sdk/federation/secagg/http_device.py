@@ -170,14 +170,33 @@ class SecAggSession:
         self._local(self.policy.check_dp_floor, self.dp, where)
         noise = fields.get("dp_noise") if isinstance(fields, Mapping) else None   # type: ignore[union-attr]
         self.noise_min_inputs = noise_request(noise, self.dp, self.params.fixed_point.max_devices)
+        revoked = self._local(self._revocations, fields, round_log)
         self.device = self._local(SecAggDevice, self.params, self.index, identity=identity, policy=self.policy,
-                                  context=task_context(task), round_log=round_log)
+                                  context=task_context(task), round_log=round_log, revoked=revoked)
         if self.noise_min_inputs and self.params.participants is not None:   # t is known before the roster
             self._local(self._check_noise, self.params.threshold_for(self.params.participants))
         self.client, self._sleep, self._clock, self.wait_timeout_s = client, sleep, clock, wait_timeout_s
         self.path = f"/v1/rounds/{self.round_id}/secagg"
         self.bytes_sent = 0
         self.bytes_received = 0
+
+    def _revocations(self, fields: Mapping[str, Any], log: RoundLog | None) -> frozenset[str]:
+        """The operator's revocation list of an authenticated round, checked (:mod:`.revocation`);
+        its number is remembered so an older list is refused later."""
+        from .revocation import check_task_list
+
+        if not self.params.authenticated:
+            return frozenset()
+        ca = self.policy.ca
+        scope = ca.key_id if ca is not None else ""
+        crl = check_task_list(fields.get("revocations"), ca, self.policy.max_revocation_age_s,
+                              log.last_revocation(scope) if log is not None else 0,
+                              f"device {self.index}, round {self.round_id}, revocations")
+        if crl is None:
+            return frozenset()
+        if log is not None:
+            log.note_revocation(scope, crl.number)
+        return frozenset(crl.revoked)
 
     # ---- transport ---------------------------------------------------------------------
     def _post(self, step: str, msg: dict[str, Any]) -> dict[str, Any]:

@@ -17,6 +17,7 @@ Why not X.509: a fedfs certificate has one job — "the CA vouches for this Ed25
 is verified by every device for every roster entry; a few fields signed as canonical JSON
 keep that check to one Ed25519 verification and no ASN.1 parsing. Not implemented, and said
 so in docs/privacy.md: revocation (a stolen device key stays valid until ``not_after``).
+Since issue 30: revocation by a CA-signed list (:mod:`.revocation`).
 """
 from __future__ import annotations
 
@@ -259,6 +260,10 @@ class CertificateAuthority:
     def load(cls, directory: str | os.PathLike[str]) -> "CertificateAuthority":
         p = Path(directory)
         return cls(load_private_key(p / "ca.key" if p.is_dir() else p, "CA key"))
+
+    def sign_bytes(self, data: bytes) -> bytes:
+        """The CA's signature of ``data`` (a revocation list's canonical bytes: :mod:`.revocation`)."""
+        return self._sk.sign(data)
 
     def issue(self, subject: str, public_key: bytes, valid_days: float | None = 365.0,
               now: float | None = None) -> Certificate:

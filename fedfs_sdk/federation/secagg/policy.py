@@ -58,6 +58,9 @@ class DevicePolicy:
             consistency check): **honest-but-curious server only** — an active server
             substitutes keys and reads every update. Off by default; the owner's opt-in
             (``fedfs device --allow-unauthenticated-secagg``).
+        max_revocation_age_s: require the operator's signed revocation list in every
+            authenticated round, issued at most this long ago (``None``: a list is checked when
+            the task carries one, but none is required). :mod:`.revocation`.
         allow_dp_clipped_delta: accept the older DP input ``dp_clipped_delta``, whose weight
             word reveals ``Σ min(n, ŵ)`` (sample counts no DP accountant covers). Off by default.
     """
@@ -70,6 +73,7 @@ class DevicePolicy:
     require_connected: bool = True
     allow_unauthenticated: bool = False
     allow_dp_clipped_delta: bool = False
+    max_revocation_age_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.ca is not None and not isinstance(self.ca, CaPublicKey):
@@ -81,6 +85,9 @@ class DevicePolicy:
             raise InputError(f"threshold_rule must be one of {sorted(THRESHOLD_RULES)}, got {self.threshold_rule!r}")
         if isinstance(self.min_neighbours, bool) or not isinstance(self.min_neighbours, int) or self.min_neighbours < 2:
             raise InputError(f"min_neighbours must be an int ≥ 2, got {self.min_neighbours!r}")
+        a = self.max_revocation_age_s
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0):
+            raise InputError(f"max_revocation_age_s must be a number of seconds > 0, got {a!r}")
         s = self.min_noise_multiplier
         if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0):
             raise InputError(f"min_noise_multiplier must be a finite number ≥ 0, got {s!r}")

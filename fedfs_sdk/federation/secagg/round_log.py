@@ -32,12 +32,14 @@ class RoundLog:
         self.path = None if path is None else Path(path)
         self._lock = threading.Lock()
         self._seen: dict[str, set[int]] = {}
+        self._crl: dict[str, int] = {}          # scope → highest revocation-list number accepted
         if self.path is not None and self.path.exists():
             try:
                 doc = json.loads(self.path.read_text())
                 if doc.get("format") != FORMAT:
                     raise ValueError(f"format is {doc.get('format')!r}, not {FORMAT}")
                 self._seen = {str(k): {int(r) for r in v} for k, v in doc["rounds"].items()}
+                self._crl = {str(k): int(v) for k, v in doc.get("revocations", {}).items()}
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 # never start from an empty log silently: that would re-open every past round id
                 raise InputError(f"the device's secure-round log {self.path} is unreadable ({e}); restore it "
@@ -52,16 +54,31 @@ class RoundLog:
             raise ReplayError(f"{where}: this device already took part in round {round_id}; a server that runs a "
                               "round id again could combine what the runs reveal, so it is refused")
 
+    def last_revocation(self, scope: str) -> int:
+        """The highest revocation-list number accepted in ``scope`` (0: none yet)."""
+        return self._crl.get(scope, 0)
+
+    def note_revocation(self, scope: str, number: int) -> None:
+        """Remember revocation list ``number`` (persisted): an older one is refused from now on."""
+        with self._lock:
+            if number > self._crl.get(scope, 0):
+                self._crl[scope] = int(number)
+                self._write()
+
+    def _write(self) -> None:
+        if self.path is not None:
+            from ...fileio import atomic_write_bytes
+
+            doc = {"format": FORMAT, "rounds": {k: sorted(v) for k, v in sorted(self._seen.items())},
+                   "revocations": dict(sorted(self._crl.items()))}
+            atomic_write_bytes(self.path, json.dumps(doc, separators=(",", ":")).encode(), mode=0o600)
+
     def record(self, round_id: int, scope: str, where: str) -> None:
         """Remember ``round_id`` (persisted before returning); :class:`ReplayError` if known."""
         with self._lock:
             self.check(round_id, scope, where)
             self._seen.setdefault(scope, set()).add(int(round_id))
-            if self.path is not None:
-                from ...fileio import atomic_write_bytes
-
-                doc = {"format": FORMAT, "rounds": {k: sorted(v) for k, v in sorted(self._seen.items())}}
-                atomic_write_bytes(self.path, json.dumps(doc, separators=(",", ":")).encode(), mode=0o600)
+            self._write()
 
 
 __all__ = ["RoundLog", "FILENAME", "FORMAT"]

@@ -64,6 +64,7 @@ class SecAggServer:
         self.params = params
         self.context = auth.context_digest(params, context)
         self.ca = ca
+        self.revoked: frozenset[str] = frozenset()                     # serials of the operator's revocation list
         self.adverts: dict[int, tuple[dict[str, Any], bytes]] = {}   # authenticated: device → (cert, sig)
         self.ids: dict[int, bytes] = {}                                # authenticated: device → identity key
         self.u4: list[int] = []                                        # devices asked to unmask
@@ -142,6 +143,8 @@ class SecAggServer:
         keys.load_public(s_pk, f"s_pk of device {u}")
         if self.params.authenticated:
             ident = auth.check_advertisement(msg, self.params.round_id, self.context, self.ca, "advertise_keys")
+            if auth.certificate_of(msg, "advertise_keys").serial in self.revoked:
+                raise RefusedError(f"advertise_keys: device {u}'s certificate is revoked by the operator")
             if ident in self.ids.values():
                 raise RefusedError(f"advertise_keys: device {u} presents an identity already in this round")
             self.ids[u] = ident
