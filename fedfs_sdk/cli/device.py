@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--allow-unauthenticated-secagg", action="store_true",
                    help="also take part in fedfs-secagg/1 rounds (no identities): safe against an honest-but-curious "
                         "server only — an active server reads every update (off: only fedfs-secagg/2 with --secagg-ca)")
+    g.add_argument("--secagg-revocation-max-age", type=float, metavar="SECONDS",
+                   help="require the operator's signed revocation list (fedfs ca revoke) in every authenticated "
+                        "round, issued at most SECONDS ago (e.g. 172800: the operator re-issues it daily)")
     g.add_argument("--dp-min-noise", type=float, metavar="SIGMA",
                    help="distributed DP: refuse a round whose noise multiplier σ is below this")
     p.add_argument("--tls-ca", type=Path, metavar="PEM",
@@ -131,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
     policy = DevicePolicy(ca=CaPublicKey.load(args.secagg_ca) if args.secagg_ca is not None else None,
                           min_roster=args.secagg_min_roster, threshold_rule=args.secagg_threshold_rule,
                           min_neighbours=args.secagg_min_neighbours, min_noise_multiplier=args.dp_min_noise,
-                          allow_unauthenticated=args.allow_unauthenticated_secagg)
+                          allow_unauthenticated=args.allow_unauthenticated_secagg,
+                          max_revocation_age_s=args.secagg_revocation_max_age)
     if args.identity_cert is not None and not args.identity_cert.is_file():
         raise InputError(f"--identity-cert: no such file {args.identity_cert}")
     config = DeviceConfig(rounds=args.rounds, device=args.device, artifacts=args.artifacts, xi_path=args.xi,
