@@ -262,9 +262,9 @@ def test_secaggplus_group_sums_are_refused_by_the_device_floors():
     the floors. At k = 4 (the default minimum), an active server that declares two devices at each
     of two places of the ring dropped — so that the 11 survivors of 15 form two groups — is refused
     at the consistency check: the survivors are not connected. (Since issue 30 a device refuses
-    k = 4 of 15 invited at once — 4 of 5 share holders is not above the 15 − 11 = 4 devices the
-    server may hold — so the check runs here with that floor relaxed: ``min_roster``-style
-    floors are the device's, the connectivity check must hold on its own.)"""
+    k = 4 of 15 invited at once — 4 of 5 share holders is not above the 2·11 − 15 − 1 = 6 certified
+    devices a server may hold — so the check runs here with that floor relaxed: the
+    connectivity check must hold on its own.)"""
     p = SecAggParams(round_id=5, dim=DIM, threshold=2, neighbours=2)
     dev = SecAggDevice(p, 1, policy=DevicePolicy.honest_but_curious())
     srv = SecAggServer(p)
@@ -273,7 +273,7 @@ def test_secaggplus_group_sums_are_refused_by_the_device_floors():
         srv.receive(d.advertise())
     with pytest.raises(RefusedError, match="SecAgg\\+ degree k = 2 is below this device's minimum 4"):
         dev.share_keys(srv.close_advertise())
-    with pytest.raises(RefusedError, match="SecAgg\\+ threshold 4 of 5 share holders is not above 4"):
+    with pytest.raises(RefusedError, match="SecAgg\\+ threshold 4 of 5 share holders is not above 6"):
         Fleet(15, "v2", neighbours=4, round_id=6).device(1)
     f = Fleet(15, "v2", neighbours=4, round_id=6)     # 11 survivors reach the quorum ⌊2·15/3⌋ + 1
     f.policy = _without_sybil_floor(f.policy)

@@ -118,13 +118,13 @@ def test_secaggplus_roster_of_the_victim_and_k_sybils_is_refused():
     issue 30 the device accepted it (roster ≥ t = 4, and k ≥ roster − 1 skipped the degree
     check): the Sybils held all its shares and the server rebuilt its update from them alone
     (``recover`` was true). Now the task itself is refused (t = 4 of 5 holders is not above the
-    30 − 21 = 9 devices a server may hold), and without that floor the roster is (5 < 21)."""
+    2·21 − 30 − 1 = 11 certified devices a server may hold within the guarantee), and without that floor the roster is (5 < 21)."""
     five = [1, *sorted(SYBILS4)]
     plan = Plan(rosters={u: five for u in five}, u3={u: set(five) for u in five}, sybils=set(SYBILS4))
     f = Fleet(30, "v2", neighbours=4)
     out = execute(f, plan)
     assert not recover(attempt(f, plan, out, 1), f, 1), "the victim's update was recovered"
-    assert "SecAgg+ threshold 4 of 5 share holders is not above 9" in out.refused[1]
+    assert "SecAgg+ threshold 4 of 5 share holders is not above 11" in out.refused[1]
     f = Fleet(30, "v2", neighbours=4, seed=1)
     f.policy = _relaxed(f.policy)
     out = execute(f, plan)
@@ -146,7 +146,7 @@ def test_secaggplus_graph_steered_onto_sybils_is_refused():
     f = Fleet(30, "v2", neighbours=4, seed=2)
     out = execute(f, plan)
     assert not recover(attempt(f, plan, out, 1), f, 1), "the victim's update was recovered"
-    assert "not above 9" in out.refused[1]
+    assert "not above 11" in out.refused[1]
     f = Fleet(30, "v2", neighbours=4, seed=3)
     f.policy = _relaxed(f.policy)
     out = execute(f, plan)

@@ -371,7 +371,7 @@ def test_secure_round_over_plain_http_to_another_host_is_refused():
             SecAggSession(ServerClient(url, "d1.x", transport=transport), task)
         assert e.value.code == "insecure_transport"
     for url in ("https://aggregator.example.com", "http://127.0.0.1:1", "http://localhost:1", "http://[::1]:1"):
-        SecAggSession(ServerClient(url, "d1.x", transport=transport), task)
+        SecAggSession(ServerClient(url, "d1.x", transport=transport), task, policy=DevicePolicy.honest_but_curious())
     assert sent == []
 
 

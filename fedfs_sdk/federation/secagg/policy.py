@@ -13,9 +13,10 @@ Secure by default (issue 30): :class:`DevicePolicy()` takes part only in authent
 rounds (``fedfs-secagg/2``, which need a pinned CA); an unauthenticated ``fedfs-secagg/1``
 round — safe against an honest-but-curious server only — needs ``allow_unauthenticated``.
 With ``n`` invited devices (authenticated rounds) the floors follow from ``n``: a roster of
-at least ``q(n) = ⌊2n/3⌋ + 1`` devices, and a threshold over each device's share holders
-above ``n − q(n)``, the most certified devices the server may hold for the guarantee of
-docs/privacy.md ("Against an active server holding s certified devices").
+at least ``q(n) = ⌊2n/3⌋ + 1`` devices, and a threshold over each device's share holders of
+at least ``2q(n) − n``: the guarantee of docs/privacy.md ("Against an active server holding s
+certified devices") holds for ``s ≤ 2q(n) − n − 1`` certified devices of the server's, and
+that many must never hold ``t`` of one device's shares.
 """
 from __future__ import annotations
 
@@ -170,17 +171,24 @@ class DevicePolicy:
                                f"of {m} share holders)")
         self.check_sybil_floor(params, t, m, where)
 
+    def max_sybils(self, params: SecAggParams) -> int:
+        """``s* = 2q(n) − n − 1``: the most certified devices of the ``n`` invited a server may
+        hold for the guarantee of docs/privacy.md (with ``2q − n`` it can split the honest
+        devices into two groups that each reach the quorum ``q`` with its devices)."""
+        n = params.participants or 0
+        return max(0, 2 * self.roster_floor(params) - n - 1) if n else 0
+
     def check_sybil_floor(self, params: SecAggParams, t: int, m: int, where: str) -> None:
-        """Authenticated rounds: ``t > n − q(n)``. The guarantee of docs/privacy.md holds for a
-        server with up to ``n − q(n)`` certified devices of the ``n`` invited; if that many
-        could hold ``t`` of one device's ``m`` shares (a sparse SecAgg+ graph the server
-        steered, or chance), they rebuild its secrets — whatever the graph. Also every device
-        then has an honest neighbour: ``k + 1 > t > n − q(n)``."""
-        inv = params.participants
-        if params.authenticated and inv and t <= inv - self.roster_floor(params):
-            raise RefusedError(f"{where}: SecAgg+ threshold {t} of {m} share holders is not above "
-                               f"{inv - self.roster_floor(params)}, the devices of {inv} a server may control within "
-                               f"this protocol's guarantee: use a larger degree k")
+        """Authenticated rounds: ``t > s*`` (:meth:`max_sybils`). If the server's ``s*``
+        devices could hold ``t`` of one device's ``m`` shares (a sparse SecAgg+ graph the server
+        steered — e.g. by choosing its devices' keys after seeing the others' — or chance),
+        they would rebuild its secrets, whatever the graph. Then also every device has an
+        honest neighbour: ``k + 1 > t > s*``. A full graph always passes (``t ≥ q > s*``)."""
+        s = self.max_sybils(params)
+        if params.authenticated and params.participants and t <= s:
+            raise RefusedError(f"{where}: SecAgg+ threshold {t} of {m} share holders is not above {s}, the "
+                               f"certified devices of {params.participants} a server may hold within this protocol's "
+                               "guarantee (2⌊2n/3⌋ + 1 − n): use a larger degree k")
 
     def check_dp_floor(self, dp: object, where: str) -> None:
         """The owner's DP floor holds whatever the task says: with ``min_noise_multiplier`` set,
