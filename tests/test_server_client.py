@@ -266,7 +266,8 @@ def test_agent_waits_skips_lost_rounds_and_stops_when_done(tmp_path, monkeypatch
     events = []
     images = [str(p) for p in write_images(tmp_path / "img", 2, seed=0)]
     with DeviceState(tmp_path / "s") as st:
-        agent = DeviceAgent(stub, st, images, DeviceConfig(rounds=0), on_event=lambda n, f: events.append(n),
+        agent = DeviceAgent(stub, st, images, DeviceConfig(rounds=0, require_secure_aggregation=False),
+                            on_event=lambda n, f: events.append(n),
                             sleep=lambda s: events.append(f"sleep {s}"))
 
         def fake_round(task):
