@@ -52,9 +52,11 @@ class DeviceConfig:
         require_secure_aggregation: take part only in secure-aggregation rounds: a round whose
             task has no ``secagg`` is refused (event ``round_refused``, nothing is trained or
             sent) — the server cannot quietly turn secure aggregation off for this device.
-            ``None`` (default): required once the server has offered secure aggregation (in its
-            registration answer or any round; remembered in the state), and whenever
-            ``secagg.ca`` is pinned; a server that never offers it keeps plain FedAvg rounds.
+            ``None`` (default): required with a server on another machine (no trust on first
+            use: an on-path attacker could strip the first offers), once the server has offered
+            secure aggregation (in its registration answer or any round; remembered in the
+            state), and whenever ``secagg.ca`` is pinned; a loopback server that never offers
+            it keeps plain FedAvg rounds.
             ``False``: plain rounds are accepted. When required, the server URL must be
             ``https://`` or loopback.
         secagg: the device's own floors for secure rounds (:class:`~fedfs_sdk.federation.secagg.policy.DevicePolicy`:
