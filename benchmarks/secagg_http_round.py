@@ -9,6 +9,8 @@ each device count: ``fedfs-secagg/1`` over HTTP (the previous protocol), ``fedfs
 over HTTP (``--secagg-ca``: certified identities, signed advertisements, consistency check)
 and ``/2`` over HTTPS (``--tls-cert``; the devices pin the self-signed certificate). Round r
 runs on each of the three in turn, so a change of the machine's load hits all three alike.
+(Phase timeout 300 s: the servers' first rounds open while the others are still being set up,
+and on a loaded machine a 30 s phase could close before the benchmark reaches it.)
 K devices speak the protocol with :class:`SecAggSession` (the device agents' code) from this
 process, one after another, with synthetic updates of the server's model layout (tiny,
 42,592 parameters): the wall time is the sum of their work and the server's, not a
@@ -54,7 +56,7 @@ class Setup:
     def __init__(self, name: str, k: int, rounds: int, root: Path, ca: CertificateAuthority) -> None:
         self.name = name
         args = ["--init-backbone", "tiny", "--code-length", "127", "--min-participants", str(k), "--device-ttl", "0",
-                "--secure-aggregation", "--secagg-phase-timeout", "30", "--round-timeout", "60", "--rounds",
+                "--secure-aggregation", "--secagg-phase-timeout", "300", "--round-timeout", "600", "--rounds",
                 str(rounds)]
         tls = self_signed_cert(root / f"{name.replace(' ', '-')}-tls") if "https" in name else None
         self.v2 = name.startswith("v2")
