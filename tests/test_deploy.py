@@ -104,3 +104,26 @@ def test_secure_deployment_as_documented(tmp_path):
             srv.wait(15)
         except subprocess.TimeoutExpired:
             srv.kill()
+
+
+def test_tls_cert_names_what_devices_dial(tmp_path):
+    """``fedfs ca tls-cert``: subjectAltNames 127.0.0.1, ::1, localhost and each --host (IP or
+    DNS); the key 0600; an existing key is never overwritten; a bad host is refused."""
+    import ipaddress
+
+    from cryptography import x509
+
+    from fedfs_sdk.errors import InputError
+    from fedfs_sdk.federation.tls_cert import write_server_certificate
+
+    cert, key = write_server_certificate(tmp_path / "tls", ["fl.example.org", "10.1.2.3"])
+    san = x509.load_pem_x509_certificate(cert.read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert set(san.get_values_for_type(x509.DNSName)) == {"localhost", "fl.example.org"}
+    assert set(san.get_values_for_type(x509.IPAddress)) == {ipaddress.ip_address(a) for a in
+                                                             ("127.0.0.1", "::1", "10.1.2.3")}
+    assert key.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(InputError, match="exists"):
+        write_server_certificate(tmp_path / "tls")
+    with pytest.raises(InputError, match="neither an IP address nor a DNS name"):
+        write_server_certificate(tmp_path / "tls2", ["https://x"])
