@@ -42,7 +42,8 @@ def test_secure_deployment_as_documented(tmp_path):
     port = free_port()
     env = {**subprocess_env(), "HOST": "127.0.0.1", "BIND": "127.0.0.1", "PORT": str(port),
            "STATE": str(tmp_path / "server")}
-    prelude = f"fedfs() {{ {shlex.quote(sys.executable)} -m fedfs_sdk.cli.main \"$@\"; }}\n"
+    # exec: the shell becomes the fedfs process, so terminating it stops the server itself
+    prelude = f"fedfs() {{ exec {shlex.quote(sys.executable)} -m fedfs_sdk.cli.main \"$@\"; }}\n"
 
     def sh(cmd: str, extra: dict[str, str] | None = None, **kw):
         return subprocess.Popen(["bash", "-c", prelude + cmd], cwd=tmp_path, env={**env, **(extra or {})},
