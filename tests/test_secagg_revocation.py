@@ -64,6 +64,8 @@ def test_the_device_checks_signature_age_presence_and_rollback(tmp_path):
     again = RoundLog(tmp_path / "rounds.json")                                      # a restart
     with pytest.raises(RefusedError, match="already saw number 2"):                # rolled back
         check_task_list(l1.to_json(), ca.public, None, again.last_revocation(ca.public.key_id), "t", now=1000)
+    with pytest.raises(RefusedError, match="the server withholds it"):             # dropped once seen
+        check_task_list(None, ca.public, None, again.last_revocation(ca.public.key_id), "t")
 
 
 def test_session_requires_the_list_with_max_age(tmp_path):

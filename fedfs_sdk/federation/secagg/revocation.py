@@ -8,9 +8,10 @@ by serial (``fedfs ca revoke``). The list is a canonical-JSON document signed wi
 * the **server cannot forge** it (the devices check the signature against the pinned CA) and
   cannot roll it back unseen: ``number`` only grows, and a device remembers the highest it
   accepted (:class:`~.round_log.RoundLog`, persisted) and refuses a smaller one;
-* the server **cannot withhold** it silently: a device with ``DevicePolicy.max_revocation_age_s``
-  refuses a round whose task carries no list, or one issued longer ago than that — so the
-  operator re-signs it regularly (``fedfs ca revoke --ca DIR`` with no serial re-issues it);
+* the server **cannot withhold** it silently: a device that once accepted a list refuses a
+  round without one; a device with ``DevicePolicy.max_revocation_age_s`` also refuses a first
+  round without one, or a list issued longer ago than that — so the operator re-signs it
+  regularly (``fedfs ca revoke --ca DIR`` with no serial re-issues it);
 * the server copies the operator's current list into its state (``STATE/secagg_revocations.json``)
   and puts it in every secure task (``task["secagg"]["revocations"]``), where it is part of
   the context every signature binds: all devices of a round check one list. It also refuses
@@ -104,6 +105,9 @@ def check_task_list(doc: Any, ca: CaPublicKey | None, max_age_s: float | None, l
     older than ``max_age_s`` (if set; then also required), not rolled back below the highest
     number this device accepted. :class:`RefusedError` naming the problem."""
     if doc is None:
+        if last_number > 0:          # this deployment uses revocation: a task without the list is withheld
+            raise RefusedError(f"{where}: the round carries no revocation list, and this device already accepted "
+                               f"list number {last_number}: the server withholds it")
         if max_age_s is not None:
             raise RefusedError(f"{where}: the round carries no revocation list and this device requires one (at "
                                f"most {max_age_s:g} s old): a server withholding it could include revoked devices")
