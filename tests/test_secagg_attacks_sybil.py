@@ -14,8 +14,8 @@ is accepted — the assertion named in each docstring fails. After issue 30 each
 * DP floors only checked when the task asked for distributed noise; ``dp_clipped_delta``.
 
 And the guarantee of docs/privacy.md ("Against an active server holding s certified
-devices"): at ``s = n − q(n)`` the best split of views recovers nothing; at ``s = n − q(n) + 1``
-it recovers the victim's update — the bound is tight.
+devices"): at ``s = s* = 2q(n) − n − 1`` the best split of views recovers nothing; at
+``s = s* + 1`` it recovers the victim's update — the bound is tight (n = 10: s* = 3).
 """
 from __future__ import annotations
 
@@ -243,8 +243,8 @@ def _split(n: int, sybils: set[int], a: set[int], b: set[int]) -> Plan:
     return Plan(rosters={u: everyone for u in everyone}, u3=u3, sybils=set(sybils))
 
 
-def test_guarantee_at_the_bound_s_equals_n_minus_q():
-    """n = 10, q = 7: the server holds s = n − q = 3 certified devices. Whatever split of the 7
+def test_guarantee_at_the_bound_s_star():
+    """n = 10, q = 7: the server holds s = s* = 2q − n − 1 = 3 certified devices. Whatever split of the 7
     honest devices it tries, one of the two survivor sets lacks q signatures (|a| + 1 + 3 ≥ 7
     and |b| + 3 ≥ 7 need 7 honest besides the victim's group): nothing is revealed for it and
     the victim's update stays hidden."""
@@ -259,7 +259,7 @@ def test_guarantee_at_the_bound_s_equals_n_minus_q():
 
 
 def test_guarantee_just_past_the_bound_recovers_the_victim():
-    """n = 10, s = 4 = n − q + 1: a = {2, 3}, b = {4, 5, 6}. Each survivor set has exactly 7
+    """n = 10, s = 4 = s* + 1: a = {2, 3}, b = {4, 5, 6}. Each survivor set has exactly 7
     signatures (its honest members and the 4 Sybils), the victim's group reveals b_1, group b
     reveals s_sk_1: the update is recovered — docs/privacy.md states the bound as tight."""
     sybils = {7, 8, 9, 10}
