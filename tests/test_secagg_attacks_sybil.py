@@ -34,7 +34,7 @@ from fedfs_sdk.federation.secagg.params import neighbours
 
 @dataclass(frozen=True)
 class _NoSybilFloor(DevicePolicy):
-    """The default policy without the floor ``t > n − q(n)``: to test the other defences alone."""
+    """The default policy without the floor ``t > s* = 2q(n) − n − 1``: to test the other defences alone."""
 
     def check_sybil_floor(self, params, t, m, where):
         return None
