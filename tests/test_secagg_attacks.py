@@ -35,7 +35,7 @@ from fedfs_sdk.federation.secagg.prg import add_mask
 
 @dataclass(frozen=True)
 class _NoSybilFloor(DevicePolicy):
-    """The default policy without the issue-30 floor ``t > n − q(n)``: to show that the other
+    """The default policy without the issue-30 floor ``t > s* = 2q(n) − n − 1``: to show that the other
     checks (here: connectivity) hold on their own."""
 
     def check_sybil_floor(self, params, t, m, where):
