@@ -14,7 +14,7 @@ import shutil
 from typing import TYPE_CHECKING, Any, Sequence
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.federation.secagg import RoundFailedError, SecAggResult
+from fedfs_sdk.federation.secagg import DevicePolicy, RefusedError, RoundFailedError, SecAggResult
 from fedfs_sdk.federation.secagg.dp_input import DP_INPUT
 from fedfs_sdk.federation.secagg.http_device import params_from_task, task_context
 from fedfs_sdk.federation.secagg.params import PROTOCOL_V2
@@ -62,8 +62,13 @@ class SecAggCoordinator:
         try:
             params = params_from_task(round_id, fields)
             params.threshold_for(len(selected))
+            if params.authenticated:     # what every device with the default floors would refuse (issue 30)
+                DevicePolicy(ca=ca_of(policy)).check_params(params, f"round {round_id}")
         except InputError as e:
             raise Conflict(f"secure aggregation cannot run this round: {e}", code="secagg_params") from None
+        except RefusedError as e:
+            raise Conflict(f"secure aggregation cannot run this round: devices with the default floors refuse it: "
+                           f"{e}", code="secagg_params") from None
         sr = SecAggRound(round_id, selected, fields, self._secagg_path(round_id), opened,
                          opened + policy.round_timeout_s, task_context({**task, "secagg": fields}), ca_of(policy))
         sr.path.parent.mkdir(parents=True, exist_ok=True)

@@ -106,3 +106,30 @@ def test_cli_revoke_signs_a_growing_list(tmp_path):
     crl = RevocationList.load(tmp_path / "srv.json")
     crl.verify(CaPublicKey.load(tmp_path / "ca" / "ca.pub"))
     assert crl.revoked == ("abc",) and json.loads((tmp_path / "ca" / "revocations.json").read_text())["number"] == 2
+
+
+def test_server_refuses_a_round_every_default_device_would_refuse(tmp_path):
+    """``--secagg-ca`` with ``--secagg-neighbours 4`` and 12 devices: a device with the default
+    floors refuses the task (t = 4 of 5 holders is not above s* = 2·9 − 12 − 1 = 5), so the
+    server says so when it opens the round (409 secagg_params) instead of running it to a
+    failure; the full graph opens. The revocation list in the server's state goes into the task."""
+    from server_agg.errors import Conflict
+    from server_agg.rounds import Coordinator
+    from server_agg.store import Layout
+    from fedfs_sdk.federation.secagg.revocation import SERVER_FILENAME
+    from test_server_coordinator import checkpoint_bytes
+
+    ca = CertificateAuthority.generate()
+    c = Coordinator(Layout(tmp_path / "state"), policy_overrides={
+        "min_participants": 12, "secure_aggregation": True, "secagg_neighbours": 4, "secagg_ca": ca.public.to_json()})
+    c.install_model(checkpoint_bytes(code_length=127))
+    for _ in range(12):
+        c.register()
+    with pytest.raises(Conflict, match="default floors refuse it: .*not above 5") as e:
+        c.open_round()
+    assert e.value.code == "secagg_params"
+    issue(ca, None, ["abc"]).save(tmp_path / "state" / SERVER_FILENAME)
+    c.set_policy({"secagg_neighbours": None})
+    c.open_round()
+    task = json.loads(c.db.scalar("SELECT task FROM rounds ORDER BY id DESC LIMIT 1"))
+    assert task["secagg"]["revocations"]["revoked"] == ["abc"] and task["secagg"]["protocol"] == "fedfs-secagg/2"
