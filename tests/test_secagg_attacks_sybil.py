@@ -305,3 +305,24 @@ def test_serve_refuses_a_plain_http_bind_off_loopback(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "without TLS" in r.stderr, r.stderr[-1500:]
     assert not (tmp_path / "s").exists()
+
+
+def test_dp_floor_holds_in_plain_rounds_too(tmp_path):
+    """A device with ``--dp-min-noise 1`` took a plain round without DP (its update in the clear,
+    no noise on the sum) — the floor applied to secure rounds only. Now the agent refuses it
+    before training; a plain round with σ ≥ the floor passes the check."""
+    from fedfs_sdk.federation.agent import DeviceAgent
+    from fedfs_sdk.federation.device_config import DeviceConfig
+    from fedfs_sdk.federation.device_state import DeviceState
+    from fedfs_sdk.federation.secagg.http_device import SecAggRoundLost
+    from fedfs_sdk.federation.server_client import ServerClient
+
+    agent = DeviceAgent(ServerClient("http://127.0.0.1:9"), DeviceState(tmp_path / "d"), [tmp_path / "f.jpg"],
+                        DeviceConfig(secagg=_hbc(min_noise_multiplier=1.0)))
+    assert hasattr(agent, "_check_dp_floor"), "no DP floor for plain rounds"
+    with pytest.raises(SecAggRoundLost, match="without differential privacy"):
+        agent._check_dp_floor({"round_id": 1})
+    dp = {"clip": 0.5, "noise_multiplier": 0.5, "denominator": 4.0, "weight_cap": 10}
+    with pytest.raises(SecAggRoundLost, match="below this device's minimum"):
+        agent._check_dp_floor({"round_id": 1, "dp": dp})
+    agent._check_dp_floor({"round_id": 1, "dp": {**dp, "noise_multiplier": 1.2}})

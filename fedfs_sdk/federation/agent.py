@@ -286,6 +286,7 @@ class DeviceAgent(SecureRounds):
             check_verification(check_method(method), self.config.score, self.config.verify)
         if task.get("secagg") is not None:
             return self._run_secure_round(task)
+        self._check_dp_floor(task)       # the owner's DP floor holds in plain rounds too (issue 30)
         self._emit("round_started", {"round_id": round_id, "model_version": version, "method": method,
                                      "runtime": self.runtime.name})
         update = self.runtime.train(task, self.model_bytes(version, str(task["model_sha256"])), self)

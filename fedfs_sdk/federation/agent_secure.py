@@ -71,6 +71,24 @@ class SecureRounds:
                              "to another machine, where anyone on the path can read and rewrite the protocol: "
                              "use https:// (fedfs serve --tls-cert/--tls-key; fedfs device --tls-ca)")
 
+    def _check_dp_floor(self, task: Mapping[str, Any]) -> None:
+        """A plain round below the owner's DP floor (``--dp-min-noise``: no DP, or σ below it)
+        is refused before anything is trained: :class:`SecAggRoundLost` (``refused``)."""
+        if self.config.secagg.min_noise_multiplier is None:
+            return
+        from .secagg.errors import RefusedError
+        from .secagg.http_device import SecAggRoundLost
+
+        dp = None
+        if task.get("dp"):
+            from .dp import DpParams
+
+            dp = DpParams.from_json(task["dp"])
+        try:
+            self.config.secagg.check_dp_floor(dp, f"round {task.get('round_id')}")
+        except RefusedError as e:
+            raise SecAggRoundLost("refused", str(e)) from None
+
     def _run_secure_round(self, task: Mapping[str, Any]) -> dict[str, Any]:
         """A secure-aggregation round (Bonawitz et al. 2017; docs/privacy.md): advertise keys and
         share them before training, then upload only the masked ``n·w`` (and ``n``) and answer
