@@ -26,7 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                                    "as a fedfs checkpoint (ξ / pre-trained model)"),
     "enroll": ("fedfs_sdk.cli.enroll", "enroll the device owner from a folder of images"),
     "ca": ("fedfs_sdk.cli.ca", "operator CA for device identities (secure aggregation against an active server): "
-                               "init, request (on the device), sign"),
+                               "init, request (on the device), sign, revoke, tls-cert"),
     "impostors": ("fedfs_sdk.cli.impostors", "build the public impostor set that ships with a model (photos of "
                                              "public identities; for enroll --far and the do-no-harm check)"),
     "verify": ("fedfs_sdk.cli.verify", "verify an image (or each image of a folder) against an enrollment "
