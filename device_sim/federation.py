@@ -83,6 +83,9 @@ class FederationConfig:
         store_dtype, store_location: where ``θ_c`` lives (see :mod:`device_sim.client_store`).
         prefetch: ``auto`` | ``on`` | ``off`` — prepare the next chunk's images while a chunk
             trains (:mod:`device_sim.prefetch`; ``auto``: on CUDA). Changes no result.
+        compile: ``auto`` | ``on`` | ``off`` — the batched executor's folded trunk through
+            ``torch.compile`` (:mod:`device_sim.executors.compiled`; ``auto``: on CUDA with Triton).
+            The same updates within float rounding.
     """
 
     rounds: int = 10
@@ -95,6 +98,7 @@ class FederationConfig:
     store_dtype: str = "fp32"
     store_location: str = "cpu"
     prefetch: str = "auto"
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.rounds < 0:
@@ -166,7 +170,8 @@ class Federation:
         if method.trains or self.is_main:      # a method that only evaluates is evaluated on rank 0
             method.prepare(data)
         self.global_weights: Weights = method.init_global()
-        self.executor = make_executor(config.executor, config.device, config.chunk_size)
+        self.executor = make_executor(config.executor, config.device, config.chunk_size,
+                                      **({"compile": config.compile} if config.compile != "auto" else {}))
         self.feature_caches = feature_caches(method, config.device, config.local.amp) if method.trains else []
         """ξ(x) — and a frozen stem's outputs — of every participant's images, computed once per run."""
         template = method.init_private(self.global_weights)

@@ -55,7 +55,7 @@ def federation_identity(fed: "Federation") -> dict[str, Any]:
     """What a checkpoint must match to be resumed: method and options, settings (but those that
     may change on resume), population size, model, data and ξ fingerprints (computed once)."""
     cfg = fed.config.to_dict()
-    for k in ("rounds", "executor", "chunk_size", "device", "prefetch"):  # may differ on resume
+    for k in ("rounds", "executor", "chunk_size", "device", "prefetch", "compile"):  # may differ on resume
         cfg.pop(k)
     if fed._data_fingerprint is None:
         fed._data_fingerprint = data_fingerprint(fed.data)
