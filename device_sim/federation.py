@@ -41,7 +41,7 @@ from server_agg.aggregate import StreamingFedAvg, fedavg_stacked
 from .borrowing import lend_rows, return_rows, store_chunk
 from .client_store import ClientStore
 from .distributed import DistContext, DistributedFedAvg, all_gather, gather_to_main
-from .federation_state import (CHECKPOINT_FORMAT, IDENTITY_PARTS, checkpoint_path, data_fingerprint,  # noqa: F401
+from .federation_state import (CHECKPOINT_FORMAT, IDENTITY_PARTS, RoundRecord, checkpoint_path, data_fingerprint,  # noqa: F401
                                latest_checkpoint, load_federation, save_federation)
 from .executors import ClientTask, LocalConfig, make_executor, train_splitting, unstack
 from .methods.base import FederatedMethod, Params, SimContext, Weights
@@ -116,26 +116,6 @@ class FederationConfig:
         d = dict(d)
         d["local"] = LocalConfig(**d["local"])
         return cls(**d)
-
-
-@dataclass
-class RoundRecord:
-    """Per-round metrics: participants, samples, time and mean objective parts."""
-
-    round: int
-    participants: int
-    num_samples: int
-    seconds: float
-    client_updates_per_s: float
-    metrics: dict[str, float]
-    eval: dict[str, Any] | None = None
-    clients_with_steps: int | None = None
-    """Participants that applied at least one local step; ``metrics`` average over them only
-    (a client with too few images for a batch trains nothing and reports no loss). Empty
-    ``metrics`` when none did. ``None`` in histories written before it was recorded."""
-    borrowed: int | None = None
-    """Distributed runs: participants trained on a rank other than their home rank
-    (``--rank-split balanced``); None in one process."""
 
 
 def client_seed(seed: int, round_idx: int, client: int) -> int:
