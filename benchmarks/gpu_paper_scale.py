@@ -16,6 +16,13 @@ chunks, FedAvg) and an evaluation of ``--eval-clients`` clients. It prints, per 
   evaluation scaled to its client count (``--eval-full-clients``, 1,000 by default as in
   ``fedfs simulate``).
 
+``--compile off auto`` runs each method once per mode of the folded trunk's ``torch.compile``
+(``device_sim/executors/compiled.py``; ``auto`` = compiled on CUDA with Triton): the eager and the
+compiled path side by side in one call. Compilation is timed apart (``compile`` line: the first
+forward + backward of each chunk shape) and left out of the training rate and the extrapolation
+(it is paid once per run, not per update). A method whose path is not folded (``scope=top``:
+vmap over the top) runs once — compilation does not apply to it.
+
 ``--full`` runs the whole setting (5 rounds at p = 0.7) instead of the slice and reports the
 measured total. On CPU the same table comes out at small sizes, showing Python and launch
 overhead: ``python benchmarks/gpu_paper_scale.py --device cpu --backbone tiny --image-size 32
@@ -46,7 +53,7 @@ from device_sim.splits import make_splits  # noqa: E402
 from device_sim.synthfaces import SynthFaces  # noqa: E402
 from fedfs_sdk.nn.model import FaceNet, ModelConfig  # noqa: E402
 
-PHASES = ("prepare", "data", "xi", "calibrate", "train", "fedavg", "store", "eval")
+PHASES = ("prepare", "data", "xi", "calibrate", "compile", "train", "fedavg", "store", "eval")
 
 
 def build_population(args: argparse.Namespace, dev: torch.device) -> Population:
@@ -69,7 +76,8 @@ def load_xi(args: argparse.Namespace, dev: torch.device) -> FaceNet:
     return FaceNet(mc).eval().requires_grad_(False)
 
 
-def run_method(spec: str, pop: Population, xi: FaceNet, args: argparse.Namespace, dev: torch.device) -> dict:
+def run_method(spec: str, pop: Population, xi: FaceNet, args: argparse.Namespace, dev: torch.device,
+               compile_mode: str = "auto") -> dict:
     rounds = args.rounds if args.full else 1
     participation = args.participation if args.full else min(1.0, args.slice / args.clients)
     if dev.type == "cuda":
@@ -79,7 +87,7 @@ def run_method(spec: str, pop: Population, xi: FaceNet, args: argparse.Namespace
     fed = Federation(parse_method(spec), pop, xi, FederationConfig(
         rounds=rounds, participation=participation, seed=0, device=str(dev), executor="batched",
         chunk_size=args.chunk_size, store_dtype=args.store_dtype, store_location=args.store_location,
-        local=LocalConfig(batch_size=args.batch_size, local_epochs=args.local_epochs, amp=args.amp)))
+        compile=compile_mode, local=LocalConfig(batch_size=args.batch_size, local_epochs=args.local_epochs, amp=args.amp)))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     prepare_s = time.perf_counter() - t0      # method.prepare: e.g. fedfs+feduv's pooled ξ statistics
@@ -97,7 +105,13 @@ def run_method(spec: str, pop: Population, xi: FaceNet, args: argparse.Namespace
     updates = sum(r.participants for r in records)
     distinct = len(fed.feature_caches[0]) if fed.feature_caches else updates     # clients whose features were computed
     ph = dict(fed.phases.seconds)
-    out = {"method": spec, "label": fed.method.label, "rounds": rounds, "updates": updates, "wall_s": wall,
+    compile_s = float(getattr(fed.executor, "compile_s", 0.0))
+    if compile_s:           # paid once per run: its own line, out of the per-update training time
+        ph["train"] = max(ph.get("train", 0.0) - compile_s, 0.0)
+        ph["compile"] = compile_s
+    out = {"method": spec if compile_mode == "auto" else f"{spec} compile={compile_mode}", "label": fed.method.label,
+           "compile_mode": compile_mode, "compiled": bool(getattr(fed.executor, "compile", False)) and compile_s > 0,
+           "rounds": rounds, "updates": updates, "wall_s": wall,
            "distinct_clients": distinct,
            "phases_s": ph, "executor_path": fed.executor.path, "executor_note": fed.executor.path_note,
            "chunk_size": fed.executor.chunk_size, "oom_splits": fed.executor.oom_splits,
@@ -151,6 +165,7 @@ def extrapolate(res: dict, args: argparse.Namespace) -> dict[str, float]:
     for p in ("data", "xi"):
         out[p] = res["phases_s"].get(p, 0.0) * seen / max(res["distinct_clients"], 1)
     out["calibrate"] = res["phases_s"].get("calibrate", 0.0)
+    out["compile"] = res["phases_s"].get("compile", 0.0)      # once per run (each chunk shape once)
     out["prepare"] = res["phases_s"].get("prepare", 0.0)   # ≤ 1,000 clients' images whatever the population
     ev = res["phases_s"].get("eval", 0.0)
     out["eval"] = ev * min(args.eval_full_clients, args.full_clients) / max(res["eval_clients"], 1)
@@ -204,6 +219,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--chunk-size", type=int, default=0, help="0: calibrated from free memory")
     p.add_argument("--fold", default=None, help="executor fold mode (auto|off)")
     p.add_argument("--pointwise", default=None, help="folded 1×1 convolutions: conv|matmul")
+    p.add_argument("--compile", nargs="+", default=["auto"], choices=["auto", "on", "off"],
+                   help="torch.compile of the folded trunk, one run per mode (e.g. off auto: eager and compiled)")
     p.add_argument("--data-cache", default="auto", help="auto|device|host|none (device_sim.image_store)")
     p.add_argument("--store-dtype", default="fp16")
     p.add_argument("--store-location", default=None, help="client store: cuda|cpu (default: the device)")
@@ -223,7 +240,13 @@ def main(argv: list[str] | None = None) -> dict:
     pop = build_population(args, dev)
     print(f"population of {args.clients} clients: {time.perf_counter() - t0:.1f} s; data cache: "
           f"{pop.store.plan.reason if pop.store is not None else 'none'}", flush=True)
-    results = [run_method(spec, pop, xi, args, dev) for spec in args.methods]
+    results = []
+    for spec in args.methods:
+        for mode in args.compile:
+            res = run_method(spec, pop, xi, args, dev, mode)
+            results.append(res)
+            if res["executor_path"] != "folded":      # nothing to compile (scope=top): one run
+                break
     if len(results) > 1:
         print_table(results, args, dev)
     out = {"config": vars(args), "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -170,8 +170,9 @@ def main() -> None:
     result: dict = {"config": vars(args), "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                     "torch": torch.__version__, "variants": {}}
     exs = {v: BatchedExecutor(dev, chunk_size=k, **parse_variant(v)) for v in args.variants}
-    for v, ex in exs.items():       # warm-up (cuDNN autotuning, allocator) outside the timings
-        time_chunk(ex, method, plan, tasks, local, dev)
+    warm: dict[str, float] = {}
+    for v, ex in exs.items():       # warm-up (cuDNN autotuning, allocator, compilation) outside the timings
+        warm[v] = time_chunk(ex, method, plan, tasks, local, dev)[0]
     times: dict[str, list[float]] = {v: [] for v in exs}
     peaks: dict[str, int] = {}
     for _ in range(args.repeats):
@@ -183,16 +184,18 @@ def main() -> None:
     for v in exs:
         med = float(np.median(times[v]))
         result["variants"][v] = {"seconds": times[v], "client_updates_per_s": k / med,
-                                 "image_steps_per_s": img_steps / med, "peak_mb_per_client": peaks[v] / 2**20 / k}
+                                 "image_steps_per_s": img_steps / med, "peak_mb_per_client": peaks[v] / 2**20 / k,
+                                 "warm_up_chunk_s": warm[v], "compile_s": exs[v].compile_s}
     if not args.no_reference:
         result["reference_images_per_s_one_model"] = reference_rate(mc, args, dev)
     print(f"{result['device_name']}, torch {torch.__version__}: {args.method}, {args.backbone}@{args.image_size}, "
           f"K={k} clients × {args.images} images, batch {args.batch_size}, {args.local_epochs} epochs, amp {args.amp}")
-    print("| variant | client-updates/s | image-steps/s | peak MB/client | seconds |")
-    print("|---|---|---|---|---|")
+    print("| variant | client-updates/s | image-steps/s | peak MB/client | seconds | warm-up chunk s | compile s |")
+    print("|---|---|---|---|---|---|---|")
     for v, r in result["variants"].items():
         print(f"| {v} | {r['client_updates_per_s']:.2f} | {r['image_steps_per_s']:.0f} | "
-              f"{r['peak_mb_per_client']:.0f} | {' '.join(f'{s:.2f}' for s in r['seconds'])} |")
+              f"{r['peak_mb_per_client']:.0f} | {' '.join(f'{s:.2f}' for s in r['seconds'])} | "
+              f"{r['warm_up_chunk_s']:.1f} | {r['compile_s']:.1f} |")
     if "reference_images_per_s_one_model" in result:
         ref = result["reference_images_per_s_one_model"]
         print("one shared model, K·B images per step (images/s): " + ", ".join(f"{a} {b:.0f}" for a, b in ref.items()))

@@ -32,7 +32,7 @@ from .experiment import ExperimentConfig
 from .experiment_data import build_data, public_impostor_images
 from .experiment_resolve import experiment_from_args
 from .evaluate import EvalConfig, evaluate
-from .executors import LocalConfig
+from .executors import COMPILE_MODES, LocalConfig
 from .folder_split import auto_warmup_q
 from .federation import Federation, FederationConfig, checkpoint_path, latest_checkpoint
 from .methods import REGISTRY, parse_method
@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-location", default="cpu", choices=["cpu", "pinned", "cuda", "disk"], help="where θ_c lives")
     p.add_argument("--prefetch", default="auto", choices=list(PREFETCH_MODES),
                    help="prepare the next chunk's images while a chunk trains (auto: on CUDA); changes no result")
+    p.add_argument("--compile", default="auto", choices=list(COMPILE_MODES),
+                   help="the batched executor's client-folded trunk through torch.compile (auto: on CUDA with "
+                        "Triton, eager on CPU); a failed compilation falls back to eager and says why")
     p.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every K rounds (and at the end) when > 0")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in DIR")
     p.add_argument("--eval-every", type=int, default=0, help="also evaluate every K rounds (history) when > 0")
@@ -114,7 +117,8 @@ def federation_config(cfg: ExperimentConfig) -> FederationConfig:
                         momentum=t.momentum, weight_decay=t.weight_decay, amp=rt.amp)
     return FederationConfig(rounds=t.rounds, participation=t.participation, local=local, seed=t.seed,
                             device=rt.device, executor=rt.executor, chunk_size=rt.chunk_size,
-                            store_dtype=rt.store_dtype, store_location=rt.store_location, prefetch=rt.prefetch)
+                            store_dtype=rt.store_dtype, store_location=rt.store_location, prefetch=rt.prefetch,
+                            compile=rt.compile)
 
 
 def run_method(spec: str, pop: Population, xi, cfg: ExperimentConfig, out: Path,

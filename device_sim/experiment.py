@@ -150,6 +150,8 @@ class RuntimeConfig:
     store_dtype: str = "fp32"
     store_location: str = "cpu"
     prefetch: str = "auto"
+    compile: str = "auto"
+    """the batched executor's folded trunk through torch.compile: auto (CUDA with Triton) | on | off"""
     data_cache: str = "auto"
     distributed: bool = False
     workers: int = 1

@@ -41,7 +41,7 @@ from server_agg.aggregate import StreamingFedAvg, fedavg_stacked
 from .borrowing import lend_rows, return_rows, store_chunk
 from .client_store import ClientStore
 from .distributed import DistContext, DistributedFedAvg, all_gather, gather_to_main
-from .federation_state import (CHECKPOINT_FORMAT, IDENTITY_PARTS, checkpoint_path, data_fingerprint,  # noqa: F401
+from .federation_state import (CHECKPOINT_FORMAT, IDENTITY_PARTS, RoundRecord, checkpoint_path, data_fingerprint,  # noqa: F401
                                latest_checkpoint, load_federation, save_federation)
 from .executors import ClientTask, LocalConfig, make_executor, train_splitting, unstack
 from .methods.base import FederatedMethod, Params, SimContext, Weights
@@ -83,6 +83,9 @@ class FederationConfig:
         store_dtype, store_location: where ``θ_c`` lives (see :mod:`device_sim.client_store`).
         prefetch: ``auto`` | ``on`` | ``off`` — prepare the next chunk's images while a chunk
             trains (:mod:`device_sim.prefetch`; ``auto``: on CUDA). Changes no result.
+        compile: ``auto`` | ``on`` | ``off`` — the batched executor's folded trunk through
+            ``torch.compile`` (:mod:`device_sim.executors.compiled`; ``auto``: on CUDA with Triton).
+            The same updates within float rounding.
     """
 
     rounds: int = 10
@@ -95,6 +98,7 @@ class FederationConfig:
     store_dtype: str = "fp32"
     store_location: str = "cpu"
     prefetch: str = "auto"
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.rounds < 0:
@@ -112,26 +116,6 @@ class FederationConfig:
         d = dict(d)
         d["local"] = LocalConfig(**d["local"])
         return cls(**d)
-
-
-@dataclass
-class RoundRecord:
-    """Per-round metrics: participants, samples, time and mean objective parts."""
-
-    round: int
-    participants: int
-    num_samples: int
-    seconds: float
-    client_updates_per_s: float
-    metrics: dict[str, float]
-    eval: dict[str, Any] | None = None
-    clients_with_steps: int | None = None
-    """Participants that applied at least one local step; ``metrics`` average over them only
-    (a client with too few images for a batch trains nothing and reports no loss). Empty
-    ``metrics`` when none did. ``None`` in histories written before it was recorded."""
-    borrowed: int | None = None
-    """Distributed runs: participants trained on a rank other than their home rank
-    (``--rank-split balanced``); None in one process."""
 
 
 def client_seed(seed: int, round_idx: int, client: int) -> int:
@@ -166,7 +150,8 @@ class Federation:
         if method.trains or self.is_main:      # a method that only evaluates is evaluated on rank 0
             method.prepare(data)
         self.global_weights: Weights = method.init_global()
-        self.executor = make_executor(config.executor, config.device, config.chunk_size)
+        self.executor = make_executor(config.executor, config.device, config.chunk_size,
+                                      **({"compile": config.compile} if config.compile != "auto" else {}))
         self.feature_caches = feature_caches(method, config.device, config.local.amp) if method.trains else []
         """ξ(x) — and a frozen stem's outputs — of every participant's images, computed once per run."""
         template = method.init_private(self.global_weights)

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,26 @@ IDENTITY_PARTS = {
     "data.images": "the clients' training images",
     "xi": "the pre-trained ξ weights",
 }
+
+
+@dataclass
+class RoundRecord:
+    """Per-round metrics: participants, samples, time and mean objective parts."""
+
+    round: int
+    participants: int
+    num_samples: int
+    seconds: float
+    client_updates_per_s: float
+    metrics: dict[str, float]
+    eval: dict[str, Any] | None = None
+    clients_with_steps: int | None = None
+    """Participants that applied at least one local step; ``metrics`` average over them only
+    (a client with too few images for a batch trains nothing and reports no loss). Empty
+    ``metrics`` when none did. ``None`` in histories written before it was recorded."""
+    borrowed: int | None = None
+    """Distributed runs: participants trained on a rank other than their home rank
+    (``--rank-split balanced``); None in one process."""
 
 
 def data_fingerprint(data: "ClientData", sample_clients: int = 3) -> dict[str, str]:
@@ -55,7 +75,7 @@ def federation_identity(fed: "Federation") -> dict[str, Any]:
     """What a checkpoint must match to be resumed: method and options, settings (but those that
     may change on resume), population size, model, data and ξ fingerprints (computed once)."""
     cfg = fed.config.to_dict()
-    for k in ("rounds", "executor", "chunk_size", "device", "prefetch"):  # may differ on resume
+    for k in ("rounds", "executor", "chunk_size", "device", "prefetch", "compile"):  # may differ on resume
         cfg.pop(k)
     if fed._data_fingerprint is None:
         fed._data_fingerprint = data_fingerprint(fed.data)
@@ -64,11 +84,6 @@ def federation_identity(fed: "Federation") -> dict[str, Any]:
     return {"method": fed.method.name, "options": fed.method.options(), "config": cfg,
             "num_clients": fed.data.num_clients, "model_config": fed.ctx.model_config.to_json(),
             "data": fed._data_fingerprint, "xi": fed._xi_fingerprint}
-
-
-def _round_record(**fields: Any):
-    from .federation import RoundRecord
-    return RoundRecord(**fields)
 
 
 def save_federation(fed: "Federation", path: str | os.PathLike[str]) -> Path | None:
@@ -109,7 +124,7 @@ def load_federation(fed: "Federation", path: str | os.PathLike[str]) -> None:
     torch.set_rng_state(tensors["rng/torch"])
     fed.sampler.bit_generator.state = json.loads(meta["sampler"])
     fed.round = int(meta["round"])
-    fed.history = [_round_record(**h) for h in json.loads(meta["history"])]
+    fed.history = [RoundRecord(**h) for h in json.loads(meta["history"])]
 
 
 def identity_mismatch(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> str:

@@ -30,7 +30,8 @@ from fedfs_sdk.errors import InputError
 from ..methods.base import FederatedMethod, Params, RoundPlan
 from .common import (FP16_LOSS_SCALE, ChunkResult, ClientTask, LocalConfig, Metrics, autocast, check_tasks,
                      client_batches, learning_rates, moving, normalized, sgd_update)
-from .folding import POINTWISE_MODES, NotFoldable, check_folding, fold_module, folded_call
+from .compiled import TrunkCall, compile_choice
+from .folding import POINTWISE_MODES, NotFoldable, check_folding, fold_module
 from .memory import MemoryPlan, cuda_memory_probe
 
 FOLD_MODES = ("auto", "off")
@@ -92,12 +93,17 @@ class BatchedExecutor:
             objective, as before — kept to test that both give the same updates).
         channels_last: run the folded trunk in NHWC memory (cuDNN's grouped convolutions
             transpose NCHW inputs to NHWC and back otherwise).
+        compile: the folded trunk through ``torch.compile`` (:mod:`.compiled`): ``auto`` — on
+            CUDA where Triton is installed, eager on CPU; ``on``; ``off``. A failed compilation
+            falls back to eager and ``path_note`` says why; ``compile_s`` is the first compiled
+            step's time (compilation included), kept apart from training throughput.
     """
 
     name = "batched"
 
     def __init__(self, device: str | torch.device = "cuda", chunk_size: int = 0, memory_fraction: float = 0.8,
-                 fold: str = "auto", pointwise: str = "auto", xi_once: bool = True, channels_last: bool = False) -> None:
+                 fold: str = "auto", pointwise: str = "auto", xi_once: bool = True, channels_last: bool = False,
+                 compile: str = "auto") -> None:
         if fold not in FOLD_MODES:
             raise InputError(f"fold must be one of {FOLD_MODES}, got {fold!r}")
         if pointwise not in POINTWISE_MODES + ("auto",):
@@ -108,6 +114,7 @@ class BatchedExecutor:
             raise InputError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         self.device = torch.device(device)
         self.fold, self.pointwise, self.xi_once, self.channels_last = fold, pointwise, xi_once, bool(channels_last)
+        self.compile, self.compile_note = compile_choice(compile, self.device)
         self.chunk_size = int(chunk_size) if chunk_size > 0 else (256 if self.device.type == "cuda" else 32)
         self.memory_fraction = memory_fraction
         self.needs_calibration = chunk_size <= 0 and self.device.type == "cuda"
@@ -117,17 +124,23 @@ class BatchedExecutor:
         self.path_note = ""
         self.oom_splits = 0
         """Chunks split in half after an out-of-memory error (:func:`.splitting.train_splitting`)."""
-        self._folded: dict[int, dict[str, torch.nn.Module]] = {}
+        self._folded: dict[int, dict[str, TrunkCall]] = {}
+        self._probing = False
         self.probe: Callable[[Callable[[], None]], tuple[int, int]] = cuda_memory_probe(self.device)
 
     # ---- the path --------------------------------------------------------------------------
-    def _trunks(self, method: FederatedMethod) -> dict[str, torch.nn.Module]:
-        """Folded backbones of the method's trained trunk groups, or {} (vmap)."""
+    @property
+    def compile_s(self) -> float:
+        """Seconds the compiled trunks' first steps took (compilation included), all methods."""
+        return sum(c.compile_s for calls in self._folded.values() for c in calls.values())
+
+    def _trunks(self, method: FederatedMethod) -> dict[str, TrunkCall]:
+        """Folded backbones of the method's trained trunk groups, as calls, or {} (vmap)."""
         key = id(method)
         if key in self._folded:
             return self._folded[key]
         trunks, trained = method.trunks() if self.fold == "auto" else {}, method.trained_groups()
-        out: dict[str, torch.nn.Module] = {}
+        out: dict[str, TrunkCall] = {}
         note = "fold=off" if self.fold == "off" else (
             "scope=top: the frozen stem runs once per image, vmap over the top" if method.frozen_stem() is not None
             else "the method has no backbone/head split")
@@ -137,9 +150,9 @@ class BatchedExecutor:
                     continue
                 folded = fold_module(backbone, self.pointwise)
                 check_folding(backbone, folded, int(getattr(backbone, "input_size", 32)), self.device)
-                out[g] = folded.to(self.device)
+                out[g] = TrunkCall(folded.to(self.device), self.channels_last, self.compile)
             if out:
-                note = f"client-folded trunks: {', '.join(out)}"
+                note = f"client-folded trunks: {', '.join(out)}; {self.compile_note}"
         except NotFoldable as e:
             out, note = {}, f"vmap: {e}"
         self._folded[key] = out
@@ -246,6 +259,9 @@ class BatchedExecutor:
                 sgd_update(ch.params, grads, lrs, cfg, bufs)
             started |= act
             metrics.add(parts, act)
+        failed = [c.note for c in trunks.values() if c.note.startswith("compile failed")]
+        if failed:
+            self.path_note = f"client-folded trunks: {', '.join(trunks)}; {failed[0]}"
         params = {g: {k: v.detach() for k, v in w.items()} for g, w in ch.params.items()}
         bad = ~torch.stack([torch.isfinite(v).flatten(1).all(1) for w in params.values() for v in w.values()]).all(0)
         if bool(bad.any()):
@@ -291,7 +307,7 @@ class BatchedExecutor:
         return step
 
     def _folded_step(self, method: FederatedMethod, plan: RoundPlan, cfg: LocalConfig, ch: _Chunk,
-                     trunks: dict[str, torch.nn.Module], scale: float):
+                     trunks: dict[str, TrunkCall], scale: float):
         trainable, fixed = self._split(method, ch.params)
         dev = self.device
         trunk_params = {g: {n[len(BACKBONE):]: p.requires_grad_(True) for n, p in trainable[g].items()
@@ -311,11 +327,14 @@ class BatchedExecutor:
         fn = vmap(grad_and_value(head_fn, argnums=(0, 1), has_aux=True),
                   in_dims=(0, 0, 0, 0, 0 if ch.xi is not None else None, 0))
 
+        # the memory probe runs eager: compiling the probe's 1- and 2-client shapes would cost two
+        # compilations no chunk uses, and eager's activation memory bounds the compiled one's
+        calls = {g: (c.eager if self._probing else c) for g, c in trunks.items()}
+
         def step(t: int):
             x, v = self._batch(ch, t)
             with autocast(dev, cfg.amp):
-                outs = {g: folded_call(net, trunk_params[g], x, self.channels_last)
-                    for g, net in trunks.items()}   # [K, B, D]
+                outs = {g: call(trunk_params[g], x) for g, call in calls.items()}   # [K, B, D]
             feats = {g: o.detach().float() for g, o in outs.items()}
             (g_head, g_feats), (_, parts) = fn(head, feats, (fixed, ch.consts), x, v, ch.valid[t])
             trunk_grads = torch.autograd.grad([outs[g] for g in trunks],
@@ -337,9 +356,13 @@ class BatchedExecutor:
         if len(probe_tasks) < 1:
             raise InputError("calibration needs at least one client task")
         peaks = []
-        for k in (1, min(2, len(probe_tasks))):
-            free, peak = self.probe(lambda k=k: self.train(method, plan, probe_tasks[:k], cfg, max_steps=1))
-            peaks.append((k, peak, free))
+        self._probing = True
+        try:
+            for k in (1, min(2, len(probe_tasks))):
+                free, peak = self.probe(lambda k=k: self.train(method, plan, probe_tasks[:k], cfg, max_steps=1))
+                peaks.append((k, peak, free))
+        finally:
+            self._probing = False
         plan_ = MemoryPlan.from_probes(peaks, self.memory_fraction)
         self.chunk_size = plan_.chunk_size
         self.memory_plan = plan_
