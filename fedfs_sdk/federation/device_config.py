@@ -157,6 +157,13 @@ def check_local_inputs(images: Sequence[Any], config: DeviceConfig,
 
     if len(images) == 0:
         raise InputError("a device needs at least one image")
+    if config.enroll:     # refused now, not after registering, training and uploading (issue 29)
+        from ..runtime.enrollment import min_warmup_images
+
+        need = min_warmup_images(config.q)
+        if len(images) < need:
+            raise InputError(f"--enroll with target TPR q={config.q} needs at least {need} photos of the owner, "
+                             f"got {len(images)}: add photos, or lower --q (q=0.8 needs 5)")
     size = CHECK_INPUT_SIZE
     if config.artifacts is not None:
         rt = runtime if isinstance(runtime, OrtRuntime) else OrtRuntime(config.artifacts)

@@ -202,9 +202,10 @@ class TorchRuntime:
         config = ModelConfig.from_json(meta["model_config"]).resolved()
         global_net = FaceNet(config)
         global_net.load_state_dict(weights)
-        if chosen == "xi":
+        if chosen == "xi":      # ξ as it is, on its own architecture (not the global model's: issue 29)
             xi = load_checkpoint(xi_path(agent))[0]
-            global_net = FaceNet(replace(config, code_length=None, proj_dim=None))
+            config = replace(xi.config.resolved(), code_length=None, proj_dim=None)
+            global_net = FaceNet(config)
             global_net.backbone.load_state_dict(xi.backbone.state_dict())
         personal_backbone = None
         if chosen in ("personal", "both"):
