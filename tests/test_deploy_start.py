@@ -142,3 +142,23 @@ def test_builtin_dlib_resnet_by_name(tmp_path):
             assert a.get("/v1/admin/config").json()["method"] == "fedfs+feduv"
     finally:
         srv.stop()
+
+
+def test_the_model_id_changes_with_the_architecture(tmp_path):
+    """``mobilefacenet`` and ``mobilefacenet-affine`` have the same tensor names and shapes: the same
+    weights under either architecture used to carry one model id (an enrollment of the one verified
+    with the other). The ONNX export of the affine verifier recomputes the torch id."""
+    from export.onnx_inference import export_onnx
+    from fedfs_sdk.nn.checkpoint import load_verifier, save_verifier
+    from fedfs_sdk.runtime.onnx_backend import OnnxBackend
+
+    affine = checkpoint(tmp_path / "a.safetensors", "mobilefacenet-affine")
+    plain = FaceNet(ModelConfig("mobilefacenet"))
+    plain.backbone.load_state_dict(affine.backbone.state_dict())          # loads: same names and shapes
+    ids = {name: save_verifier(tmp_path / f"{name}.safetensors", net.backbone, net.config)
+           for name, net in (("affine", affine), ("plain", plain))}
+    assert ids["affine"] != ids["plain"]
+    assert {load_verifier(tmp_path / f"{n}.safetensors")[1] for n in ids} == set(ids.values())
+    verifier, mid = load_verifier(tmp_path / "affine.safetensors")
+    export_onnx(verifier, tmp_path / "affine.onnx")
+    assert OnnxBackend(str(tmp_path / "affine.onnx")).model_id == mid == ids["affine"]
