@@ -236,7 +236,8 @@ class DeviceAgent(SecureRounds):
         its models at enrollment (``config.enroll`` or ``config.impostors``: the do-no-harm check)."""
         x = self.all_images_array(input_size)
         # the check runs at every enrollment (do no harm by default): its photos are never trained on
-        return x[self.holdout_split()[0]] if (self.config.impostors is not None or self.config.enroll) else x
+        checks = self.config.select != "off" and (self.config.impostors is not None or self.config.enroll)
+        return x[self.holdout_split()[0]] if checks else x
 
     def holdout_split(self) -> tuple[np.ndarray, np.ndarray]:
         """``(train, holdout)`` positions of the owner's images: photos held out by a hash of their

@@ -68,6 +68,11 @@ class DeviceConfig:
             the enrollment records the choice and its operating point.
         holdout: share of the owner's photos held out for that check (at least 2).
         far: the enrollment's false-accept target on the impostor set (None: FedUV's q only).
+        select: ``auto`` (default) — the do-no-harm check at every enrollment: ``holdout`` of the
+            photos are never trained on, and the device verifies with the candidate the check picks
+            on the public impostor set (``impostors``, else the one the server ships with its model);
+            with no impostor set at all it keeps ξ and says so. ``off`` — enroll the method's own
+            model unchecked, on every photo (the papers' behaviour; e.g. to study that model).
         helps: candidates (``global``, ``personalized``) the federation found better than ξ
             across its devices (:func:`fedfs_sdk.training.selection.population_verdict`); for
             them the device only checks that they do no harm *here*. Empty (the default, and all
@@ -94,9 +99,12 @@ class DeviceConfig:
     impostors: Path | None = None
     holdout: float = 0.2
     far: float | None = None
+    select: str = "auto"
     helps: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.select not in ("auto", "off"):
+            raise InputError(f"select must be 'auto' (the do-no-harm check) or 'off', got {self.select!r}")
         if not 0 < self.holdout < 1:
             raise InputError(f"holdout (the share of photos kept out of training) must be in (0, 1), got {self.holdout!r}")
         if self.far is not None and self.impostors is None:

@@ -23,6 +23,7 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     enrollment.
     """
     from ..runtime.enrollment import enroll, save_enrollment
+    from ..runtime.impostors import load_impostors
 
     if after_round is not None:
         t0 = self._clock()
@@ -36,12 +37,16 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     version = int(info["version"])
     score, model = check_verification(check_method(method), self.config.score, self.config.verify)
     mbytes = self.model_bytes(version, info["sha256"])
-    fetch_xi(self, info)                 # ξ is a candidate of the check even where the method trains without it
-    impostors = public_impostors(self, info)
-    if impostors is not None:
-        chosen, selection = choose_model(self, method, mbytes, version, score, model, impostors)
+    impostors, selection, chosen = None, None, "personalized"
+    if self.config.select == "off":          # asked for: the method's model, unchecked (the papers' behaviour)
+        impostors = load_impostors(self.config.impostors) if self.config.impostors is not None else None
     else:
-        chosen, selection = unchecked_choice(self)
+        fetch_xi(self, info)                 # ξ is a candidate of the check even where the method trains without it
+        impostors = public_impostors(self, info)
+        if impostors is not None:
+            chosen, selection = choose_model(self, method, mbytes, version, score, model, impostors)
+        else:
+            chosen, selection = unchecked_choice(self)
     backend = self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen)
     mode, template_output = candidate_mode(method, score, model, chosen)
     codeword = self.state.load_codeword() if mode == "codeword" else None
