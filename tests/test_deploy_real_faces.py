@@ -108,6 +108,8 @@ def test_the_documented_deployment_accepts_owners_and_rejects_strangers(tmp_path
         stated = re.search(r"FAR ([0-9.]+) on the (\d+) public impostor photos", own.stdout)
         assert stated is not None, own.stdout
         stated_far.append(float(stated.group(1)))
+    print(f"{xi}: owners {accepted_owner} of 6 probes accepted, strangers {accepted_stranger} of 12, "
+          f"stated FAR on the public set {stated_far}")                   # shown with pytest -s
     assert accepted_owner >= 5, f"owners: {accepted_owner} of 6 probes accepted"
     # strangers: no more than the enrollments' stated FAR on the public set lets through (it was 12 of 12)
     assert accepted_stranger <= int(12 * max(stated_far)), f"strangers: {accepted_stranger} of 12 accepted, " \
