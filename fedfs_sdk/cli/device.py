@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--holdout", type=float, default=0.2, help="share of the owner's photos kept out of training for "
                    "that check (at least 2; default 0.2)")
     p.add_argument("--far", type=float, default=None, help="enrollment false-accept target on the impostor set "
-                   "(e.g. 1e-3; needs --impostors with ≥ ⌈1/far⌉−1 photos)")
+                   "(e.g. 1e-3; needs a public impostor set — --impostors, or the server's — with ≥ ⌈1/far⌉−1 photos)")
     p.add_argument("--key-file", type=Path, help="32-byte device key: encrypts the enrollment and the FedUV "
                    "secrets (default: STATE/enrollment.key, created 0600)")
     p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what "

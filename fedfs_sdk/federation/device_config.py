@@ -107,7 +107,8 @@ class DeviceConfig:
             raise InputError(f"select must be 'auto' (the do-no-harm check) or 'off', got {self.select!r}")
         if not 0 < self.holdout < 1:
             raise InputError(f"holdout (the share of photos kept out of training) must be in (0, 1), got {self.holdout!r}")
-        if self.far is not None and self.impostors is None:
+        if self.far is not None and self.impostors is None and self.select == "off":
+            # (with select="auto" the server's set may serve: checked at enrollment, device_enrollment)
             raise InputError("a false-accept target (far) needs the public impostor set (impostors / --impostors)")
         if self.far is not None and not 0 < self.far < 1:
             raise InputError(f"far must be in (0, 1), got {self.far!r}")

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import InputError, ProtocolError
 from .wire_format import sha256_hex
 from ..training.methods import check_method, check_verification, uses_fedfs, uses_feduv
 
@@ -43,6 +43,9 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     else:
         fetch_xi(self, info)                 # ξ is a candidate of the check even where the method trains without it
         impostors = public_impostors(self, info)
+        if impostors is None and self.config.far is not None:
+            raise InputError(f"a false-accept target (far={self.config.far:g}) needs a public impostor set: the server "
+                             "ships none (fedfs serve --impostors); give the device --impostors FILE")
         if impostors is not None:
             chosen, selection = choose_model(self, method, mbytes, version, score, model, impostors)
         else:
