@@ -114,7 +114,7 @@ def export_onnx(verifier: torch.nn.Module, path: str | os.PathLike[str], *,
 
     path = Path(path)
     verifier = verifier.eval()
-    model_id = model_id_of(verifier.state_dict())
+    model_id = model_id_of(verifier.state_dict(), getattr(verifier.backbone, "name", None))
     graph = inference_twin(verifier) if fused else verifier
     s = int(verifier.backbone.input_size)
     outputs = verifier_outputs(verifier)

@@ -379,7 +379,7 @@ def export_dual_onnx(dual: Any, path: Path, version: str) -> dict[str, Any]:
     parity = onnx_vs_torch(dual, path)
     if max(parity.values()) > 1e-4:
         raise ExportError(f"dual ONNX verifier differs from torch by {parity} (> 1e-4)")
-    return {"model_id": model_id_of(dual.state_dict()), "precision": "fp32", "opset": _opset(path),
+    return {"model_id": model_id_of(dual.state_dict(), getattr(dual.backbone, "name", None)), "precision": "fp32", "opset": _opset(path),
             "max_abs_diff_vs_torch": parity, "verify": "both"}
 
 

@@ -128,6 +128,10 @@ class ModelInfo(BaseModel):
     nbytes: int
     dp: dict[str, Any] | None = None
     """The (ε, δ) per user this version is published with (DP-FedAvg rounds; server_agg.dp)."""
+    xi_sha256: str | None = None
+    """ξ served with the model (``GET /v1/xi``), if any."""
+    impostors_sha256: str | None = None
+    """The public impostor set shipped with the model (``GET /v1/impostors``), if any."""
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -348,6 +352,19 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
         if sha is None or not coord.layout.xi.is_file():
             raise NotFound("this server serves no ξ; give the device --xi", code="no_xi")
         return FileResponse(coord.layout.xi, media_type=MEDIA_TYPE, headers={"X-FedFS-SHA256": sha, "ETag": f'"{sha}"'})
+
+    @app.get("/v1/impostors", responses={200: {"content": {"application/octet-stream": {}}}, **_errors(401, 404)},
+             tags=["models"], response_class=FileResponse)
+    def impostors(_: str = Security(device_or_admin)) -> FileResponse:
+        """The public impostor set shipped with the model (``fedfs impostors``; photos of public
+        identities), for the devices' do-no-harm check, if the server has one."""
+        from .impostor_store import impostors_path, impostors_sha256
+
+        sha = impostors_sha256(coord)
+        if sha is None:
+            raise NotFound("this server ships no public impostor set", code="no_impostors")
+        return FileResponse(impostors_path(coord), media_type="application/octet-stream",
+                            headers={"X-FedFS-SHA256": sha, "ETag": f'"{sha}"'})
 
     @app.put("/v1/rounds/{round_id}/update", response_model=Receipt,
              responses=_errors(400, 401, 403, 404, 408, 409, 410, 413, 415, 422), tags=["rounds"],

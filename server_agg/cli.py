@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fedfs_sdk.errors import InputError
+from fedfs_sdk.nn.backbones import DEFAULTS as BACKBONE_NAMES
 from fedfs_sdk.training.objective import uses_fedfs
 
 log = logging.getLogger("fedfs.server")
@@ -53,23 +54,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--registration-token", default=os.environ.get("FEDFS_REGISTRATION_TOKEN"),
                    help="if set (or $FEDFS_REGISTRATION_TOKEN), devices must present it to register")
     g = p.add_argument_group("initial model (used only while the state has no model)")
-    g.add_argument("--init-model", type=Path, metavar="CKPT", help="publish this fedfs checkpoint as version 1")
-    g.add_argument("--init-backbone", choices=("tiny", "feduv_cnn", "mobilefacenet"),
-                   help="publish a freshly initialized model with this backbone as version 1")
+    g.add_argument("--init-model", metavar="CKPT|NAME",
+                   help="publish this fedfs checkpoint (any built-in architecture, e.g. what fedfs import-model "
+                        "wrote) or built-in model (dlib-resnet) as version 1; the FedUV head / FedFS projection the "
+                        "method needs are added when it lacks them")
+    g.add_argument("--init-backbone", choices=sorted(BACKBONE_NAMES),
+                   help="publish a freshly initialized model with this backbone as version 1 (with --xi: must be "
+                        "ξ's architecture, whose weights it starts from; default then)")
     g.add_argument("--code-length", type=int, choices=(127, 255, 511),
-                   help="FedUV head size c (needed by the feduv and fedfs+feduv methods)")
+                   help="FedUV head size c (needed by the feduv and fedfs+feduv methods; default 127 when the "
+                        "server adds the head)")
     g.add_argument("--proj-dim", type=int,
-                   help="FedFS extra linear layer size (needed by the fedfs and fedfs+feduv methods)")
-    g.add_argument("--embedding-dim", type=int, help="embedding size (default: the backbone's)")
-    g.add_argument("--input-size", type=int, help="input image side in pixels (default: the backbone's)")
+                   help="FedFS extra linear layer size (needed by the fedfs and fedfs+feduv methods; default: "
+                        "what ξ's embedding size asks for)")
+    g.add_argument("--embedding-dim", type=int, help="embedding size (default: ξ's, else the backbone's)")
+    g.add_argument("--input-size", type=int, help="input image side in pixels (default: ξ's, else the backbone's)")
     g.add_argument("--width", type=int, help="width multiplier of the tiny / feduv_cnn backbones (default: the backbone's)")
     g.add_argument("--init-seed", type=int, default=0, help="seed of the random initialization")
-    p.add_argument("--xi", type=Path, metavar="CKPT", help="frozen ξ checkpoint served read-only to FedFS devices; "
-                   "with --init-backbone and a FedFS method the initial backbone is copied from it (required then)")
+    p.add_argument("--xi", metavar="CKPT|NAME", help="frozen ξ served read-only to devices: a fedfs checkpoint of "
+                   "any built-in architecture or a built-in model (dlib-resnet). A new state without --init-model "
+                   "starts the global model from it (ξ's architecture) and runs fedfs+feduv by default, as "
+                   "fedfs simulate does")
+    p.add_argument("--impostors", type=Path, metavar="NPZ",
+                   help="public impostor set shipped with the model (fedfs impostors): devices download it for the "
+                        "do-no-harm check at enrollment (without one they keep ξ)")
     g = p.add_argument_group("round policy (stored; see docs/protocol.md)")
     g.add_argument("--method", choices=("feduv", "fedfs", "fedfs+feduv"),
-                   help="what devices train (stored default: feduv); must fit the model: feduv needs "
-                        "--code-length, fedfs needs --proj-dim, fedfs+feduv both")
+                   help="what devices train (a new state: fedfs+feduv with a ξ, the simulator's default; feduv "
+                        "without); must fit the model: feduv needs a FedUV head, fedfs a projection, fedfs+feduv both")
     g.add_argument("--train", metavar="JSON", help='training settings, e.g. \'{"lr": 0.1, "local_epochs": 1}\'')
     g.add_argument("--neg-codewords", type=int, help="random codewords per device for FedUV ℓ_neg")
     g.add_argument("--participation", type=float, help="fraction of devices sampled per round (0, 1]")
@@ -174,25 +186,37 @@ def policy_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def initial_checkpoint(args: argparse.Namespace) -> bytes | None:
-    """Bytes of the model to publish as version 1, from --init-model or --init-backbone."""
+def initial_checkpoint(args: argparse.Namespace, xi: bytes | None = None, method: str = "feduv",
+                       train: dict[str, Any] | None = None) -> bytes | None:
+    """Bytes of the model to publish as version 1: --init-model (heads the method needs added),
+    --init-backbone, or — with neither — ξ's architecture started from ξ (:mod:`.model_source`)."""
+    from .model_source import config_of, head_sizes, initial_from_xi, read_model_spec, with_heads
+
     if args.init_model is not None and args.init_backbone is not None:
         raise InputError("give --init-model or --init-backbone, not both")
+    xi_config = config_of(xi, "--xi") if xi is not None else None
+    code_length, proj_dim = head_sizes(method, xi_config, train or {}, args.code_length, args.proj_dim)
     if args.init_model is not None:
-        if not args.init_model.is_file():
-            raise InputError(f"--init-model: no such file {args.init_model}")
-        return args.init_model.read_bytes()
-    if args.init_backbone is None:
+        data = read_model_spec(args.init_model, "--init-model")
+        return with_heads(data, code_length, proj_dim, args.init_seed, "--init-model")
+    if args.init_backbone is None and xi is None:
         return None
-    from fedfs_sdk.nn.checkpoint import FORMAT, load_checkpoint
+    from fedfs_sdk.nn.checkpoint import FORMAT
     from fedfs_sdk.nn.model import ModelConfig
     from fedfs_sdk.training.trainer import initial_global_weights
     from fedfs_sdk.federation.wire import encode_weights
 
-    config = ModelConfig(backbone=args.init_backbone, embedding_dim=args.embedding_dim, input_size=args.input_size,
-                         proj_dim=args.proj_dim, code_length=args.code_length, width=args.width).resolved()
-    xi = load_checkpoint(args.xi)[0] if (args.xi is not None and args.proj_dim) else None
-    weights = initial_global_weights(config, xi, seed=args.init_seed)
+    backbone = args.init_backbone or xi_config["backbone"]
+    same = xi_config is not None and xi_config["backbone"] == backbone
+    config = ModelConfig(backbone=backbone,
+                         embedding_dim=args.embedding_dim or (xi_config["embedding_dim"] if same else None),
+                         input_size=args.input_size or (xi_config["input_size"] if same else None),
+                         proj_dim=proj_dim, code_length=code_length,
+                         width=args.width or (xi_config.get("width") if same else None)).resolved()
+    if xi is not None and (args.init_backbone is None or uses_fedfs(method)):
+        # the global model starts from ξ (the simulator's ϕ does): same architecture, or refused naming both
+        return initial_from_xi(xi, config, args.init_seed, backbone)
+    weights = initial_global_weights(config, None, seed=args.init_seed)
     return encode_weights(weights, {"format": FORMAT, "model_config": config.to_json(),
                                     "meta": json.dumps({"init": args.init_backbone, "seed": args.init_seed})})
 
@@ -264,6 +288,17 @@ def check_plain_bind(host: str, tls: bool, insecure_plain_http: bool) -> None:
                          "them) or --insecure-plain-http")
 
 
+def _read_impostors(args: argparse.Namespace) -> bytes | None:
+    """The bytes of --impostors, checked to be a fedfs impostor set (None without the flag)."""
+    path = getattr(args, "impostors", None)
+    if path is None:
+        return None
+    from fedfs_sdk.runtime.impostors import load_impostors
+
+    load_impostors(path)                      # a clear one-line error for anything else
+    return Path(path).read_bytes()
+
+
 def bind_listener(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port``, bound before the state is touched so a busy
     port fails the start without writing anything (uvicorn then serves on it)."""
@@ -305,10 +340,11 @@ def run(args: argparse.Namespace) -> int:
         args.http_parser = installed             # _serve builds the protocol and logs this one
     xi = None
     if args.xi is not None:
-        if not args.xi.is_file():
-            raise InputError(f"--xi: no such file {args.xi}")
-        xi = args.xi.read_bytes()
+        from .model_source import read_model_spec
+
+        xi = read_model_spec(args.xi, "--xi")
         validate_xi(xi)
+    impostors = _read_impostors(args)
     overrides = policy_overrides(args)
     from .transport import tls_files
 
@@ -321,9 +357,20 @@ def run(args: argparse.Namespace) -> int:
     layout = Layout(args.state.resolve())
     if layout.root.exists() and not layout.root.is_dir():
         raise InputError(f"--state {args.state} exists and is not a directory")
-    init = initial_checkpoint(args)            # bad flags fail before the state is touched
+    new_state = not layout.db.exists()
+    if new_state and "method" not in overrides:
+        from .model_source import default_method
+
+        overrides["method"] = default_method(xi is not None)   # the simulator's default where ξ is given
+    try:
+        start_policy = RoundPolicy().updated(overrides)
+    except InputError as e:
+        raise InputError(f"invalid round policy: {e}") from None
+    # bad flags fail before the state is touched; an existing state's model is not replaced
+    init = initial_checkpoint(args, xi, start_policy.method, dict(start_policy.train)) \
+        if new_state or args.init_model is not None or args.init_backbone is not None else None
     init_config = model_config_of(init) if init is not None else None
-    if not layout.db.exists():                 # a new state: its policy is the defaults + flags
+    if new_state:                              # a new state: its policy is the defaults + flags
         try:
             policy = RoundPolicy().updated(overrides)
         except InputError as e:
@@ -333,14 +380,14 @@ def run(args: argparse.Namespace) -> int:
     sock = bind_listener(args.host, args.port)
     try:
         with StateLock(layout.root):
-            return _serve(args, layout, sock, overrides, init, init_config, xi, tls)
+            return _serve(args, layout, sock, overrides, init, init_config, xi, tls, impostors)
     finally:
         sock.close()
 
 
 def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides: dict[str, Any],
            init: bytes | None, init_config: dict[str, Any] | None, xi: bytes | None,
-           tls: tuple[str, str] | None = None) -> int:
+           tls: tuple[str, str] | None = None, impostors: bytes | None = None) -> int:
     """Everything after the port is bound and the state locked."""
     import uvicorn
 
@@ -364,6 +411,10 @@ def _serve(args: argparse.Namespace, layout: Any, sock: socket.socket, overrides
                      extra={"fields": {"model_version": coord.model.version}})
         if xi is not None:
             coord.install_xi(xi)
+        if impostors is not None:
+            from .impostor_store import install_impostors
+
+            install_impostors(coord, impostors)
         admin_token, generated = load_admin_token(layout.admin_token, args.admin_token)
         if generated:
             log.info("admin token generated", extra={"fields": {"path": str(layout.admin_token)}})

@@ -304,8 +304,11 @@ class Coordinator(SecAggCoordinator):
             if m is None:
                 raise NotFound("no global model yet", code="no_model")
             dp = self.db.get_meta(f"dp_model_v{m.version}")
+            from .impostor_store import impostors_sha256   # what ships with the model (docs/protocol.md)
+
             return {"version": m.version, "sha256": m.sha256, "config": m.model_config,
-                    "nbytes": m.nbytes, "dp": json.loads(dp) if dp else None}
+                    "nbytes": m.nbytes, "dp": json.loads(dp) if dp else None,
+                    "xi_sha256": self.db.get_meta("xi_sha256"), "impostors_sha256": impostors_sha256(self)}
 
     def model_file(self, version: int) -> tuple[Path, str]:
         with self._lock:

@@ -152,7 +152,9 @@ def test_torch_device_enrolls_with_the_default_and_with_the_paper_reading(tmp_pa
 
         def take_part(score, model):
             with DeviceState(tmp_path / "dev") as st:
-                cfg = DeviceConfig(rounds=1, wait_timeout_s=120, enroll=True, q=0.75, score=score, verify=model)
+                # select="off": this test is about the method's own verifiers (the do-no-harm check would pick)
+                cfg = DeviceConfig(rounds=1, wait_timeout_s=120, enroll=True, q=0.75, score=score, verify=model,
+                                   select="off")
                 enrollment = DeviceAgent(ServerClient(srv.url), st, images, cfg).run().enrollment
                 personal_w = st.load_weights("personal")[0]
             return enrollment, personal_w

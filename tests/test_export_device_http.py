@@ -49,7 +49,7 @@ def test_artifact_only_devices_run_rounds_over_http(tmp_path) -> None:
             write_images(tmp_path / f"img{d}", n, seed=40 + d)
             argv = ["device", "--server", srv.url, "--images", str(tmp_path / f"img{d}"),
                     "--state", str(tmp_path / f"dev{d}"), "--artifacts", str(out), "--rounds", "2",
-                    "--enroll", "--q", "0.5", "--audit-dir", str(tmp_path / f"audit{d}"), "--wait-timeout", "120"]
+                    "--enroll", "--select", "off", "--q", "0.5", "--audit-dir", str(tmp_path / f"audit{d}"), "--wait-timeout", "120"]
             code = NO_TORCH_PRELUDE.format(root=str(ROOT)) + DEVICE_MAIN.format(argv=argv)
             procs.append(subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=subprocess_env(),
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

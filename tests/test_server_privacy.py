@@ -83,7 +83,7 @@ def test_device_sends_only_weights_and_counts(tmp_path):
     # Positive control: the search finds what was legitimately uploaded (w_c).
     body = uploads[0].split(b"\r\n\r\n", 1)[1]
     uploaded, meta = decode_weights(body)
-    assert meta["num_samples"] == "10"
+    assert meta["num_samples"] == "8"        # the do-no-harm check's 2 hold-out photos are never trained on
     assert leaked(sent, uploaded["backbone.embed.weight"].numpy().tobytes())
 
     secret_blobs: dict[str, bytes] = {}

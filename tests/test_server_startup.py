@@ -64,7 +64,7 @@ def test_a_busy_port_writes_no_state(tmp_path):
 
 @pytest.mark.parametrize("flags, missing", [
     (["--method", "fedfs"], "proj_dim"),                              # no FedFS projection
-    ([], "code_length"),                                              # default method feduv, no FedUV head
+    # (no flag: the default method feduv gets a FedUV head of c = 127 — issue 29 — so it starts)
     (["--method", "fedfs+feduv", "--code-length", "127"], "proj_dim"),
     (["--method", "fedfs", "--proj-dim", "32"], "--xi"),             # FedFS starts the backbone from ξ
 ])

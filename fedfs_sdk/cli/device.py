@@ -78,13 +78,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trust only these certificates for an https:// server: a CA bundle, or the server's own "
                         "(self-signed) certificate, which pins it (default: the system's CAs)")
     p.add_argument("--impostors", type=Path, metavar="FILE",
-                   help="public impostor set shipped with the model (`fedfs impostors`): the device keeps --holdout of "
-                        "its photos out of training and enrolls with whichever of ξ, the global model and its "
-                        "personalized model verifies them best against these impostors (do no harm)")
+                   help="public impostor set (`fedfs impostors`) for the do-no-harm check, instead of the one the "
+                        "server ships with its model: with --enroll the device keeps --holdout of its photos out of "
+                        "training and enrolls with whichever of ξ, the global model and its personalized model "
+                        "verifies them best against these impostors")
+    p.add_argument("--select", choices=("auto", "off"), default="auto",
+                   help="with --enroll: 'auto' (default) runs the do-no-harm check on the public impostors "
+                        "(--impostors, else the server's; without any it keeps ξ); 'off' enrolls the method's own "
+                        "model unchecked (the papers' behaviour)")
     p.add_argument("--holdout", type=float, default=0.2, help="share of the owner's photos kept out of training for "
                    "that check (at least 2; default 0.2)")
     p.add_argument("--far", type=float, default=None, help="enrollment false-accept target on the impostor set "
-                   "(e.g. 1e-3; needs --impostors with ≥ ⌈1/far⌉−1 photos)")
+                   "(e.g. 1e-3; needs a public impostor set — --impostors, or the server's — with ≥ ⌈1/far⌉−1 photos)")
     p.add_argument("--key-file", type=Path, help="32-byte device key: encrypts the enrollment and the FedUV "
                    "secrets (default: STATE/enrollment.key, created 0600)")
     p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what "
@@ -145,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
                           score=args.score, verify=args.verify,
                           require_secure_aggregation=args.require_secure_aggregation, secagg=policy,
                           identity_certificate=args.identity_cert,
-                          impostors=args.impostors, holdout=args.holdout, far=args.far)
+                          impostors=args.impostors, holdout=args.holdout, far=args.far, select=args.select)
     runtime = OrtRuntime(args.artifacts) if args.artifacts is not None else None
     batches = check_local_inputs(images, config, runtime)
     if args.key_file is not None and key is None:

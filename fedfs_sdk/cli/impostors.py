@@ -27,11 +27,15 @@ def run(args: argparse.Namespace) -> int:
     from ..runtime.impostors import build_impostor_set, save_impostors
     from ..runtime.operating_point import min_impostors
 
-    size = args.image_size
+    size, detect = args.image_size, args.detect_face
     if size is None:
+        from ..runtime.preprocess import model_face_mode
         from .common import load_backend
-        size = load_backend(args.model).input_size
-    imp = build_impostor_set(args.images, size, detect_face=args.detect_face, per_identity=args.per_identity,
+        backend = load_backend(args.model)
+        size = backend.input_size
+        # a model trained on one crop (dlib-resnet: dlib's face chip) is fed that crop, as on the device
+        detect = model_face_mode(args.detect_face, getattr(backend, "alignment", None)) or False
+    imp = build_impostor_set(args.images, size, detect_face=detect, per_identity=args.per_identity,
                              limit=args.limit, seed=args.seed, exclude=args.exclude)
     path = save_impostors(args.out, imp)
     for s in imp.meta["skipped"][:20]:

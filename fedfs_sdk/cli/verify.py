@@ -27,7 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enrollment", required=True, help="enrollment file written by `fedfs enroll` or `fedfs device --enroll`")
     p.add_argument("--key-file", default=env_default("FEDFS_KEY_FILE"), required=env_default("FEDFS_KEY_FILE") is None,
                    help="the enrollment's AES key (default: $FEDFS_KEY_FILE; a device's: STATE/enrollment.key)")
-    p.add_argument("--detect-face", action="store_true", help="align the largest face to the 112×112 five-point template (dlib, the 'faces' extra; falls back to an OpenCV Haar crop without it)")
+    p.add_argument("--detect-face", action="store_true", default=None,
+                   help="align the largest face to the 112×112 five-point template (dlib, the 'faces' extra; falls "
+                        "back to an OpenCV Haar crop without it). Default: as the enrollment records (an enrollment "
+                        "made with --detect-face is verified with it)")
 
 
 def recorded_model(enrollment_path: str, meta: dict) -> str | None:

@@ -233,9 +233,11 @@ class DeviceAgent(SecureRounds):
 
     def images_array(self, input_size: int) -> np.ndarray:
         """The images the device trains on: all of them, less the hold-out when it will check
-        its models against a public impostor set (``config.impostors``: the do-no-harm check)."""
+        its models at enrollment (``config.enroll`` or ``config.impostors``: the do-no-harm check)."""
         x = self.all_images_array(input_size)
-        return x[self.holdout_split()[0]] if self.config.impostors is not None else x
+        # the check runs at every enrollment (do no harm by default): its photos are never trained on
+        checks = self.config.select != "off" and (self.config.impostors is not None or self.config.enroll)
+        return x[self.holdout_split()[0]] if checks else x
 
     def holdout_split(self) -> tuple[np.ndarray, np.ndarray]:
         """``(train, holdout)`` positions of the owner's images: photos held out by a hash of their

@@ -70,6 +70,11 @@ class DeviceConfig:
             the enrollment records the choice and its operating point.
         holdout: share of the owner's photos held out for that check (at least 2).
         far: the enrollment's false-accept target on the impostor set (None: FedUV's q only).
+        select: ``auto`` (default) — the do-no-harm check at every enrollment: ``holdout`` of the
+            photos are never trained on, and the device verifies with the candidate the check picks
+            on the public impostor set (``impostors``, else the one the server ships with its model);
+            with no impostor set at all it keeps ξ and says so. ``off`` — enroll the method's own
+            model unchecked, on every photo (the papers' behaviour; e.g. to study that model).
         helps: candidates (``global``, ``personalized``) the federation found better than ξ
             across its devices (:func:`fedfs_sdk.training.selection.population_verdict`); for
             them the device only checks that they do no harm *here*. Empty (the default, and all
@@ -96,12 +101,16 @@ class DeviceConfig:
     impostors: Path | None = None
     holdout: float = 0.2
     far: float | None = None
+    select: str = "auto"
     helps: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.select not in ("auto", "off"):
+            raise InputError(f"select must be 'auto' (the do-no-harm check) or 'off', got {self.select!r}")
         if not 0 < self.holdout < 1:
             raise InputError(f"holdout (the share of photos kept out of training) must be in (0, 1), got {self.holdout!r}")
-        if self.far is not None and self.impostors is None:
+        if self.far is not None and self.impostors is None and self.select == "off":
+            # (with select="auto" the server's set may serve: checked at enrollment, device_enrollment)
             raise InputError("a false-accept target (far) needs the public impostor set (impostors / --impostors)")
         if self.far is not None and not 0 < self.far < 1:
             raise InputError(f"far must be in (0, 1), got {self.far!r}")
@@ -159,6 +168,13 @@ def check_local_inputs(images: Sequence[Any], config: DeviceConfig,
 
     if len(images) == 0:
         raise InputError("a device needs at least one image")
+    if config.enroll:     # refused now, not after registering, training and uploading (issue 29)
+        from ..runtime.enrollment import min_warmup_images
+
+        need = min_warmup_images(config.q)
+        if len(images) < need:
+            raise InputError(f"--enroll with target TPR q={config.q} needs at least {need} photos of the owner, "
+                             f"got {len(images)}: add photos, or lower --q (q=0.8 needs 5)")
     size = CHECK_INPUT_SIZE
     if config.artifacts is not None:
         rt = runtime if isinstance(runtime, OrtRuntime) else OrtRuntime(config.artifacts)

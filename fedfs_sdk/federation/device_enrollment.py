@@ -9,7 +9,8 @@ import math
 
 import numpy as np
 
-from ..errors import ProtocolError
+from ..errors import InputError, ProtocolError
+from .wire_format import sha256_hex
 from ..training.methods import check_method, check_verification, uses_fedfs, uses_feduv
 
 
@@ -22,6 +23,7 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     enrollment.
     """
     from ..runtime.enrollment import enroll, save_enrollment
+    from ..runtime.impostors import load_impostors
 
     if after_round is not None:
         t0 = self._clock()
@@ -36,11 +38,18 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     score, model = check_verification(check_method(method), self.config.score, self.config.verify)
     mbytes = self.model_bytes(version, info["sha256"])
     impostors, selection, chosen = None, None, "personalized"
-    if self.config.impostors is not None:
-        from ..runtime.impostors import load_impostors
-
-        impostors = load_impostors(self.config.impostors)
-        chosen, selection = choose_model(self, method, mbytes, version, score, model, impostors)
+    if self.config.select == "off":          # asked for: the method's model, unchecked (the papers' behaviour)
+        impostors = load_impostors(self.config.impostors) if self.config.impostors is not None else None
+    else:
+        fetch_xi(self, info)                 # ξ is a candidate of the check even where the method trains without it
+        impostors = public_impostors(self, info)
+        if impostors is None and self.config.far is not None:
+            raise InputError(f"a false-accept target (far={self.config.far:g}) needs a public impostor set: the server "
+                             "ships none (fedfs serve --impostors); give the device --impostors FILE")
+        if impostors is not None:
+            chosen, selection = choose_model(self, method, mbytes, version, score, model, impostors)
+        else:
+            chosen, selection = unchecked_choice(self)
     backend = self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen)
     mode, template_output = candidate_mode(method, score, model, chosen)
     codeword = self.state.load_codeword() if mode == "codeword" else None
@@ -94,6 +103,44 @@ def choose_model(self, method: str, model: bytes, version: int, score: str, veri
     return sel.chosen, sel.to_dict()
 
 
+def public_impostors(self, info: dict):  # self: the DeviceAgent
+    """The public impostor set of the do-no-harm check: ``--impostors``, else the one the server
+    ships with its model (``impostors_sha256`` in the model info; downloaded once, hash-checked,
+    kept in the state), else None."""
+    from ..fileio import atomic_write_bytes
+    from ..runtime.impostors import load_impostors
+
+    if self.config.impostors is not None:
+        return load_impostors(self.config.impostors)
+    sha = info.get("impostors_sha256")
+    if not sha:
+        return None
+    path = self.state.file("impostors.npz")
+    if not (path.is_file() and sha256_hex(path.read_bytes()) == sha):
+        atomic_write_bytes(path, self.client.download_impostors(sha))
+        path.chmod(0o600)
+    return load_impostors(path)
+
+
+def fetch_xi(self, info: dict) -> None:  # self: the DeviceAgent
+    """Download the server's ξ (``xi_sha256`` in the model info) when the device has none yet."""
+    if not has_xi(self) and info.get("xi_sha256"):
+        self.xi_file(info["xi_sha256"])
+
+
+def unchecked_choice(self) -> tuple[str, dict]:  # self: the DeviceAgent
+    """No public impostor set: nothing can show that a trained model does no harm, so the device
+    keeps ξ and says so — it never enrolls an unchecked model. Without ξ the global model is the
+    only one there is."""
+    if has_xi(self):
+        sel = {"chosen": "xi", "reason": "no public impostor set (neither --impostors nor one shipped by the server, "
+                                         "fedfs serve --impostors): kept ξ, a model it cannot check could do harm"}
+    else:
+        sel = {"chosen": "personalized", "reason": "no ξ to compare with: the federation's model is the only one"}
+    self._emit("model_chosen", sel)
+    return sel["chosen"], sel
+
+
 def has_xi(self) -> bool:
     """Whether the device has ξ to compare with (given with --xi, or downloaded to train)."""
     return self.config.xi_path is not None or self.state.file("xi.safetensors").is_file()
@@ -121,4 +168,5 @@ def candidate_mode(method: str, score: str, verify: str, candidate: str) -> tupl
     return "template", ("uv" if verify != "both" else "embedding")
 
 
-__all__ = ["enroll_device", "choose_model", "candidate_mode", "has_xi"]
+__all__ = ["enroll_device", "choose_model", "candidate_mode", "has_xi", "public_impostors", "fetch_xi",
+           "unchecked_choice"]

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import CheckpointError, InputError, ProtocolError
 from ..training.methods import check_method, check_verification, uses_fedfs, uses_feduv
-from .wire_format import MODEL_FORMAT
+from .wire_format import MODEL_FORMAT, read_header
 
 if TYPE_CHECKING:
     from .device_state import DeviceState
@@ -202,9 +202,10 @@ class TorchRuntime:
         config = ModelConfig.from_json(meta["model_config"]).resolved()
         global_net = FaceNet(config)
         global_net.load_state_dict(weights)
-        if chosen == "xi":
+        if chosen == "xi":      # ξ as it is, on its own architecture (not the global model's: issue 29)
             xi = load_checkpoint(xi_path(agent))[0]
-            global_net = FaceNet(replace(config, code_length=None, proj_dim=None))
+            config = replace(xi.config.resolved(), code_length=None, proj_dim=None)
+            global_net = FaceNet(config)
             global_net.backbone.load_state_dict(xi.backbone.state_dict())
         personal_backbone = None
         if chosen in ("personal", "both"):
@@ -349,7 +350,13 @@ class OrtRuntime:
         if chosen == "xi":      # ξ's backbone in the verifier graph (its FedUV head, if any, stays the global one)
             from safetensors.numpy import load_file
 
-            xi = load_file(str(xi_path(agent)))
+            xi_file = xi_path(agent)
+            archs = [json.loads(read_header(b)[1].get("model_config") or "{}").get("backbone")
+                     for b in (xi_file.read_bytes(), model)]
+            if archs[0] != archs[1]:   # the export's graph is the global model's: ξ's weights would fill other layers
+                raise InputError(f"ξ is {archs[0]} but the exported verifier graph is {archs[1]}: the ONNX runtime "
+                                 "cannot check ξ on it (use the torch runtime, or a ξ of the global model's architecture)")
+            xi = load_file(str(xi_file))
             weights = {**{k: v for k, v in weights.items() if not k.startswith("backbone.")},
                        **{k: v for k, v in xi.items() if k.startswith("backbone.")}}
             chosen = "global"

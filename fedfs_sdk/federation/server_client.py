@@ -328,6 +328,10 @@ class ServerClient:
     def download_xi(self, expected_sha256: str | None = None) -> bytes:
         return self._download("/v1/xi", expected_sha256)
 
+    def download_impostors(self, expected_sha256: str | None = None) -> bytes:
+        """The public impostor set the server ships with its model (``GET /v1/impostors``)."""
+        return self._download("/v1/impostors", expected_sha256)
+
     def _download(self, path: str, expected: str | None) -> bytes:
         r = self.request("GET", path)
         data = r.content

@@ -126,7 +126,7 @@ def _converted(name: str, path: str, mtime_ns: int) -> tuple["ModelConfig", dict
 
     model, meta = convert_dlib_resnet(path)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    meta = {**meta, "builtin": name, "model_id": model_id_of(state)}
+    meta = {**meta, "builtin": name, "model_id": model_id_of(state, model.config.backbone)}
     return model.config, state, meta
 
 

@@ -160,7 +160,8 @@ def verified_model_id(model: FaceNet, meta: dict[str, Any], name: str | os.PathL
     weights. A ``model_id`` recorded in the checkpoint's ``meta`` is never trusted on its own:
     :class:`CheckpointError` if it differs from the weights' id (an enrollment bound to it would
     otherwise carry over to other weights)."""
-    mid = model_id_of({k: v for k, v in model.state_dict().items() if not k.startswith("proj.")})
+    mid = model_id_of({k: v for k, v in model.state_dict().items() if not k.startswith("proj.")},
+                      model.config.backbone)
     recorded = meta.get("model_id")
     if recorded is not None and recorded != mid:
         raise CheckpointError(f"{name} records model_id {recorded!r} but its weights hash to {mid!r} "
@@ -168,11 +169,15 @@ def verified_model_id(model: FaceNet, meta: dict[str, Any], name: str | os.PathL
     return mid
 
 
-def model_id_of(state: dict[str, torch.Tensor]) -> str:
-    """Content hash of a set of weights: enrollments and thresholds are bound to it."""
+def model_id_of(state: dict[str, torch.Tensor], architecture: str | None = None) -> str:
+    """Content hash of a set of weights (and, for a backbone whose tensors another backbone shares,
+    of its ``architecture``: :data:`~fedfs_sdk.runtime.onnx_backend.SALTED_ARCHITECTURES`):
+    enrollments and thresholds are bound to it."""
     import hashlib
 
-    h = hashlib.sha256()
+    from ..runtime.onnx_backend import architecture_salt
+
+    h = hashlib.sha256(architecture_salt(architecture))
     for k in sorted(state):
         t = state[k].detach().to("cpu").contiguous()
         h.update(k.encode())
@@ -192,7 +197,7 @@ def save_verifier(path: str | os.PathLike[str], backbone: torch.nn.Module, confi
     model.backbone.load_state_dict(backbone.state_dict())
     if uv_head is not None:
         model.uv_head.load_state_dict(uv_head.state_dict())
-    mid = model_id_of(model.state_dict())
+    mid = model_id_of(model.state_dict(), vcfg.backbone)
     save_checkpoint(path, model, vcfg, {**(meta or {}), "role": "verifier", "model_id": mid})
     return mid
 

@@ -53,7 +53,7 @@ def save_dual_verifier(path: str | os.PathLike[str], personal_backbone: torch.nn
     net.backbone.load_state_dict(personal_backbone.state_dict())
     net.global_backbone.load_state_dict(global_backbone.state_dict())
     net.uv_head.load_state_dict(uv_head.state_dict())
-    mid = model_id_of(net.state_dict())
+    mid = model_id_of(net.state_dict(), config.backbone)
     save_checkpoint(path, net, dual_config(config), {**(meta or {}), "role": DUAL_ROLE, "model_id": mid})
     return mid
 
@@ -73,7 +73,7 @@ def dual_verifier_from_state(state: dict[str, torch.Tensor], config: ModelConfig
         net.load_state_dict(state, strict=True)
     except (RuntimeError, InputError, KeyError, ValueError) as e:
         raise CheckpointError(f"{name} is not a usable dual verifier (verify=both): {e}") from e
-    mid = model_id_of(net.state_dict())
+    mid = model_id_of(net.state_dict(), config.backbone)
     if meta.get("model_id") not in (None, mid):
         raise CheckpointError(f"{name} records model_id {meta['model_id']!r} but its weights hash to {mid!r} "
                               "(tampered or mislabelled verifier)")

@@ -162,8 +162,39 @@ class VerifyResult:
     threshold: float
 
 
+def _is_batch(images: Any) -> bool:
+    return isinstance(images, np.ndarray) and images.dtype == np.float32 and images.ndim == 4
+
+
+def preprocessing_record(backend: InferenceBackend, detect_face: bool | str | None) -> dict[str, Any]:
+    """What an enrollment records of its preprocessing (``meta["preprocessing"]``): the
+    ``detect_face`` it was made with, the face crop the model was fed (``face_mode``: ``none``,
+    ``align``, ``haar``, ``dlib-chip``) and the input size. :func:`score` / :func:`verify` apply the
+    recorded ``detect_face`` unless told otherwise — an owner enrolled on aligned faces is
+    rejected on centre crops (issue 29)."""
+    from .preprocess import face_mode, model_face_mode
+
+    return {"detect_face": face_mode(detect_face) or "none",
+            "face_mode": model_face_mode(detect_face, getattr(backend, "alignment", None)) or "none",
+            "input_size": int(backend.input_size)}
+
+
+def recorded_detect_face(enrollment: "Enrollment", detect_face: bool | str | None = None) -> bool | str:
+    """The ``detect_face`` to verify ``enrollment`` with: the recorded one (``detect_face=None``),
+    else the caller's — which must not contradict the record (:class:`InputError`, naming both)."""
+    from .preprocess import face_mode
+
+    rec = (enrollment.meta.get("preprocessing") or {}).get("detect_face")
+    if detect_face is None:
+        return False if rec in (None, "none") else rec
+    if rec is not None and (face_mode(detect_face) or "none") != rec:
+        raise InputError(f"the enrollment was made with detect_face={rec!r} but verification asks for "
+                         f"{face_mode(detect_face) or 'none'!r}: verify as enrolled (drop the flag) or re-enroll")
+    return detect_face
+
+
 def _as_batch(backend: InferenceBackend, images: Any, detect_face: bool | str) -> np.ndarray:
-    if isinstance(images, np.ndarray) and images.dtype == np.float32 and images.ndim == 4:
+    if _is_batch(images):
         return images
     from .preprocess import model_face_mode, preprocess
     # a model trained on one face crop (a backend's optional ``alignment``, e.g. dlib-resnet's
@@ -365,6 +396,8 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
             **({"operating_point": op} if op is not None else {})}
     if template_output != "embedding":
         info["template_output"] = template_output
+    if not _is_batch(images):            # how the photos became model inputs: verify applies the same
+        info["preprocessing"] = preprocessing_record(backend, detect_face)
     return Enrollment(backend.model_id, mode, tau, q_stored, int(keep.sum()), codeword=v, template=template,
                       meta=info)
 
@@ -379,8 +412,11 @@ def _impostor_scores(backend: InferenceBackend, impostors: Any, mode: str, codew
                            for a in range(0, batch.shape[0], chunk)])
 
 
-def score(backend: InferenceBackend, enrollment: Enrollment, images: Any, detect_face: bool = False) -> np.ndarray:
-    """Verification scores of one or more images against ``enrollment``."""
+def score(backend: InferenceBackend, enrollment: Enrollment, images: Any,
+          detect_face: bool | str | None = None) -> np.ndarray:
+    """Verification scores of one or more images against ``enrollment``, preprocessed as the
+    enrollment records (``detect_face=None``; :func:`recorded_detect_face`)."""
+    detect_face = recorded_detect_face(enrollment, detect_face)
     if backend.model_id != enrollment.model_id:
         raise EnrollmentError(f"enrollment was made with model {enrollment.model_id!r} but the backend runs "
                               f"{backend.model_id!r}; thresholds do not carry over between models — re-enroll")
@@ -391,8 +427,9 @@ def score(backend: InferenceBackend, enrollment: Enrollment, images: Any, detect
                           enrollment.template_output)
 
 
-def verify(backend: InferenceBackend, enrollment: Enrollment, image: Any, detect_face: bool = False) -> VerifyResult:
-    """Accept iff ``score ≥ τ`` (FedUV Alg. 2 verification)."""
+def verify(backend: InferenceBackend, enrollment: Enrollment, image: Any,
+           detect_face: bool | str | None = None) -> VerifyResult:
+    """Accept iff ``score ≥ τ`` (FedUV Alg. 2 verification); preprocessed as enrolled by default."""
     s = float(score(backend, enrollment, image, detect_face)[0])
     return VerifyResult(accepted=s >= enrollment.threshold, score=s, threshold=enrollment.threshold)
 

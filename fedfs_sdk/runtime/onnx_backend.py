@@ -49,10 +49,24 @@ def import_onnxruntime() -> ModuleType:
     return onnxruntime
 
 
-def weights_id(weights: Mapping[str, np.ndarray]) -> str:
+SALTED_ARCHITECTURES = frozenset({"mobilefacenet-affine", "mobilefacenet-affine-112x96", "mobilefacenet-relu6"})
+"""Backbones whose tensor names and shapes are another backbone's (``mobilefacenet-affine``'s
+per-channel affines have GroupNorm's ``weight``/``bias`` of ``mobilefacenet``): their weights
+alone do not say which function they compute, so their model id also hashes the architecture's
+name (issue 29: a verifier loaded into the wrong architecture carried the right one's id).
+Every other architecture's id stays what it was (names, shapes, bytes), so enrollments and
+exports made before keep theirs."""
+
+
+def architecture_salt(architecture: str | None) -> bytes:
+    """What the model id hashes first for ``architecture`` (empty unless it is salted)."""
+    return f"architecture={architecture}\n".encode() if architecture in SALTED_ARCHITECTURES else b""
+
+
+def weights_id(weights: Mapping[str, np.ndarray], architecture: str | None = None) -> str:
     """Content hash of a verifier's weights; equals
-    :func:`fedfs_sdk.nn.checkpoint.model_id_of` of the same tensors (without torch)."""
-    h = hashlib.sha256()
+    :func:`fedfs_sdk.nn.checkpoint.model_id_of` of the same tensors and architecture (without torch)."""
+    h = hashlib.sha256(architecture_salt(architecture))
     for k in sorted(weights):
         a = np.ascontiguousarray(weights[k])
         h.update(k.encode())
@@ -109,7 +123,7 @@ def model_id_problem(model) -> str | None:
         ok = len(prefix) == 16 and all(c in "0123456789abcdef" for c in prefix)
     else:
         implied = weights_id({i.name: numpy_helper.to_array(i) for i in model.graph.initializer
-                              if i.name.startswith(PARAM_PREFIXES)})
+                              if i.name.startswith(PARAM_PREFIXES)}, meta.get("fedfs.backbone"))
         ok = recorded == implied
     return None if ok else f"records fedfs.model_id {recorded!r} but its weights imply {implied.lstrip('-')!r}"
 
@@ -181,7 +195,7 @@ def with_weights(path: str | os.PathLike[str], weights: Mapping[str, np.ndarray]
             final[name] = arr
         else:
             final[name] = numpy_helper.to_array(init)
-    model_id = weights_id(final)
+    model_id = weights_id(final, {p.key: p.value for p in model.metadata_props}.get("fedfs.backbone"))
     for prop in model.metadata_props:
         if prop.key == "fedfs.model_id":
             prop.value = model_id

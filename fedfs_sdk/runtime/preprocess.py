@@ -354,7 +354,10 @@ def list_images(folder: str | os.PathLike[str]) -> list[Path]:
     d = Path(folder)
     if not d.is_dir():
         raise ImageNotFoundError(f"image folder not found: {d}")
-    files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    try:
+        files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+    except OSError as e:
+        raise InputError(f"image folder {d} cannot be read: {e.strerror or e}") from None
     if not files:
         raise InputError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) in {d}")
     return files
