@@ -41,7 +41,7 @@ from .base import VerifierSpec
 CANDIDATES = ("xi", "global", "personalized")
 IN_DOMAIN_CANDIDATES = ("xi", "norm-adapt", "global", "personalized")
 CHECKS = ("in-domain", "public")
-DIAGNOSTIC_FARS = (1e-3, 1e-2)
+DIAGNOSTIC_FARS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 """FARs at which the simulator records predicted vs measured in-domain FAR (diagnostics only)."""
 
 
