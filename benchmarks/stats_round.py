@@ -16,8 +16,8 @@ import numpy as np
 from fedfs_sdk.federation.secagg import messages as M
 from fedfs_sdk.federation.secagg.device import SecAggDevice
 from fedfs_sdk.stats import embedding_moments, feature_length, feature_moments
-from fedfs_sdk.stats.transport import StatSpec, StatsTask, pack
-from server_agg.stats_round import StatsRound, secagg_params
+from fedfs_sdk.stats.transport import StatSpec, StatsTask, pack, secagg_params
+from server_agg.stats_round import StatsRound
 
 
 def main(argv: list[str] | None = None) -> int:

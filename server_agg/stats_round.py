@@ -27,23 +27,11 @@ from typing import Any, Mapping
 import numpy as np
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.federation.secagg.encoding import FixedPoint
-from fedfs_sdk.federation.secagg.params import SecAggParams
 from fedfs_sdk.federation.secagg.server import SecAggServer
 from fedfs_sdk.stats import StatSum
-from fedfs_sdk.stats.transport import PLAIN, SECURE, StatsTask, unpack
+from fedfs_sdk.stats.transport import PLAIN, SECURE, StatsTask, secagg_params, unpack
 
 from .store import atomic_write
-
-STATS_FIXED_POINT = FixedPoint(clip=1.0, scale_bits=46, max_devices=1 << 14, max_samples=1)
-"""Packed statistics lie in [-1, 1] and every device weighs 1: 2^-46 steps for up to 16,384 devices."""
-
-
-def secagg_params(task: StatsTask, participants: int) -> SecAggParams:
-    """The secure-sum parameters every device of the round derives from its task."""
-    return SecAggParams(round_id=task.round_id, dim=task.dim, fixed_point=STATS_FIXED_POINT,
-                        min_devices=max(3, task.min_contributors), participants=participants)
-
 
 class StatsRound:
     """One statistics round: open on a task and its participants, collect, publish the sum."""
@@ -100,4 +88,4 @@ def load_published(path: Path) -> tuple[StatsTask, StatSum]:
     return StatsTask.from_json(d["task"]), StatSum.from_dict(d)
 
 
-__all__ = ["StatsRound", "secagg_params", "save_published", "load_published", "STATS_FIXED_POINT"]
+__all__ = ["StatsRound", "save_published", "load_published"]

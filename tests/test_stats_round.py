@@ -13,8 +13,8 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.secagg import messages as M
 from fedfs_sdk.federation.secagg.device import SecAggDevice
 from fedfs_sdk.stats import embedding_moments, feature_length, feature_moments, sum_contributions
-from fedfs_sdk.stats.transport import PLAIN, SECURE, StatSpec, StatsDevicePolicy, StatsTask, pack, unpack
-from server_agg.stats_round import StatsRound, load_published, save_published, secagg_params
+from fedfs_sdk.stats.transport import PLAIN, SECURE, StatSpec, StatsDevicePolicy, StatsTask, pack, secagg_params, unpack
+from server_agg.stats_round import StatsRound, load_published, save_published
 
 
 def _task(transport: str = SECURE, min_contributors: int = 3) -> StatsTask:

@@ -24,6 +24,9 @@ import numpy as np
 from ..errors import InputError
 from .contributions import MAX_PHOTOS, MIN_CONTRIBUTORS, feature_dim
 
+from ..federation.secagg.encoding import FixedPoint
+from ..federation.secagg.params import SecAggParams
+
 SECURE = "fedfs-secagg/2"
 PLAIN = "plain-sum-reveals-each-device"
 TRANSPORTS = (SECURE, PLAIN)
@@ -125,4 +128,14 @@ class StatsDevicePolicy:
                              f"device's vector to the server; this device requires {SECURE}")
 
 
-__all__ = ["StatSpec", "StatsTask", "StatsDevicePolicy", "pack", "unpack", "SECURE", "PLAIN", "TRANSPORTS"]
+STATS_FIXED_POINT = FixedPoint(clip=1.0, scale_bits=46, max_devices=1 << 14, max_samples=1)
+"""Packed statistics lie in [-1, 1] and every device weighs 1: 2^-46 steps for up to 16,384 devices."""
+
+
+def secagg_params(task: "StatsTask", participants: int) -> SecAggParams:
+    """The secure-sum parameters every device of the round and the server derive from its task."""
+    return SecAggParams(round_id=task.round_id, dim=task.dim, fixed_point=STATS_FIXED_POINT,
+                        min_devices=max(3, task.min_contributors), participants=participants)
+
+
+__all__ = ["STATS_FIXED_POINT", "secagg_params", "StatSpec", "StatsTask", "StatsDevicePolicy", "pack", "unpack", "SECURE", "PLAIN", "TRANSPORTS"]
