@@ -48,6 +48,7 @@ def report(folder: Path, references: tuple[str, ...] = ("pretrained", "local-com
                      for k, d in (r["selection"].get("verdicts") or {}).items()}
                 lines.append(f"seed {res['settings']['seed']}, {r['label']}: chose ξ / global / personalized "
                              f"{' / '.join(str(r['selection']['counts'].get(k, 0)) for k in ('xi', 'global', 'personalized'))}"
+                             f"{' / norm-adapt ' + str(r['selection']['counts']['norm-adapt']) if 'norm-adapt' in r['selection']['counts'] else ''}"
                              f"; federation's verdicts (margin gain over ξ): {v}")
     lines += ["", f"# {folder}: paired per-client Δ (mean ± SE over clients, wins/losses; ✓ = Δ > 2·SE)", ""]
     for ref in references:
@@ -92,7 +93,8 @@ def compact(folder: Path) -> str:
                         f"{'> 2·SE' if d['mean'] >= 0 else '< −2·SE'})")
             cells.append(val)
         sel = [c for c in r.get("selection") or [] if c]
-        cells.append(", ".join(" / ".join(str(c.get(k, 0)) for k in ("xi", "global", "personalized")) for c in sel)
+        cells.append(", ".join(" / ".join(str(c.get(k, 0)) for k in ("xi", "global", "personalized"))
+                               + (f" (norm-adapt {c['norm-adapt']})" if "norm-adapt" in c else "") for c in sel)
                      or "–")
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)

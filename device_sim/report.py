@@ -278,7 +278,8 @@ def selection_cell(sel: Mapping[str, Any] | None) -> str:
     if not sel:
         return "–"
     c = sel.get("counts") or {}
-    return " / ".join(str(c.get(k, 0)) for k in ("xi", "global", "personalized"))
+    cell = " / ".join(str(c.get(k, 0)) for k in ("xi", "global", "personalized"))
+    return cell + (f" (norm-adapt {c['norm-adapt']})" if "norm-adapt" in c else "")   # check=in-domain's 4th candidate
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,

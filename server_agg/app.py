@@ -37,6 +37,7 @@ from .errors import ApiError, BadRequest, NotFound, Unauthorized, Unprocessable
 from .rounds import Coordinator
 from .schema import POLICY_CHANGES_SCHEMA
 from .secagg_routes import install_secagg_routes
+from .stats_routes import install_stats_routes
 from .transport import ClientGone, receive_body, require_media_type
 
 log = logging.getLogger("fedfs.server.http")
@@ -431,6 +432,7 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
         return coord.close_round(round_id)
 
     install_secagg_routes(app, coord, device, _errors, body_timeout_s, receive_slots)
+    install_stats_routes(app, coord, device, admin)      # the statistics round (issue 29)
     return app
 
 

@@ -48,7 +48,7 @@ def body_for(c: Coordinator, round_id: int, n: int, delta: float = 0.01) -> byte
 def test_registration_issues_unique_bases_and_stores_only_token_hashes(tmp_path, monkeypatch):
     c = make(tmp_path, model=False)
     draws = iter([7, 7, 7, 9])                     # a collision must not reissue b_u = 7
-    monkeypatch.setattr("server_agg.rounds.secrets.randbits", lambda bits: next(draws))
+    monkeypatch.setattr("server_agg.round_devices.secrets.randbits", lambda bits: next(draws))
     a, b = c.register(), c.register()
     assert (a["base_vector"], b["base_vector"]) == (7, 9)
     rows = c.db.all("SELECT id, token_hash FROM devices")
@@ -88,7 +88,7 @@ def test_sampling_fraction_min_count_and_quorum(tmp_path):
 def test_sampling_is_reproducible_from_the_seed(tmp_path, monkeypatch):
     def sampled(name: str, seed: int) -> list[str]:
         ids = iter(f"d{i:04d}" for i in range(100))
-        monkeypatch.setattr("server_agg.rounds.new_device_id", lambda: next(ids))
+        monkeypatch.setattr("server_agg.round_devices.new_device_id", lambda: next(ids))
         c = make(tmp_path / name, participation=0.4, seed=seed)
         for _ in range(20):
             c.register()

@@ -6,8 +6,8 @@
 * ``norm-adapt`` — no learning and no labels: the embedding layer's normalization affine
   (``embed_norm``, a per-sample ``GroupNormP(1, D)``) is re-fitted to the clients' domain
   so the pooled embedding is centred (``center``) or standardized per channel (``standardize``):
-  ``γ' = γ/s``, ``β' = (β − μ)/s``. The statistics are a FedAvg of per-client sums (what
-  a federation would compute in one round); the model keeps its architecture.
+  ``γ' = γ/s``, ``β' = (β − μ)/s``. The statistics are the sum of per-client contributions
+  (:mod:`fedfs_sdk.stats`, the statistics round); the model keeps its architecture.
 * ``oracle`` — a supervised CosFace fine-tune of ξ with every client's identity label and
   every other client as a negative. Only a simulation can do this (it pools all clients'
   images): it is an upper bound, the headroom a scenario leaves for personalization.
@@ -184,11 +184,18 @@ def fold_standardization(weights: Weights, mu: torch.Tensor, sd: torch.Tensor | 
 
 def norm_fold(net: torch.nn.Module, weights: Weights, data: Any, mode: str, seed: int = 0,
               device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(μ, s)`` that :func:`fold_standardization` folds in: the pooled per-channel statistics
-    of the clients' training embeddings (all clients up to :data:`NORM_STATS_CLIENTS`, a seeded
-    sample beyond); ``s`` is None for ``mode="center"``."""
-    mu, sd, _ = pooled_embedding_stats(net, weights, data, stats_clients(int(data.num_clients), seed), device=device)
-    return mu, (sd if mode == "standardize" else None)
+    """``(μ, s)`` that :func:`fold_standardization` folds in: the statistics round's sum of every
+    sampled client's embedding moments (:mod:`.client_stats` — the device's function per client,
+    the server's sum; all clients up to :data:`NORM_STATS_CLIENTS`, a seeded sample beyond) turned
+    into per-channel means and deviations (:func:`fedfs_sdk.stats.norm_fold_from_sum`); ``s`` is
+    None for ``mode="center"``. Equal, within float rounding, to :func:`pooled_embedding_stats`."""
+    from fedfs_sdk.stats import norm_fold_from_sum
+
+    from .client_stats import EMBEDDING, client_statistics
+
+    stats = client_statistics(net, weights, data, stats_clients(int(data.num_clients), seed), device=device)
+    mu, sd = norm_fold_from_sum(stats.total.sums[EMBEDDING], mode)
+    return torch.from_numpy(mu).float(), None if sd is None else torch.from_numpy(sd).float()
 
 
 def mismatch(mu: torch.Tensor, sd: torch.Tensor | None) -> float:

@@ -29,12 +29,20 @@ from ..trunk_cache import trunk_cache
 
 from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, VerifierSpec, Weights,
                    backbone_weights, frozen, verifier_net)
-from .reference import fold_standardization, norm_fold
+from fedfs_sdk.stats import norm_fold_from_sum
+
+from .client_stats import EMBEDDING, FederationStats, client_statistics
+from .reference import fold_standardization, stats_clients
 from .presets import PRESETS, base_vector  # noqa: F401 (re-exported: the presets, the simulated b_u)
-from .selection import HoldoutView, SimSelection, split_spec
+from .selection import CANDIDATES, IN_DOMAIN_CANDIDATES, HoldoutView, SimSelection, split_spec, top_verifier
 from .sdk_verifiers import SDKVerifiers
 
 NEG_MODES = ("none", "all", "early")
+
+
+def _torch_fold(fold: tuple[np.ndarray, np.ndarray | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    mu, sd = fold
+    return torch.from_numpy(mu).float(), None if sd is None else torch.from_numpy(sd).float()
 
 
 class PretrainedOnly(FederatedMethod):
@@ -95,6 +103,10 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
             :class:`~device_sim.methods.selection.HoldoutView` (``fedfs simulate`` / ``fedfs demo``
             give one), else ``off``.
         holdout: share of a client's training photos kept out of training for that check.
+        check: which impostors that check scores — ``in-domain`` (the default): draws in the
+            federation's own capture conditions from the statistics round's summed trunk-feature
+            moments, with ``norm-adapt`` ξ as a fourth candidate (issue 29); ``public``: the
+            shipped public impostor set, capture-matched (the issue-23 tables' behaviour).
         preset: ``default`` (the best measured configuration, :data:`PRESETS`,
             docs/personalization.md) or ``paper`` (the papers' values as printed: lr, epochs,
             codeword scoring); explicit options override the preset. CLI: ``fedfs+feduv:paper``.
@@ -109,7 +121,7 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
                  gamma: float | None = None, lam: float | None = None, soft_score: str | None = None,
                  score: str | None = None, lr: float | None = None, epochs: int | None = None,
                  preset: str = "default", norm_init: str | None = None, scope: str | None = None,
-                 select: str | None = None, holdout: float | None = None) -> None:
+                 select: str | None = None, holdout: float | None = None, check: str | None = None) -> None:
         super().__init__()
         chosen = PRESETS.get(self.sdk_method, {}).get(preset)
         if chosen is None:
@@ -140,7 +152,9 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
                              f"personalized model), got {self.select!r}")
         self.holdout = float(holdout if holdout is not None else DEFAULT_HOLDOUT)
         holdout_count(20, self.holdout)          # validates the fraction
-        self.selection = SimSelection(self, audit=self.select == "audit") if self.select != "off" else None
+        self.check = check if check is not None else chosen.get("check", "in-domain")
+        self.selection = (SimSelection(self, audit=self.select == "audit", check=self.check)
+                          if self.select != "off" else None)
         if uses_feduv(self.sdk_method) and code_length not in KNOWN_CODES:
             raise InputError(f"code_length must be one of {sorted(KNOWN_CODES)} (FedUV Table 1), got {code_length}")
         if neg not in NEG_MODES:
@@ -168,6 +182,8 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
         self._loss_overrides = overrides
         self._codewords: dict[int, np.ndarray] = {}
         self._norm_fold: tuple[torch.Tensor, torch.Tensor | None] | None = None   # set by prepare()
+        self._norm_adapt: Weights | None = None      # ξ after norm-adapt (the in-domain check's candidate)
+        self.stats: FederationStats | None = None       # the statistics round (prepare())
 
     # ---- description -------------------------------------------------------------------
     @property
@@ -182,7 +198,7 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
         for key, value, unset in (("verify", self.verify, "personal"), ("score", self.score, "codeword"),
                                   ("norm_init", self.norm_init, "none"), ("lr", self.lr, None),
                                   ("epochs", self.epochs, None), ("scope", self.scope, "all"),
-                                  ("select", self.select, "off")):
+                                  ("select", self.select, "off"), ("check", self.check, "in-domain")):
             if value is not None and value != self._preset_values.get(key, unset):
                 opts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
         if self.code_length is not None:
@@ -202,7 +218,7 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
         if self.scope != "all":
             opts["scope"] = self.scope
         if self.select != "off":
-            opts.update(select=self.select, holdout=self.holdout)
+            opts.update(select=self.select, holdout=self.holdout, check=self.check)
         if self.norm_init != "none":
             opts["norm_init"] = self.norm_init
         if self.score != "codeword":
@@ -252,24 +268,48 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
             self._xi_top = TopFaceNet(self.xi) if self.xi is not None else None
 
     def prepare(self, data: Any) -> None:
-        """``norm_init``: start ϕ from ξ with its embedding normalization re-fitted to the
-        clients' pooled statistics (``norm-adapt``'s fold, :mod:`.reference`); ``select=on``:
-        keep the data's hold-out and public impostors for :meth:`verifier`."""
-        if self.selection is not None:
-            if self.select == "auto" and not isinstance(data, HoldoutView):
-                # a federation built by hand on a Population: no hold-out, no public impostor set → off
-                self.select, self.selection = "off (no hold-out)", None
-            else:
-                self.selection.bind(data)
-        if self.norm_init != "none" and not hasattr(self.context.xi.backbone, "embed_norm") \
-                and not self._norm_init_asked:
+        """The statistics round (:mod:`.client_stats`: each client's contribution with the device's
+        functions, summed as the server sums) when anything needs it; ``norm_init``: start ϕ from ξ
+        with its embedding normalization re-fitted to the round's summed embedding moments
+        (``norm-adapt``'s fold); ``select=on``: keep the data's hold-out, the round's sum and the
+        candidates for :meth:`verifier`."""
+        if self.selection is not None and self.select == "auto" and not isinstance(data, HoldoutView):
+            # a federation built by hand on a Population: no hold-out, no public impostor set → off
+            self.select, self.selection = "off (no hold-out)", None
+        has_norm = hasattr(self.context.xi.backbone, "embed_norm")
+        if self.norm_init != "none" and not has_norm and not self._norm_init_asked:
             # the preset's norm_init needs an embedding normalization to fold into (dlib-resnet ends in a
             # bias-free linear layer): without one the preset runs without it, and says so in its options
             self.norm_init = "none (the backbone has no embed_norm)"
+        in_domain = self.selection is not None and self.check == "in-domain"
+        if in_domain and self.scope != "top":
+            raise InputError(f"{self.label}: check=in-domain judges candidates on ξ's trunk features: it needs "
+                             "scope=top (or check=public)")
+        if self.norm_init in ("center", "standardize") or in_domain:
+            self.stats = self._statistics_round(data, features=in_domain)
         if self.norm_init in ("center", "standardize"):
-            net = frozen(verifier_net(self.context.model_config.resolved(), with_head=False))
-            self._norm_fold = norm_fold(net, backbone_weights(self.context.xi.state_dict()), data, self.norm_init,
-                                        self.context.seed, self.context.device)
+            self._norm_fold = _torch_fold(norm_fold_from_sum(self.stats.total.sums[EMBEDDING], self.norm_init))
+        candidates = None
+        if in_domain:
+            candidates = CANDIDATES
+            if has_norm:
+                self._norm_adapt = fold_standardization(
+                    backbone_weights(self.context.xi.state_dict()),
+                    *_torch_fold(norm_fold_from_sum(self.stats.total.sums[EMBEDDING], "standardize")))
+                candidates = IN_DOMAIN_CANDIDATES
+        if self.selection is not None:
+            self.selection.bind(data, self.stats, candidates)
+
+    def _statistics_round(self, data: Any, features: bool) -> FederationStats:
+        """Every sampled client's contribution (ξ's embedding moments, and with ``features`` its
+        trunk-feature moments) and their sum (:func:`.client_stats.client_statistics`)."""
+        net = frozen(verifier_net(self.context.model_config.resolved(), with_head=False))
+        weights = backbone_weights(self.context.xi.state_dict())
+        clients = stats_clients(int(data.num_clients), self.context.seed)
+        if not features:
+            return client_statistics(net, weights, data, clients, self.context.device)
+        return client_statistics(net, weights, data, clients, self.context.device,
+                                 trunk=self._trunk, top=top_verifier(net))
 
     def init_global(self) -> Weights:
         ctx = self.context

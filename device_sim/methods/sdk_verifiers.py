@@ -39,7 +39,11 @@ class SDKVerifiers:
         return self.selection is not None and (self.select != "auto" or self.selection.data is not None)
 
     def _candidates(self, state: ClientState, global_weights: Weights, private: Params | None) -> dict[str, VerifierSpec]:
-        return {"xi": self._split(self.xi_verifier()),
+        extra = {}
+        if getattr(self, "_norm_adapt", None) is not None:     # check=in-domain: ξ after norm-adapt
+            extra["norm-adapt"] = self._split(VerifierSpec(self._personal_vnet, self._norm_adapt, None,
+                                                           shared_key="norm-adapt"))
+        return {"xi": self._split(self.xi_verifier()), **extra,
                 "global": self._split(self.new_user_verifier(state, global_weights)),
                 "personalized": self._split(self._verifier(state, global_weights, private))}
 

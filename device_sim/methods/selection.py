@@ -7,6 +7,16 @@ verifier; :func:`~fedfs_sdk.training.selection.choose` picks one. The public imp
 photos of ξ's public identities as ξ saw them (``--pretrain-data``'s look, the folder's public
 identities without a capture shift): what ships with the model, never a client's photos.
 
+**Which impostors** (``check=``): ``in-domain`` (the defaults' since issue 29) judges every
+candidate against impostors in the federation's own capture conditions — draws from the Gaussian
+of the other clients' trunk features that the statistics round sums
+(:mod:`fedfs_sdk.stats.impostor_model`, :mod:`.client_stats`) — and adds ``norm-adapt`` ξ (ξ with
+its normalization re-fitted to the round's embedding moments) as a candidate; ``public`` is the
+shipped public impostor set, capture-matched (the behaviour of the issue-23 tables). The
+federation's verdict on each candidate is the sum of every checked client's
+:func:`~fedfs_sdk.stats.check_contribution` (:func:`~fedfs_sdk.stats.verdict_from_sum`) — what a
+device receives from a statistics round — not a pooled computation.
+
 Evaluation enrolls with all of a client's training photos, as a device does after choosing.
 :meth:`SimSelection.counts` says how many clients chose which model (``results.json``:
 ``selection``; the table's "chose ξ / global / personalized" column).
@@ -22,11 +32,17 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.runtime.capture_match import match_capture
 from fedfs_sdk.nn.model import DualVerifierNet, VerifierNet
 from fedfs_sdk.training.scope import EmbeddingTop
-from fedfs_sdk.training.selection import CHECK_IMPOSTORS, DEFAULT_HOLDOUT, check_candidate, choose, holdout_split, population_verdict
+from fedfs_sdk.stats import (DRAWS, check_contribution, impostor_features, moments_of, standard_draws,
+                             sum_contributions, threshold_at_far, verdict_from_sum)
+from fedfs_sdk.training.selection import CHECK_IMPOSTORS, DEFAULT_HOLDOUT, check_candidate, choose, holdout_split
 
 from .base import VerifierSpec
 
 CANDIDATES = ("xi", "global", "personalized")
+IN_DOMAIN_CANDIDATES = ("xi", "norm-adapt", "global", "personalized")
+CHECKS = ("in-domain", "public")
+DIAGNOSTIC_FARS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+"""FARs at which the simulator records predicted vs measured in-domain FAR (diagnostics only)."""
 
 
 def top_verifier(net: torch.nn.Module) -> torch.nn.Module:
@@ -108,6 +124,26 @@ class HoldoutView:
         return int(self.parts(client)[0].size)
 
 
+def _unit(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+@torch.no_grad()
+def _top_embed(spec: VerifierSpec, features: torch.Tensor, dev: torch.device, batch: int = 2048) -> np.ndarray:
+    """A split verifier's ``embedding`` output on trunk ``features`` (its top only)."""
+    from torch.func import functional_call
+
+    if spec.top is None:
+        raise InputError("check=in-domain scores drawn trunk features: it needs scope=top verifiers")
+    names = set(spec.top.state_dict())
+    w = {k: v.to(dev) for k, v in spec.weights.items() if k in names}
+    top = spec.top.to(dev).eval()
+    outs = [functional_call(top, w, (features[a:a + batch].to(dev),))[0].double().cpu()
+            for a in range(0, features.shape[0], batch)]
+    return torch.cat(outs).numpy()
+
+
 def _to_u8(x: torch.Tensor) -> np.ndarray:
     return torch.round(x * 127.5 + 127.5).clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
 
@@ -119,8 +155,13 @@ def _from_u8(u8: np.ndarray) -> torch.Tensor:
 class SimSelection:
     """One method's per-client choice among ξ, the global model and its personalized verifier."""
 
-    def __init__(self, method: Any, audit: bool = False) -> None:
-        self.method, self.audit = method, audit
+    def __init__(self, method: Any, audit: bool = False, check: str = "public") -> None:
+        if check not in CHECKS:
+            raise InputError(f"check must be one of {CHECKS}, got {check!r}")
+        self.method, self.audit, self.mode = method, audit, check
+        self.candidates: tuple[str, ...] = CANDIDATES
+        self.stats: Any = None          # the statistics round (.client_stats.FederationStats), in-domain only
+        self.diagnostics: dict[int, dict] = {}
         self.data: HoldoutView | None = None
         self.choices: dict[int, str] = {}
         self.details: dict[int, dict] = {}
@@ -128,11 +169,22 @@ class SimSelection:
         self._checks: dict[int, list | None] = {}
         self._unmatched: dict[int, list] = {}
 
-    def bind(self, data: Any) -> None:
+    def bind(self, data: Any, stats: Any = None, candidates: tuple[str, ...] | None = None) -> None:
+        """``stats``: the statistics round's outcome (``check=in-domain`` needs its feature moments);
+        ``candidates``: the names :meth:`check` judges (ξ first)."""
         if not isinstance(data, HoldoutView):
             raise InputError(f"{self.method.label}: select=on needs the clients' hold-out and a public impostor set "
                              "(run it through `fedfs simulate`, which provides them)")
         self.data = data
+        if self.mode == "in-domain":
+            from .client_stats import FEATURES
+
+            if stats is None or FEATURES not in stats.total.sums:
+                raise InputError(f"{self.method.label}: check=in-domain needs ξ's trunk feature moments "
+                                 "(scope=top on a backbone with an embedding layer); use check=public")
+            self.stats = stats
+        if candidates is not None:
+            self.candidates = tuple(candidates)
 
     def check(self, client: int, specs: Mapping[str, VerifierSpec]) -> list | None:
         """Client ``client``'s check of every candidate (hold-out vs its capture-matched public
@@ -146,10 +198,12 @@ class SimSelection:
         hold_x = self.data.holdout_images(client)
         if hold_x.shape[0] == 0:
             return None
+        if self.mode == "in-domain":
+            return self._check_in_domain(client, specs, train_x, hold_x, dev)
         imp = self.data.public_impostors[:CHECK_IMPOSTORS]
         matched = _from_u8(match_capture(_to_u8(imp), _to_u8(train_x), seed=client))
         checks, raw = [], []
-        for name in CANDIDATES:
+        for name in self.candidates:
             spec = specs[name]
             tr, ho, im, mi = (embed(spec, x, dev)["embedding"].numpy() for x in (train_x, hold_x, imp, matched))
             checks.append(check_candidate(name, tr, ho, mi, far=1e-3))
@@ -157,12 +211,57 @@ class SimSelection:
         self._unmatched[client] = [c.to_dict() for c in raw]
         return checks
 
+    def _check_in_domain(self, client: int, specs: Mapping[str, VerifierSpec], train_x: torch.Tensor,
+                         hold_x: torch.Tensor, dev: torch.device) -> list:
+        """Each candidate: template from the training photos, genuine = the hold-out, impostors =
+        :data:`~fedfs_sdk.stats.DRAWS` trunk features drawn from the *other* clients' summed
+        moments (the round's sum minus this client's own contribution) through the candidate's top
+        — the same draws for every candidate. The measured FAR on the other clients' real photos at
+        each candidate's threshold is recorded as a diagnostic (never used to decide)."""
+        from ..evaluate import embed
+        from .client_stats import FEATURES
+
+        assert self.stats is not None
+        mu, cov, _ = moments_of(self.stats.others(client, FEATURES))
+        if getattr(self, "_z", None) is None or self._z.shape[1] != mu.size:
+            self._z = standard_draws(mu.size, DRAWS, seed=int(self.method.context.seed))
+        drawn = torch.from_numpy(impostor_features(mu, cov, z=self._z))
+        real = self._real_impostors(client)
+        checks, diag = [], {}
+        for name in self.candidates:
+            spec = specs[name]
+            tr, ho = (embed(spec, x, dev)["embedding"].numpy() for x in (train_x, hold_x))
+            im = _top_embed(spec, drawn, dev)
+            ck = check_candidate(name, tr, ho, im, far=1e-3)
+            checks.append(ck)
+            if real is not None:
+                t = _unit(_unit(tr).sum(0))
+                pred, meas = _unit(im) @ t, _unit(_top_embed(spec, real, dev)) @ t
+                diag[name] = {f"{far:g}": {"tau": (tau := threshold_at_far(pred, far)),
+                                           "measured_far": float((meas > tau).mean())} for far in DIAGNOSTIC_FARS}
+                diag[name]["n_real"] = int(meas.size)
+        self.diagnostics[client] = diag
+        return checks
+
+    def _real_impostors(self, client: int) -> torch.Tensor | None:
+        """Every other contributing client's real trunk features (the simulator's ground truth for
+        the diagnostic only)."""
+        feats = [f for c, f in self.stats.features.items() if c != client]
+        return torch.from_numpy(np.concatenate(feats).astype(np.float32)) if feats else None
+
     def prepare(self, clients, specs_of) -> None:
-        """Every client's check, then the federation's verdict for each candidate
-        (:func:`~fedfs_sdk.training.selection.population_verdict`)."""
+        """Every client's check, then the federation's verdict for each candidate: the sum of every
+        checked client's :func:`~fedfs_sdk.stats.check_contribution` (the statistics round's sum,
+        :func:`~fedfs_sdk.stats.sum_contributions`), turned into verdicts
+        (:func:`~fedfs_sdk.stats.verdict_from_sum`) — what every device receives."""
         self._checks = {c: self.check(c, specs_of(c)) for c in clients}
         done = [v for v in self._checks.values() if v is not None]
-        self.verdicts = {name: population_verdict(name, done) for name in CANDIDATES[1:]}
+        others = self.candidates[1:]
+        if done:
+            summed = sum_contributions({"checks": check_contribution(v, others)} for v in done)
+            self.verdicts = verdict_from_sum(summed.sums["checks"], others)
+        else:
+            self.verdicts = verdict_from_sum(np.zeros(4 * len(others)), others)
 
     def choose(self, client: int, specs: Mapping[str, VerifierSpec]) -> VerifierSpec:
         checks = self._checks[client] if client in self._checks else self.check(client, specs)
@@ -171,7 +270,8 @@ class SimSelection:
             self.details[client] = {"chosen": "xi", "reason": "no hold-out photos (too few training photos)"}
             return specs["xi"]
         sel = choose(checks, self.verdicts)
-        self.details[client] = {**sel.to_dict(), "checks_unmatched": self._unmatched.get(client)}
+        self.details[client] = {**sel.to_dict(), "checks_unmatched": self._unmatched.get(client),
+                                **({"in_domain_far": self.diagnostics[client]} if client in self.diagnostics else {})}
         if self.audit:      # select=audit: record what the rule would choose, verify with the personalized model
             self.choices[client] = "personalized"
             return specs["personalized"]
@@ -181,10 +281,10 @@ class SimSelection:
     def counts(self, clients: list[int] | None = None) -> dict[str, int]:
         """How many of ``clients`` (default: every client chosen for) use each candidate."""
         keys = self.choices if clients is None else [c for c in clients if c in self.choices]
-        out = {name: 0 for name in CANDIDATES}
+        out = {name: 0 for name in self.candidates}
         for c in keys:
             out[self.choices[c]] += 1
         return out
 
 
-__all__ = ["HoldoutView", "SimSelection", "top_verifier", "split_spec", "CANDIDATES"]
+__all__ = ["HoldoutView", "SimSelection", "top_verifier", "split_spec", "CANDIDATES", "IN_DOMAIN_CANDIDATES", "CHECKS"]

@@ -1,0 +1,103 @@
+"""The statistics round in the simulator: each client computes its own contribution with the
+device's functions (:mod:`fedfs_sdk.stats`), and the federation learns their sum — the one sum
+the server computes (:func:`fedfs_sdk.stats.sum_contributions`). No pooled shortcut: what the
+simulator folds into ``norm_init`` / ``norm-adapt`` and what its do-no-harm check sees are what a
+device gets from the round.
+
+Contributions (per client, from its training photos, ξ's frozen weights):
+
+* ``xi.embedding`` — :func:`~fedfs_sdk.stats.embedding_moments` of ξ's embedding;
+* ``xi.features`` — :func:`~fedfs_sdk.stats.feature_moments` of ξ's trunk features (only when
+  the backbone splits into trunk + top, ``scope="top"``).
+
+Which clients contribute: every client up to :data:`~.reference.NORM_STATS_CLIENTS`, a seeded
+sample beyond (a round opened to a sample of devices).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from fedfs_sdk.stats import StatSum, embedding_moments, feature_moments, sum_contributions
+
+EMBEDDING = "xi.embedding"
+FEATURES = "xi.features"
+
+
+@dataclass
+class FederationStats:
+    """The round's published sum, every contributor's own contribution (which only that client
+    holds; the simulator keeps them to subtract each client's own), and — for the simulator's
+    diagnostics only, never for a decision — each client's trunk features."""
+
+    total: StatSum
+    own: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
+    features: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def contribution(self, client: int) -> dict[str, np.ndarray] | None:
+        """Client ``client``'s own contribution (None: it was not in the round). The feature
+        moments are recomputed from its features (kept small: 4·n·F bytes, not F² per client)."""
+        mine = self.own.get(client)
+        if mine is None:
+            return None
+        if client in self.features:
+            return {**mine, FEATURES: feature_moments(self.features[client])}
+        return mine
+
+    def others(self, client: int, name: str) -> np.ndarray:
+        """The sum over every other contributor (the published sum minus the client's own)."""
+        mine = self.contribution(client)
+        total = self.total.sums[name]
+        return total if mine is None else total - mine[name]
+
+
+@torch.no_grad()
+def client_statistics(net: torch.nn.Module, weights: dict, data: Any, clients: Sequence[int],
+                      device: str | torch.device = "cpu", trunk: Any = None, top: torch.nn.Module | None = None,
+                      clients_per_load: int = 64, batch_size: int = 512) -> FederationStats:
+    """Each client's contribution and their sum. ``trunk``/``top``: ξ split at its trunk (then the
+    feature moments are contributed too); else ``net`` with ``weights`` gives the embeddings."""
+    from torch.func import functional_call
+
+    from ..executors import normalized
+
+    dev = torch.device(device)
+    net = net.to(dev).eval()
+    w = {k: v.to(dev) for k, v in weights.items()}
+    if top is not None:
+        names = set(top.state_dict())
+        top = top.to(dev).eval()
+        tw = {k: v for k, v in w.items() if k in names}
+    out = FederationStats(StatSum())
+    ids = [int(c) for c in clients]
+    chunk_fn = getattr(data, "train_chunk", None)
+    for a in range(0, len(ids), clients_per_load):
+        group = ids[a:a + clients_per_load]
+        xs = chunk_fn(np.asarray(group), dev) if callable(chunk_fn) else [data.train_images(c, dev) for c in group]
+        sizes = [int(x.shape[0]) for x in xs]
+        x = normalized(torch.cat([t.to(dev) for t in xs]))
+        feats, embs = [], []
+        for b in range(0, x.shape[0], batch_size):
+            xb = x[b:b + batch_size]
+            if trunk is not None and top is not None:
+                f = trunk(xb).to(dev)
+                feats.append(f.double().cpu())
+                embs.append(functional_call(top, tw, (f,))[0].double().cpu())
+            else:
+                embs.append(functional_call(net, w, (xb,))[0].double().cpu())
+        e_all = torch.cat(embs).numpy()
+        f_all = torch.cat(feats).numpy() if feats else None
+        start = 0
+        for c, n in zip(group, sizes):
+            out.own[c] = {EMBEDDING: embedding_moments(e_all[start:start + n])}
+            if f_all is not None:
+                out.features[c] = f_all[start:start + n]
+            start += n
+    out.total = sum_contributions(out.contribution(c) for c in out.own)
+    return out
+
+
+__all__ = ["FederationStats", "client_statistics", "EMBEDDING", "FEATURES"]

@@ -1,0 +1,141 @@
+"""How a statistics round's contributions travel: a secure sum (``fedfs-secagg/2``, the secure-sum
+machinery of weight rounds, :mod:`fedfs_sdk.federation.secagg`) or — only when the operator opts in by
+name — a plain sum that reveals each device's vector to the server.
+
+A round's :class:`StatsTask` names the statistics, their lengths and clip bounds, the model version
+they are computed under and the fewest contributors whose sum may be published. A device packs its
+contribution (:func:`pack`: each segment divided by its largest possible magnitude, so every number
+lies in ``[-1, 1]`` before the fixed-point encoding of :class:`~fedfs_sdk.federation.secagg.encoding.FixedPoint`)
+and the server unpacks the sum (:func:`unpack`). :class:`StatsDevicePolicy` refuses a plain round when the
+device requires secure aggregation.
+
+Precision: packed numbers are encoded with ``2^-46`` steps (each device's weight is 1, so up to
+16,384 devices fit the 64-bit ring), but the protocol decodes its sum as a float32 mean: the sum
+comes back to ~6e-8 of each element's *scale* (``max_photos·bound²`` for second moments) times the
+count — tight bounds (the task's, measured on the public set) keep that small.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Mapping
+
+import numpy as np
+
+from ..errors import InputError
+from .contributions import MAX_PHOTOS, MIN_CONTRIBUTORS, feature_dim
+
+from ..federation.secagg.encoding import FixedPoint
+from ..federation.secagg.params import SecAggParams
+
+SECURE = "fedfs-secagg/2"
+PLAIN = "plain-sum-reveals-each-device"
+TRANSPORTS = (SECURE, PLAIN)
+
+
+@dataclass(frozen=True)
+class StatSpec:
+    """One statistic of a round: ``kind`` ``embedding`` (2·D + 1), ``features`` (F + F(F+1)/2 + 1) or
+    ``checks`` (4 per candidate), its length and the per-photo L2 ``bound``."""
+
+    name: str
+    kind: str
+    length: int
+    bound: float = 1.0
+
+    def scales(self, max_photos: int) -> np.ndarray:
+        """The largest magnitude each element of a contribution can reach (its packing divisor)."""
+        p, b = float(max_photos), float(self.bound)
+        if self.kind == "embedding":
+            d = (self.length - 1) // 2
+            return np.concatenate([np.full(d, p * b), np.full(d, p * b * b), [p]])
+        if self.kind == "features":
+            f = feature_dim(self.length)
+            return np.concatenate([np.full(f, p * b), np.full(self.length - f - 1, p * b * b), [p]])
+        if self.kind == "checks":       # Δmargin ∈ ±8 (margins clipped to ±4), its square ≤ 64, ΔAUROC ∈ ±1, 1
+            return np.tile([8.0, 64.0, 1.0, 1.0], self.length // 4)
+        raise InputError(f"unknown statistic kind {self.kind!r} (embedding, features, checks)")
+
+
+@dataclass(frozen=True)
+class StatsTask:
+    """What a statistics round asks every sampled device for."""
+
+    round_id: int
+    model_version: int
+    stats: tuple[StatSpec, ...]
+    transport: str = SECURE
+    min_contributors: int = MIN_CONTRIBUTORS
+    max_photos: int = MAX_PHOTOS
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.transport not in TRANSPORTS:
+            raise InputError(f"statistics transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.min_contributors < 2:
+            raise InputError("a statistics round needs min_contributors ≥ 2 (one device's 'sum' is its own vector)")
+
+    @property
+    def dim(self) -> int:
+        return sum(s.length for s in self.stats)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "stats": [asdict(s) for s in self.stats]}
+
+    @classmethod
+    def from_json(cls, d: Mapping) -> "StatsTask":
+        try:
+            return cls(int(d["round_id"]), int(d["model_version"]), tuple(StatSpec(**s) for s in d["stats"]),
+                       str(d.get("transport", SECURE)), int(d.get("min_contributors", MIN_CONTRIBUTORS)),
+                       int(d.get("max_photos", MAX_PHOTOS)), dict(d.get("extra") or {}))
+        except (KeyError, TypeError, ValueError) as e:
+            raise InputError(f"not a statistics task ({e})") from None
+
+
+def pack(contribution: Mapping[str, np.ndarray], task: StatsTask) -> np.ndarray:
+    """The device's contribution as one vector in ``[-1, 1]`` (each element divided by its largest
+    possible magnitude), in the task's order."""
+    parts = []
+    for s in task.stats:
+        v = np.asarray(contribution.get(s.name), dtype=np.float64)
+        if v.shape != (s.length,):
+            raise InputError(f"statistic {s.name!r}: length {v.size}, the task asks for {s.length}")
+        parts.append(v / s.scales(task.max_photos))
+    return np.concatenate(parts)
+
+
+def unpack(vector: np.ndarray, task: StatsTask) -> dict[str, np.ndarray]:
+    """Inverse of :func:`pack` on a (summed) vector."""
+    v = np.asarray(vector, dtype=np.float64)
+    if v.size != task.dim:
+        raise InputError(f"a statistics vector of this task has {task.dim} numbers, got {v.size}")
+    out, at = {}, 0
+    for s in task.stats:
+        out[s.name] = v[at:at + s.length] * s.scales(task.max_photos)
+        at += s.length
+    return out
+
+
+@dataclass(frozen=True)
+class StatsDevicePolicy:
+    """A device's floor for statistics rounds: with ``require_secure`` (the default) it refuses a round
+    whose transport reveals its vector."""
+
+    require_secure: bool = True
+
+    def check(self, task: StatsTask) -> None:
+        if task.transport != SECURE and self.require_secure:
+            raise InputError(f"statistics round {task.round_id}: transport {task.transport!r} would show this "
+                             f"device's vector to the server; this device requires {SECURE}")
+
+
+STATS_FIXED_POINT = FixedPoint(clip=1.0, scale_bits=46, max_devices=1 << 14, max_samples=1)
+"""Packed statistics lie in [-1, 1] and every device weighs 1: 2^-46 steps for up to 16,384 devices."""
+
+
+def secagg_params(task: "StatsTask", participants: int) -> SecAggParams:
+    """The secure-sum parameters every device of the round and the server derive from its task."""
+    return SecAggParams(round_id=task.round_id, dim=task.dim, fixed_point=STATS_FIXED_POINT,
+                        min_devices=max(3, task.min_contributors), participants=participants)
+
+
+__all__ = ["STATS_FIXED_POINT", "secagg_params", "StatSpec", "StatsTask", "StatsDevicePolicy", "pack", "unpack", "SECURE", "PLAIN", "TRANSPORTS"]
