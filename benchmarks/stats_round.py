@@ -16,7 +16,7 @@ import numpy as np
 from fedfs_sdk.federation.secagg import messages as M
 from fedfs_sdk.federation.secagg.device import SecAggDevice
 from fedfs_sdk.stats import embedding_moments, feature_length, feature_moments
-from fedfs_sdk.stats.transport import StatSpec, StatsTask, pack, secagg_params
+from fedfs_sdk.stats.transport import StatSpec, StatsDevicePolicy, StatsTask, pack, secagg_params
 from server_agg.stats_round import StatsRound
 
 
@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
               for u in range(1, a.devices + 1)}
     t_stats = time.perf_counter() - t0
     rnd = StatsRound(task, list(packed))
-    devs = {u: SecAggDevice(secagg_params(task, a.devices), u) for u in packed}
+    # the statistics round runs unauthenticated keys today: devices opt in (honest-but-curious server)
+    devs = {u: SecAggDevice(secagg_params(task, a.devices), u, policy=StatsDevicePolicy.honest_but_curious().secagg)
+            for u in packed}
     sent = {u: 0 for u in packed}
     masked_bytes = 0
 

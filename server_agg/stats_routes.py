@@ -23,7 +23,7 @@ from fastapi import Body, FastAPI, Path, Security
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.secagg import messages as M
 from fedfs_sdk.federation.secagg.errors import SecAggError
-from fedfs_sdk.stats.transport import StatSpec, StatsTask
+from fedfs_sdk.stats.transport import SECURE, StatSpec, StatsTask
 
 from .errors import Conflict, NotFound, Unprocessable
 from .stats_round import StatsRound, load_published, save_published
@@ -51,7 +51,7 @@ class StatsDesk:
             try:
                 task = StatsTask(rid, int(self.coord.model.version) if self.coord.model else 0,
                                  tuple(StatSpec(**s) for s in body["stats"]),
-                                 transport=str(body.get("transport", "fedfs-secagg/2")),
+                                 transport=str(body.get("transport", SECURE)),
                                  min_contributors=int(body.get("min_contributors", 10)),
                                  max_photos=int(body.get("max_photos", 64)))
                 # the operator opts into a plain sum by naming it in the request: allow_plain = transport

@@ -12,7 +12,7 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.server_client import ServerClient
 from fedfs_sdk.stats import embedding_moments, feature_length, feature_moments, sum_contributions
 from fedfs_sdk.stats.client import StatsParticipant
-from fedfs_sdk.stats.transport import PLAIN, StatsDevicePolicy
+from fedfs_sdk.stats.transport import PLAIN, SECURE, StatsDevicePolicy
 
 N = 10
 STATS = [{"name": "xi.embedding", "kind": "embedding", "length": 2 * 8 + 1, "bound": 10.0},
@@ -32,7 +32,7 @@ def server(tmp_path):
     srv.stop()
 
 
-def _devices(srv, policy=StatsDevicePolicy()):
+def _devices(srv, policy=StatsDevicePolicy.honest_but_curious()):
     out = []
     for u in range(N):
         reg = ServerClient(srv.url).register()
@@ -46,7 +46,7 @@ def test_secure_statistics_round_over_http(server, tmp_path) -> None:
     devs = _devices(server)
     r = admin.request("POST", "/v1/admin/stats-round", json_body={"stats": STATS, "min_contributors": N}).json()
     rid = r["round_id"]
-    assert r["phase"] == "advertise" and r["task"]["transport"] == "fedfs-secagg/2"
+    assert r["phase"] == "advertise" and r["task"]["transport"] == SECURE
     for phase in ("advertise", "share_keys", "masked", "unmask"):
         for _, d in devs:
             assert d.step() == phase
@@ -69,7 +69,7 @@ def test_plain_round_is_named_and_refused_by_a_secure_device(server) -> None:
     r = admin.request("POST", "/v1/admin/stats-round",
                       json_body={"stats": STATS, "transport": PLAIN, "min_contributors": N}).json()
     assert r["phase"] == "plain"
-    with pytest.raises(InputError, match="requires fedfs-secagg/2"):
+    with pytest.raises(InputError, match="requires secure-sum"):
         strict[0][1].step()
     for _, d in devs:
         assert d.step() == "plain"

@@ -12,6 +12,7 @@ import pytest
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.secagg import messages as M
 from fedfs_sdk.federation.secagg.device import SecAggDevice
+from fedfs_sdk.federation.secagg.errors import RefusedError
 from fedfs_sdk.stats import embedding_moments, feature_length, feature_moments, sum_contributions
 from fedfs_sdk.stats.transport import PLAIN, SECURE, StatSpec, StatsDevicePolicy, StatsTask, pack, secagg_params, unpack
 from server_agg.stats_round import StatsRound, load_published, save_published
@@ -42,7 +43,9 @@ def test_secure_statistics_round_publishes_the_plain_sum_and_only_masked_vectors
     task, contribs = _task(), _contributions(6)
     rnd = StatsRound(task, list(contribs))
     params = secagg_params(task, len(contribs))
-    devs = {u: SecAggDevice(params, u) for u in contribs}
+    with pytest.raises(RefusedError, match="allow-unauthenticated-secagg"):
+        SecAggDevice(params, next(iter(contribs)))   # issue 30: secure by default, no silent /1
+    devs = {u: SecAggDevice(params, u, policy=StatsDevicePolicy.honest_but_curious().secagg) for u in contribs}
     sent = {u: 0 for u in contribs}
 
     def send(u: int, msg: dict) -> None:
@@ -72,7 +75,7 @@ def test_secure_statistics_round_publishes_the_plain_sum_and_only_masked_vectors
         assert np.allclose(pub["sums"][k], v, rtol=0, atol=1e-6 * 6 * 64 * 100)
     # the device's bytes: 8 × (dim + 1) for its masked vector, plus keys and shares
     assert all(s > 8 * (task.dim + 1) for s in sent.values())
-    with pytest.raises(InputError, match="runs fedfs-secagg/2"):
+    with pytest.raises(InputError, match="runs secure-sum"):
         rnd.contribute_plain(1, pack(contribs[1], task))
 
 
@@ -80,7 +83,7 @@ def test_plain_round_needs_the_named_opt_in_and_a_secure_device_refuses_it(tmp_p
     task, contribs = _task(PLAIN), _contributions(4)
     with pytest.raises(InputError, match="allow_plain"):
         StatsRound(task, list(contribs))
-    with pytest.raises(InputError, match="requires fedfs-secagg/2"):
+    with pytest.raises(InputError, match="requires secure-sum"):
         StatsDevicePolicy().check(task)
     StatsDevicePolicy(require_secure=False).check(task)
     rnd = StatsRound(task, list(contribs), allow_plain=PLAIN)

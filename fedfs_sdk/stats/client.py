@@ -50,7 +50,8 @@ class StatsParticipant:
             self._packed = pack(self.contribution(task), task)
             self._dev = None
             if phase != "plain":
-                self._dev = SecAggDevice(secagg_params(task, int(v["participants"])), int(v["index"]))
+                self._dev = SecAggDevice(secagg_params(task, int(v["participants"])), int(v["index"]),
+                                         policy=self.policy.secagg)
         if phase in self._done:
             return phase
         base = f"/v1/stats-round/{task.round_id}"

@@ -26,8 +26,12 @@ from .contributions import MAX_PHOTOS, MIN_CONTRIBUTORS, feature_dim
 
 from ..federation.secagg.encoding import FixedPoint
 from ..federation.secagg.params import SecAggParams
+from ..federation.secagg.policy import DevicePolicy
 
-SECURE = "fedfs-secagg/2"
+SECURE = "secure-sum"
+"""The secure sum of weight rounds (pairwise masks, Shamir-shared seeds), today with unauthenticated
+keys (``fedfs-secagg/1``): a default device refuses it (:class:`StatsDevicePolicy`); the
+authenticated roster of ``fedfs-secagg/2`` is not wired into statistics rounds yet."""
 PLAIN = "plain-sum-reveals-each-device"
 TRANSPORTS = (SECURE, PLAIN)
 
@@ -118,9 +122,20 @@ def unpack(vector: np.ndarray, task: StatsTask) -> dict[str, np.ndarray]:
 @dataclass(frozen=True)
 class StatsDevicePolicy:
     """A device's floor for statistics rounds: with ``require_secure`` (the default) it refuses a round
-    whose transport reveals its vector."""
+    whose transport reveals its vector; ``secagg`` is its secure-aggregation floor (issue 30's
+    :class:`DevicePolicy`, secure by default). The statistics round runs the secure sum with
+    unauthenticated keys today (``fedfs-secagg/1``: the authenticated roster of weight rounds is not
+    wired into it yet), so a device with the default ``secagg`` refuses it; an owner who trusts the
+    server to follow the protocol opts in with ``DevicePolicy.honest_but_curious()``."""
 
     require_secure: bool = True
+    secagg: DevicePolicy = field(default_factory=DevicePolicy)
+
+    @classmethod
+    def honest_but_curious(cls) -> "StatsDevicePolicy":
+        """Secure sums required, ``fedfs-secagg/1`` keys accepted: for a server trusted to follow the
+        protocol (what ``--allow-unauthenticated-secagg`` says for weight rounds)."""
+        return cls(secagg=DevicePolicy.honest_but_curious())
 
     def check(self, task: StatsTask) -> None:
         if task.transport != SECURE and self.require_secure:
