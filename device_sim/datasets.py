@@ -279,6 +279,9 @@ class ImageFolderDataset:
                 kept_names.append(name)
                 if preload:
                     arrays.append(torch.cat(imgs))
+                elif self._faces is not None:   # hand the chips to the first batch_uint8 instead of cutting them again
+                    for j, img in enumerate(imgs):
+                        self.cache.put((len(kept_files) - 1, j), img[0])
             if pool is not None:
                 pool.shutdown()
             files_by_id, names = kept_files, kept_names
@@ -356,8 +359,10 @@ class ImageFolderDataset:
         if self._preloaded is not None:
             out = self._preloaded[torch.as_tensor(self._offsets[ids] + idx)]
         elif not cache or self.cache.max_bytes <= 0:
-            out = self._load_u8([self.files[i][j] for i, j in zip(ids.tolist(), idx.tolist())]) if ids.size \
-                else torch.empty((0, 3, S, S), dtype=torch.uint8)
+            out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8)
+            missing = self.cache.take_into(ids, idx, out)       # images validation left in the LRU: handed over
+            if missing:
+                out[torch.as_tensor(missing)] = self._load_u8([self.files[ids[i]][idx[i]] for i in missing])
         else:
             out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8)
             missing = self.cache.fetch_into(ids, idx, out)
@@ -378,8 +383,9 @@ class ImageFolderDataset:
             return torch.cat(list(pool.map(self._decode, parts)))
 
     def _threads(self) -> int:
-        # face detectors (dlib, OpenCV's cascade) are not documented thread-safe: one thread then
-        return 1 if self.detect_face else self.decode_threads
+        # face detectors (dlib, OpenCV's cascade) are not documented thread-safe: one thread then; faces
+        # already located (cut from the record, no detector) decode in threads
+        return 1 if self.detect_face and self._faces is None else self.decode_threads
 
     def _try_decode(self, path: Path) -> tuple[torch.Tensor | None, FedFSError | None]:
         if path in self._face_errors:
