@@ -129,3 +129,53 @@ def test_the_crop_fallback_keeps_a_dark_tight_crop_and_refuses_a_blank(tmp_path)
     eyes_y, nose_y = found.points[:4, 1].mean(), found.points[4, 1]
     assert 0 < eyes_y < h * 0.6 and eyes_y < nose_y < h
     assert fallback_locate(np.full_like(crop, 90), prior) is None
+
+
+@needs_faces
+def test_worker_processes_find_what_one_process_finds(tmp_path):
+    files = sorted((YALE / "subject03").iterdir())[:9]      # ≥ 8 photos: the process pool runs
+    one = locate_faces(files, "dlib-chip", cache=FaceCache(tmp_path / "a"), workers=1)
+    two = locate_faces(files, "dlib-chip", cache=FaceCache(tmp_path / "b"), workers=2)
+    assert two.summary.workers == 2 and set(one.faces) == set(two.faces)
+    for i, f in one.faces.items():
+        assert f.method == two.faces[i].method and f.box == two.faces[i].box
+        assert np.array_equal(f.points, two.faces[i].points)
+    seen = []
+    locate_faces(files, "dlib-chip", cache=FaceCache(tmp_path / "b"), workers=2, progress=lambda d, n: seen.append((d, n)))
+    assert seen[-1] == (9, 9)
+
+
+@needs_faces
+def test_the_dataset_cuts_chips_from_the_cache_and_decodes_each_photo_once(folder, tmp_path):
+    from device_sim.datasets import ImageFolderDataset
+
+    (folder / "subject01" / "blank.png").write_bytes(cv2.imencode(".png", np.full((120, 100, 3), 90, np.uint8))[1])
+    ds = ImageFolderDataset(folder, 150, detect_face="dlib-chip", validate=True, cache_bytes=1 << 26,
+                            face_cache=FaceCache(tmp_path / "c"))
+    s = ds.face_summary
+    assert s.photos == 4 and s.none == 1 and abs(s.fta - 0.25) < 1e-12 and ds.identity_photos == {"subject01": 4}
+    assert [x.path.name for x in ds.skipped_files] == ["blank.png"] and "no face found" in ds.skipped_files[0].reason
+    decoded = ds.decoded
+    u8 = ds.batch_uint8([0, 0, 0], [0, 1, 2], cache=False)    # the image store's request: handed over, not decoded
+    assert ds.decoded == decoded
+    for j, f in enumerate(ds.files[0]):
+        direct = dlib_chip(load_image(f), 150).image
+        assert np.array_equal(u8[j].permute(1, 2, 0).numpy(), direct)
+
+
+def test_acquisition_counts_unacquired_probes_as_rejected_owners():
+    from types import SimpleNamespace
+
+    from device_sim.acquisition import acquisition, acquisition_line
+    from device_sim.splits import UserSplit
+
+    z = np.zeros(0, np.int64)
+    splits = SimpleNamespace(clients=[UserSplit(0, z, z), UserSplit(1, z, z)])
+    ds = SimpleNamespace(identity_names=lambda ids: [["a", "b"][i] for i in ids], count=lambda i: [8, 10][i])
+    faces = {"identity_photos": {"a": 10, "b": 10}, "fta": 0.1}
+    ev = {"clients": [0, 1], "verification": {"per_client_tar_at_far": {"0.001": [1.0, 0.5]}}}
+    a = acquisition(faces, ev, ds, splits)
+    # a: 2 of 10 photos lost → FTA 0.2, TAR 1.0 · 0.8; b: none lost, 0.5 · 1 → mean 0.65
+    assert a["fta"] == 0.1 and a["fta_per_client"] == [0.2, 0.0] and abs(a["tar_all_at_far"]["0.001"] - 0.65) < 1e-12
+    line = acquisition_line([{"label": "fedfs", "eval": {"acquisition": a}}])
+    assert "10.0%" in line and "fedfs 0.6500" in line
