@@ -36,10 +36,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(tree: Path, data: str, out: Path, cache: Path, threads: int | None, redo: bool) -> dict:
+def run(tree: Path, data: str, out: Path, cache: Path, threads: int | None, redo: bool,
+        report_only: bool = False) -> dict | None:
     done = out / "bench.json"
     if done.is_file() and not redo:
         return json.loads(done.read_text())
+    if report_only:
+        return None
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -78,6 +81,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--only", choices=["before", "after"], default=None)
     p.add_argument("--redo", action="store_true")
+    p.add_argument("--report-only", action="store_true", help="print the finished runs under --work, run nothing")
     a = p.parse_args()
     work = Path(a.work)
     for data in a.data:
@@ -85,13 +89,19 @@ def main() -> int:
         rows = []
         if a.before and a.only != "after":
             rows.append(("before", run(Path(a.before), data, work / name / "before", work / "cache-before",
-                                       a.threads, a.redo)))
+                                       a.threads, a.redo, a.report_only)))
         if a.only != "before":
             cache = work / f"cache-after-{name}"
-            if a.redo or not (work / name / "after-cold" / "bench.json").is_file():
+            if not a.report_only and (a.redo or not (work / name / "after-cold" / "bench.json").is_file()):
                 shutil.rmtree(cache, ignore_errors=True)
-            rows.append(("after cold", run(REPO, data, work / name / "after-cold", cache, a.threads, a.redo)))
-            rows.append(("after warm", run(REPO, data, work / name / "after-warm", cache, a.threads, a.redo)))
+            rows.append(("after cold", run(REPO, data, work / name / "after-cold", cache, a.threads, a.redo,
+                                           a.report_only)))
+            rows.append(("after warm", run(REPO, data, work / name / "after-warm", cache, a.threads, a.redo,
+                                           a.report_only)))
+        rows = [(label, r) for label, r in rows if r is not None]
+        if not rows:
+            print(f"\n## {data}: no finished run under {work}")
+            continue
         methods = list(rows[0][1]["auroc"])
         base = dict(rows).get("before")
         print(f"\n## fedfs simulate --data {data} (no flag); {os.cpu_count()} cores, shared: timings are noisy")
