@@ -66,6 +66,10 @@ def add_data_arguments(p: argparse.ArgumentParser, clients: int = 100, new_users
                         "seeded by --split-seed (device_sim.capture_shifts); ξ's public identities stay as they are")
     g.add_argument("--scenario", default=None, choices=sorted(SCENARIOS),
                    help="a named setting of the options above: " + scenario_help())
+    g.add_argument("--face-workers", type=int, default=None,
+                   help="processes that find the faces of a folder's photos (default: the machine's cores); each "
+                        "photo's face is kept in the face cache ($FEDFS_CACHE_DIR/faces, or --cache-dir/faces), "
+                        "keyed by its bytes, so a second run detects nothing (docs/real-faces.md)")
     g.add_argument("--data-cache", default="auto", choices=DATA_CACHE_CHOICES,
                    help="where the clients' images are kept as uint8 once produced (rendered on the training "
                         "device / decoded once): 'device' (GPU memory), 'host' (RAM, page-locked on CUDA), 'none' "

@@ -24,6 +24,7 @@ from typing import Any
 
 from fedfs_sdk.fileio import atomic_write_bytes
 from fedfs_sdk.errors import InputError
+from fedfs_sdk.runtime.preprocess import face_mode
 
 from . import cli_distributed, distributed, dp_sim
 from .cli_common import (add_data_arguments, add_device_argument, add_pretrain_arguments, progress_bar, setup_device,
@@ -40,6 +41,7 @@ from .image_store import plan_data_cache
 from .methods.selection import HoldoutView
 from .population import Population
 from .prefetch import PREFETCH_MODES
+from .acquisition import acquisition, acquisition_line, run_timing, timing_line
 from .report import (combine_seeds, headroom_line, markdown_table, notes_lines, seeds_markdown_table, slug,
                      write_results)
 from .xi_source import resolve_xi
@@ -166,7 +168,9 @@ def run_method(spec: str, pop: Population, xi, cfg: ExperimentConfig, out: Path,
             fed.run(planned, on_round=on_round)
     train_s = time.perf_counter() - t0
     fed.collect_private()
+    t1 = time.perf_counter()
     result = _evaluate(fed, pop, eval_cfg, cfg, quiet=quiet) if fed.is_main else None
+    eval_s = time.perf_counter() - t1
     if keep is not None:
         keep[spec] = fed
     selection = None
@@ -177,7 +181,7 @@ def run_method(spec: str, pop: Population, xi, cfg: ExperimentConfig, out: Path,
                      "verdicts": {k: v.to_dict() for k, v in method.selection.verdicts.items()}}
     return {"method": method.name, "label": method.label, "options": method.options(), "rounds": fed.round,
             **({"selection": selection} if selection is not None else {}),
-            "seconds": train_s, "touched_clients": int(fed.store.touched().size) if fed.store is not None else None,
+            "seconds": train_s, "eval_seconds": eval_s, "touched_clients": int(fed.store.touched().size) if fed.store is not None else None,
             "history": [vars(h) for h in fed.history], "eval": result,
             **({"dp": fed.dp.record(fed.round)} if fed.dp is not None and method.trains else {})}
 
@@ -231,21 +235,25 @@ def run_simulation(cfg: ExperimentConfig, title: str = "fedfs simulate",
     if main:
         out.mkdir(parents=True, exist_ok=True)      # an unwritable --out fails now, not after training
     t0 = time.perf_counter()
-    ds, splits = build_data(cfg)
+    ds, splits = _build_data(cfg, quiet)
+    data_s = time.perf_counter() - t0
+    faces = splits.meta.get("faces")
     notes = list(splits.meta.get("plan", []))
     q = cfg.evaluation.q
     if q is None:
         q, why = auto_warmup_q(splits) if cfg.data.data != "synth" else (0.9, None)
         notes += [why] if why else []
     if not quiet:      # before training, so a long run shows at once what it runs on
-        for line in notes + skipped_lines(splits.meta.get("skipped") or {}):
+        for line in ([faces["line"]] if faces else []) + notes + skipped_lines(splits.meta.get("skipped") or {}):
             print(line, file=sys.stderr, flush=True)
     pop = Population(ds, splits)
     cache = plan_data_cache(cfg.runtime.data_cache, pop.image_store_bytes(), cfg.runtime.device)
     pop.use_image_store(cache)
     if not quiet:
         print(cache.reason, file=sys.stderr, flush=True)
+    t1 = time.perf_counter()
     xi, xi_info = resolve_xi(cfg, ds, splits, quiet=quiet) if main else (None, None)
+    xi_s = time.perf_counter() - t1
     if dctx is not None:        # ξ pre-trained (or read) once, on rank 0: every rank the same weights
         xi, xi_info = distributed.broadcast((xi, xi_info), dctx)
     eval_cfg = EvalConfig(q=q, max_clients=cfg.evaluation.eval_clients, impostor_pool=cfg.evaluation.impostor_pool,
@@ -260,8 +268,25 @@ def run_simulation(cfg: ExperimentConfig, title: str = "fedfs simulate",
                "data_cache": {**cache.to_dict(), **pop.store.stats()},
                "clients": _client_names(ds, splits),
                "wall_seconds": time.perf_counter() - t0, "methods": rows}
+    if faces is not None:
+        results["faces"] = faces
+        for r in rows:
+            if r.get("eval") is not None:
+                r["eval"]["acquisition"] = acquisition(faces, r["eval"], ds, splits)
+    results["timing"] = run_timing(data_s, faces, xi_s, rows, results["wall_seconds"])
     results["files"] = {k: str(v) for k, v in write_results(out, results, title).items()}
     return results
+
+
+def _build_data(cfg: ExperimentConfig, quiet: bool):
+    """:func:`build_data` with the progress bar of finding a folder's faces."""
+    if cfg.data.data == "synth" or face_mode(cfg.data.detect_face) not in ("align", "dlib-chip"):
+        return build_data(cfg)
+    with progress_bar("finding faces", unit="photo", disable=quiet) as bar:
+        def cb(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+        return build_data(cfg, face_progress=cb)
 
 
 def _client_names(ds, splits) -> list[str]:
@@ -330,6 +355,10 @@ def run_here(cfg: ExperimentConfig) -> int:
     for line in results["notes"] + skipped_lines(results.get("skipped") or {}) + \
             skipped_lines(results["xi"].get("skipped") or {}, where=f"--pretrain-data {cfg.data.pretrain_data}"):
         print(line)
+    acq = acquisition_line(results["methods"])
+    if acq:
+        print(acq)
+    print(timing_line(results["timing"]))
     print(f"wrote {', '.join(results['files'].values())} ({results['wall_seconds']:.0f} s)")
     return 0
 

@@ -23,8 +23,12 @@ import numpy as np
 import torch
 
 from fedfs_sdk.errors import FedFSError, ImageNotFoundError, InputError
-from fedfs_sdk.runtime.preprocess import IMAGE_EXTENSIONS, face_mode_key, preprocess
+from fedfs_sdk.runtime.align import DEFAULT_DETECT, DetectSettings, FaceFind, cut, landmarks_available
+from fedfs_sdk.runtime.preprocess import (IMAGE_EXTENSIONS, check_size, face_mode, face_mode_key, load_image, preprocess,
+                                          to_model_input)
 
+from .face_cache import FaceCache
+from .face_locate import FaceSummary, locate_faces
 from .image_cache import LRUImageCache, normalize
 from .synthfaces import SynthFaces, broadcast_pairs
 
@@ -188,11 +192,18 @@ class ImageFolderDataset:
         to good images; identities left with too few images are skipped as above;
       * without validation a bad file raises :class:`~fedfs_sdk.errors.ImageDecodeError`
         (or :class:`~fedfs_sdk.errors.NoFaceError`) naming it when first loaded.
+
+    Faces (``detect_face`` ``"align"`` / ``"dlib-chip"`` with dlib, validated or preloaded):
+    every photo's face is located once up front (:func:`~device_sim.face_locate.locate_faces`:
+    from ``face_cache`` where it has the photo's bytes, else in ``face_workers`` processes;
+    ``face_progress(done, total)``), and each chip is then cut from that record; photos with
+    no usable face are skipped by name and counted in ``face_summary`` (failure-to-acquire).
     """
 
-    def __init__(self, root: str | os.PathLike[str], image_size: int, detect_face: bool = False,
+    def __init__(self, root: str | os.PathLike[str], image_size: int, detect_face: bool | str = False,
                  preload: bool = False, validate: bool = False, cache_bytes: int = 256 << 20,
-                 min_images: int = 1) -> None:
+                 min_images: int = 1, face_cache: FaceCache | None = None, face_workers: int = 1,
+                 face_progress=None, detect_settings: DetectSettings = DEFAULT_DETECT) -> None:
         self.root = Path(root)
         if not self.root.is_dir():
             raise ImageNotFoundError(f"dataset root is not a directory: {self.root}")
@@ -237,6 +248,18 @@ class ImageFolderDataset:
             files_by_id.append(files)
             names.append(entry.name)
 
+        self.detect_settings = detect_settings
+        self.face_summary: FaceSummary | None = None
+        self._faces: dict[Path, FaceFind] | None = None
+        self._face_errors: dict[Path, str] = {}
+        if (preload or validate) and face_mode(detect_face) in ("align", "dlib-chip") and landmarks_available():
+            flat = [f for files in files_by_id for f in files]
+            got = locate_faces(flat, face_mode(detect_face), detect_settings, face_cache, face_workers, face_progress)
+            self._faces = {flat[i]: f for i, f in got.faces.items()}
+            self._face_errors = {flat[i]: e for i, e in got.errors.items()}
+            self.face_summary = got.summary
+            self.identity_photos = {name: len(files) for name, files in zip(names, files_by_id)}
+            """Readable or not, every photo of each identity folder (the denominator of failure-to-acquire)."""
         if preload or validate:
             kept_files, kept_names, arrays = [], [], []
             pool = ThreadPoolExecutor(self._threads()) if self._threads() > 1 else None
@@ -256,6 +279,9 @@ class ImageFolderDataset:
                 kept_names.append(name)
                 if preload:
                     arrays.append(torch.cat(imgs))
+                elif self._faces is not None:   # hand the chips to the first batch_uint8 instead of cutting them again
+                    for j, img in enumerate(imgs):
+                        self.cache.put((len(kept_files) - 1, j), img[0])
             if pool is not None:
                 pool.shutdown()
             files_by_id, names = kept_files, kept_names
@@ -295,7 +321,10 @@ class ImageFolderDataset:
     def fingerprint(self) -> str:
         """sha256 of the identity folders, their image file names and the preprocessing
         (not of the pixels: cheap for a million files; see ``Population.fingerprint``)."""
-        h = hashlib.sha256(json.dumps({"image_size": self.image_size, "detect_face": face_mode_key(self.detect_face)}).encode())
+        fp = {"image_size": self.image_size, "detect_face": face_mode_key(self.detect_face)}
+        if self._faces is not None:     # another search finds other boxes for some photos: other chips
+            fp["detect"] = self.detect_settings.key()
+        h = hashlib.sha256(json.dumps(fp).encode())
         for name, files in zip(self.names, self.files):
             h.update(json.dumps([name, [f.name for f in files]]).encode())
         return h.hexdigest()
@@ -330,8 +359,10 @@ class ImageFolderDataset:
         if self._preloaded is not None:
             out = self._preloaded[torch.as_tensor(self._offsets[ids] + idx)]
         elif not cache or self.cache.max_bytes <= 0:
-            out = self._load_u8([self.files[i][j] for i, j in zip(ids.tolist(), idx.tolist())]) if ids.size \
-                else torch.empty((0, 3, S, S), dtype=torch.uint8)
+            out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8)
+            missing = self.cache.take_into(ids, idx, out)       # images validation left in the LRU: handed over
+            if missing:
+                out[torch.as_tensor(missing)] = self._load_u8([self.files[ids[i]][idx[i]] for i in missing])
         else:
             out = torch.empty((ids.size, 3, S, S), dtype=torch.uint8)
             missing = self.cache.fetch_into(ids, idx, out)
@@ -352,17 +383,34 @@ class ImageFolderDataset:
             return torch.cat(list(pool.map(self._decode, parts)))
 
     def _threads(self) -> int:
-        # face detectors (dlib, OpenCV's cascade) are not documented thread-safe: one thread then
-        return 1 if self.detect_face else self.decode_threads
+        # face detectors (dlib, OpenCV's cascade) are not documented thread-safe: one thread then; faces
+        # already located (cut from the record, no detector) decode in threads
+        return 1 if self.detect_face and self._faces is None else self.decode_threads
 
     def _try_decode(self, path: Path) -> tuple[torch.Tensor | None, FedFSError | None]:
+        if path in self._face_errors:
+            from fedfs_sdk.errors import NoFaceError
+
+            return None, NoFaceError(self._face_errors[path])
         try:
             return self._decode([path]), None
         except FedFSError as e:
             return None, e
 
     def _decode(self, paths: Sequence[Path]) -> torch.Tensor:
-        x = preprocess([str(p) for p in paths], self.image_size, detect_face=self.detect_face)
+        if self._faces is None:
+            x = preprocess([str(p) for p in paths], self.image_size, detect_face=self.detect_face)
+        else:       # the face was located once (cached): cut the chip from the record
+            S = self.image_size
+            x = np.empty((len(paths), 3, S, S), dtype=np.float32)
+            for k, p in enumerate(paths):
+                face = self._faces.get(Path(p))
+                if face is None:
+                    x[k] = preprocess([str(p)], S, detect_face=self.detect_face)[0]
+                    continue
+                rgb = load_image(p)
+                check_size(rgb, S, f"image file {p}")
+                x[k] = to_model_input(cut(rgb, face, S), S)
         return torch.from_numpy(np.rint(x * 127.5 + 127.5)).to(torch.uint8)
 
     def _check_ids(self, ids: np.ndarray) -> None:

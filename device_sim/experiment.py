@@ -156,6 +156,8 @@ class RuntimeConfig:
     distributed: bool = False
     workers: int = 1
     rank_split: str = "balanced"
+    face_workers: int | None = None
+    """Processes that find the faces of a folder's photos (None: the machine's cores)."""
 
 
 @dataclass(frozen=True)

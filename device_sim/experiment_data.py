@@ -3,7 +3,9 @@ dataset and its public / client / new-user split, ξ's pre-training data, and th
 impostor set a simulated device ships with."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -13,6 +15,7 @@ from fedfs_sdk.errors import InputError
 from .capture_shifts import CaptureShiftDataset
 from .datasets import IdentityDataset, ImageFolderDataset, SynthDataset
 from .experiment import DataConfig, ExperimentConfig
+from .face_cache import FaceCache, default_face_cache_dir
 from .folder_split import plan_folder_split, unused_identities
 from .splits import FaceSplits, UserSplit, make_splits
 from .synthfaces import SynthFaces
@@ -21,12 +24,24 @@ SYNTH_UNIVERSE = 1_000_000
 """Identities of the synthetic universe the splits draw from."""
 
 
-def build_data(cfg: ExperimentConfig) -> tuple[IdentityDataset, FaceSplits]:
+def face_options(cfg: ExperimentConfig, progress: Callable[[int, int], None] | None = None) -> dict:
+    """How a folder's faces are found for ``cfg``: the face cache under the run cache directory
+    and ``--face-workers`` processes (default: the machine's cores)."""
+    n = cfg.runtime.face_workers
+    if n is not None and n < 1:
+        raise InputError(f"--face-workers must be ≥ 1, got {n}")
+    return {"face_cache": FaceCache(default_face_cache_dir(cfg.xi.cache_dir)),
+            "face_workers": n or os.cpu_count() or 1, "face_progress": progress}
+
+
+def build_data(cfg: ExperimentConfig,
+               face_progress: Callable[[int, int], None] | None = None) -> tuple[IdentityDataset, FaceSplits]:
     """The clients' dataset and the public / client / new-user split of a resolved config
     (:func:`device_sim.experiment_resolve.resolve_experiment`: scenario and defaults applied).
     For a folder the split sizes adapt to it (:func:`~device_sim.folder_split.plan_folder_split`);
     what was chosen and every file, folder and identity left out are in ``splits.meta["plan"]``
-    / ``["skipped"]``."""
+    / ``["skipped"]``; how the faces were found in ``splits.meta["faces"]``
+    (``face_progress(done, total)`` while they are)."""
     cfg.require_resolved("build_data")
     d = cfg.data
     if d.data == "synth":
@@ -38,7 +53,8 @@ def build_data(cfg: ExperimentConfig) -> tuple[IdentityDataset, FaceSplits]:
     root = Path(d.data)
     if not root.is_dir():
         raise InputError(f"--data must be 'synth' or an ImageFolder directory; {root} is not a directory")
-    ds = ImageFolderDataset(root, d.image_size, detect_face=d.detect_face, validate=True, cache_bytes=1 << 30)
+    ds = ImageFolderDataset(root, d.image_size, detect_face=d.detect_face, validate=True, cache_bytes=1 << 30,
+                            **face_options(cfg, face_progress))
     counts = ds.counts
     src = d.pretrain_data
     # a built-in ξ was trained elsewhere, but the folder still keeps its public identities: they are the
@@ -51,6 +67,8 @@ def build_data(cfg: ExperimentConfig) -> tuple[IdentityDataset, FaceSplits]:
     skipped = ds.skip_summary()
     skipped["identities"] += [s.to_dict() for s in unused_identities(ds.names, counts, splits, plan.per_user)]
     splits.meta.update({"plan": plan.notes, "skipped": skipped})
+    if ds.face_summary is not None:
+        splits.meta["faces"] = {**ds.face_summary.to_dict(), "identity_photos": ds.identity_photos}
     shift = d.capture_shift or "none"
     if shift != "none":
         phones = np.r_[splits.identities("clients"), splits.identities("new_users")]
@@ -104,7 +122,7 @@ def build_pretrain_data(cfg: ExperimentConfig, ds: IdentityDataset,
     if not root.is_dir():
         raise InputError(f"--pretrain-data must be 'synth' or an ImageFolder directory; {root} is not a directory")
     src_ds = ImageFolderDataset(root, d.image_size, detect_face=d.detect_face, validate=True,
-                                cache_bytes=1 << 30)
+                                cache_bytes=1 << 30, **face_options(cfg))
     pub = _all_public(src_ds)
     pub.meta["skipped"] = src_ds.skip_summary()
     return src_ds, pub

@@ -73,6 +73,19 @@ class LRUImageCache:
                 out[i] = t
         return missing
 
+    def take_into(self, ids: np.ndarray, idx: np.ndarray, out: torch.Tensor) -> list[int]:
+        """:meth:`fetch_into`, removing what it copies (a hand-over to a caller that keeps the
+        images itself); returns the positions that were not cached."""
+        missing = []
+        for i, key in enumerate(zip(ids.tolist(), idx.tolist())):
+            t = self._d.pop(key, None)
+            if t is None:
+                missing.append(i)
+            else:
+                self.nbytes -= t.numel() * t.element_size()
+                out[i] = t
+        return missing
+
     def put_many(self, ids: np.ndarray, idx: np.ndarray, positions: list[int], images: torch.Tensor) -> None:
         """Cache ``images[j]`` as the pair at ``positions[j]``."""
         for j, i in enumerate(positions):

@@ -70,12 +70,24 @@ class TrunkCache:
         return out.to(x.device)
 
 
+_BY_TRUNK: "weakref.WeakKeyDictionary[torch.nn.Module, TrunkCache]" = weakref.WeakKeyDictionary()
+
+
 def trunk_cache(backbone: torch.nn.Module) -> TrunkCache:
     """The cache of ``backbone``'s trunk (ξ's), shared by every method holding that module."""
     cache = _CACHES.get(backbone)
     if cache is None:
         cache = _CACHES[backbone] = TrunkCache(backbone)
+        _BY_TRUNK[cache.trunk] = cache
     return cache
 
 
-__all__ = ["TrunkCache", "trunk_cache"]
+def cache_of(module: torch.nn.Module | None) -> TrunkCache | None:
+    """The :class:`TrunkCache` whose ``trunk`` is ``module`` (a method's
+    :meth:`~device_sim.methods.base.FederatedMethod.frozen_stem`), or None: the federation's
+    stem outputs then come from — and go into — the run's one cache of that trunk, so evaluation
+    and the do-no-harm checks do not run the trunk again on the training images (issue 31)."""
+    return _BY_TRUNK.get(module) if module is not None else None
+
+
+__all__ = ["TrunkCache", "trunk_cache", "cache_of"]

@@ -18,7 +18,8 @@ from typing import Sequence
 
 import torch
 
-from .executors import ClientTask, xi_features
+from .executors import ClientTask, normalized, xi_features
+from .trunk_cache import cache_of
 
 
 class FeatureCache:
@@ -49,7 +50,12 @@ class FeatureCache:
         if new:
             sizes = [t.num_samples for t in new]
             inputs = torch.cat([getattr(t, self.source).to(self.device) for t in new])
-            feats = torch.split(xi_features(self.model, inputs, self.device, self.amp), sizes)
+            shared = cache_of(self.model) if self.source == "images" and self.amp == "off" else None
+            if shared is not None:      # a frozen trunk with a run-wide cache: computed once for every use
+                out = shared(normalized(inputs)).float()
+            else:
+                out = xi_features(self.model, inputs, self.device, self.amp)
+            feats = torch.split(out, sizes)
             for t, v in zip(new, feats):
                 setattr(t, self.attr, v)
                 size = v.numel() * v.element_size()

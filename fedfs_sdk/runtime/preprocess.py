@@ -17,7 +17,6 @@ input of ``dlib-resnet``; needs dlib, no fallback). No face → :class:`NoFaceEr
 """
 from __future__ import annotations
 
-import functools
 import io
 import os
 from pathlib import Path
@@ -27,7 +26,9 @@ import cv2
 import numpy as np
 
 from ..errors import ImageDecodeError, ImageNotFoundError, InputError, NoFaceError
+from .align import align_face, dlib_chip, landmarks_available
 from .image_header import image_header_size  # noqa: F401  (re-exported; looked up here at call time)
+from .haar import _face_detector, center_square, crop_face  # noqa: F401  (moved down; re-exported here)
 
 MEAN = 127.5
 STD = 127.5
@@ -190,41 +191,6 @@ def _as_rgb(a: np.ndarray, what: str) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-@functools.lru_cache(maxsize=1)
-def _face_detector() -> cv2.CascadeClassifier:
-    path = Path(cv2.data.haarcascades) / "haarcascade_frontalface_default.xml"
-    det = cv2.CascadeClassifier(str(path))
-    if det.empty():
-        raise RuntimeError(f"OpenCV Haar cascade not loadable from {path}")
-    return det
-
-
-def crop_face(rgb: np.ndarray, margin: float = 0.2) -> np.ndarray:
-    """Crop the largest frontal face (Haar cascade) with ``margin`` on each side.
-
-    Raises :class:`NoFaceError` when none is found.
-    """
-    gray = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
-    min_side = max(20, min(gray.shape) // 8)
-    faces = _face_detector().detectMultiScale(gray, scaleFactor=1.1, minNeighbors=5,
-                                              minSize=(min_side, min_side))
-    if len(faces) == 0:
-        raise NoFaceError(f"no face found in a {rgb.shape[1]}×{rgb.shape[0]} image")
-    x, y, w, h = max(faces, key=lambda f: f[2] * f[3])
-    m = int(round(margin * max(w, h)))
-    x0, y0 = max(0, x - m), max(0, y - m)
-    x1, y1 = min(rgb.shape[1], x + w + m), min(rgb.shape[0], y + h + m)
-    return rgb[y0:y1, x0:x1]
-
-
-def center_square(rgb: np.ndarray) -> np.ndarray:
-    """Central square crop (keeps the aspect ratio of faces when resizing)."""
-    h, w = rgb.shape[:2]
-    s = min(h, w)
-    y0, x0 = (h - s) // 2, (w - s) // 2
-    return rgb[y0:y0 + s, x0:x0 + s]
-
-
 def to_model_input(rgb: np.ndarray, input_size: int) -> np.ndarray:
     """RGB uint8 ``[H,W,3]`` → float32 ``[3, S, S]`` normalized to [−1, 1]."""
     sq = center_square(rgb)
@@ -277,8 +243,6 @@ def _one(src: ImageSource, input_size: int, mode: str | None, what: str) -> np.n
         except NoFaceError as e:
             raise NoFaceError(f"{what}: {e}") from None
     elif mode in ("align", "dlib-chip"):
-        from .align import align_face, dlib_chip
-
         res = (align_face if mode == "align" else dlib_chip)(rgb, input_size)
         if res.image is None:
             raise NoFaceError(f"{what}: {res.reason} (drop the file, or pass a photo with one frontal face)")
@@ -317,8 +281,6 @@ def face_mode_key(detect_face: bool | str | None) -> str:
     A cache keyed on the bare ``True`` would mix Haar crops and aligned faces."""
     mode = face_mode(detect_face)
     if mode == "align":
-        from .align import landmarks_available
-
         return "align-dlib" if landmarks_available() else "align-haar-fallback"
     return mode or "none"
 

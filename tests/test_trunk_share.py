@@ -1,0 +1,27 @@
+"""The federation's frozen-stem features and evaluation share one cache of ξ's trunk (issue 31)."""
+from __future__ import annotations
+
+import torch
+
+from device_sim.executors import ClientTask
+from device_sim.trunk_cache import cache_of, trunk_cache
+from device_sim.xi_cache import FeatureCache
+from fedfs_sdk.nn.model import FaceNet, ModelConfig
+
+
+def test_stem_features_fill_the_run_trunk_cache_that_evaluation_reads():
+    torch.manual_seed(0)
+    xi = FaceNet(ModelConfig("tiny")).eval()
+    cache = trunk_cache(xi.backbone)
+    assert cache_of(cache.trunk) is cache and cache_of(xi.backbone) is None
+    u8 = torch.randint(0, 256, (5, 3, 32, 32), dtype=torch.uint8)
+    tasks = [ClientTask(0, u8[:3], {}), ClientTask(1, u8[3:], {})]
+    FeatureCache(cache.trunk, "cpu", attr="stem_features").fill(tasks)
+    assert cache.misses == 5 and cache.hits == 0
+    x = (u8.float() - 127.5) / 127.5                     # what evaluation hands the trunk: the same images
+    with torch.no_grad():
+        ref = cache.trunk(x)
+    again = cache(x)
+    assert cache.misses == 5 and cache.hits == 5          # evaluation runs the trunk on none of them
+    assert torch.allclose(again, ref, atol=1e-5)
+    assert torch.allclose(torch.cat([t.stem_features for t in tasks]), ref, atol=1e-5)
