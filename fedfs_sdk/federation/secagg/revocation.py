@@ -25,12 +25,10 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ...errors import InputError
 from .errors import RefusedError
-from .identity import CaPublicKey, IdentityError, _b64, _unb64, canonical, verify, SIG_BYTES
+from .identity import CaPublicKey, IdentityError, _b64, _load, _unb64, canonical, verify, SIG_BYTES
 
 FORMAT = "fedfs-revocations/1"
 FILENAME = "revocations.json"
@@ -80,13 +78,7 @@ class RevocationList:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "RevocationList":
-        p = Path(path)
-        try:
-            return cls.from_json(json.loads(p.read_text()))
-        except OSError as e:
-            raise InputError(f"cannot read the revocation list {p}: {e.strerror or e}") from None
-        except (ValueError, IdentityError) as e:
-            raise InputError(f"{p} is not a fedfs revocation list (fedfs ca revoke writes one): {e}") from None
+        return _load(cls, path, "the revocation list", "a fedfs revocation list (fedfs ca revoke writes one)")
 
 
 def issue(ca: Any, previous: RevocationList | None, add: Iterable[str] = (), now: float | None = None) -> RevocationList:
