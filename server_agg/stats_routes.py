@@ -142,30 +142,34 @@ def load_published_json(path) -> dict:
     return json.loads(path.read_text())
 
 
-def install_stats_routes(app: FastAPI, coord: Any, device: Callable[..., str], admin: Callable[..., str]) -> StatsDesk:
+def install_stats_routes(app: FastAPI, coord: Any, device: Callable[..., str], admin: Callable[..., str],
+                         errors: Callable[..., dict]) -> StatsDesk:
+    """The statistics round's endpoints; ``errors(*statuses)`` documents their refusals (the app's
+    ``{error, reason}`` body) so the OpenAPI schema lists every status they answer."""
     desk = StatsDesk(coord)
+    refusals = errors(400, 401, 403, 404, 409, 413, 422)
 
-    @app.post("/v1/admin/stats-round", tags=["statistics"])
+    @app.post("/v1/admin/stats-round", tags=["statistics"], responses=refusals)
     def open_stats(body: dict = Body(...), _: str = Security(admin)) -> dict:
         return desk.open(body)
 
-    @app.post("/v1/admin/stats-round/{round_id}/advance", tags=["statistics"])
+    @app.post("/v1/admin/stats-round/{round_id}/advance", tags=["statistics"], responses=refusals)
     def advance_stats(round_id: int = Path(ge=1), _: str = Security(admin)) -> dict:
         return desk.advance(round_id)
 
-    @app.get("/v1/stats-round", tags=["statistics"])
+    @app.get("/v1/stats-round", tags=["statistics"], responses=refusals)
     def stats_view(device_id: str = Security(device)) -> dict:
         return desk.view(device_id)
 
-    @app.post("/v1/stats-round/{round_id}/message", tags=["statistics"])
+    @app.post("/v1/stats-round/{round_id}/message", tags=["statistics"], responses=refusals)
     def stats_message(round_id: int = Path(ge=1), body: dict = Body(...), device_id: str = Security(device)) -> dict:
         return desk.message(device_id, round_id, str(body.get("message", "")))
 
-    @app.put("/v1/stats-round/{round_id}/plain", tags=["statistics"])
+    @app.put("/v1/stats-round/{round_id}/plain", tags=["statistics"], responses=refusals)
     def stats_plain(round_id: int = Path(ge=1), body: dict = Body(...), device_id: str = Security(device)) -> dict:
         return desk.plain(device_id, round_id, body.get("vector"))
 
-    @app.get("/v1/stats", tags=["statistics"])
+    @app.get("/v1/stats", tags=["statistics"], responses=refusals)
     def stats_published(_: str = Security(device)) -> dict:
         return desk.published()
 

@@ -48,8 +48,15 @@ def windows(data: bytes, size: int = 32, count: int = 24) -> list[bytes]:
     return [data[s:s + size] for s in starts]
 
 
+def _repeats(w: bytes) -> bool:
+    """A window that is one value over and over (8 codeword bits all +1 as float32 = eight 1.0s)
+    says nothing secret: a frozen norm weight of 1.0s uploads the same bytes (scope=top)."""
+    return any(len(w) % k == 0 and w == w[:k] * (len(w) // k) for k in (1, 2, 4))
+
+
 def leaked(sent: list[bytes], secret: bytes, size: int = 32) -> bool:
-    return any(w in blob for blob in sent for w in windows(secret, size))
+    probes = [w for w in windows(secret, size) if not _repeats(w)]
+    return any(w in blob for blob in sent for w in probes)
 
 
 def test_device_sends_only_weights_and_counts(tmp_path):

@@ -313,7 +313,13 @@ def test_federation_xi_cache_computes_each_client_once(xi, data) -> None:
 def test_federation_caches_the_frozen_stem_and_xi_on_it(xi, data) -> None:
     """scope=top: the trunk's outputs are computed once per image for the run, ξ's features from
     them (ξ's top, not ξ's trunk again); the batched federation gives the sequential one's model."""
+    import copy
+
     from device_sim.federation import Federation, FederationConfig
+
+    # the trunk's cache is per ξ module and lives as long as it (device_sim/trunk_cache.py): a ξ of
+    # its own, so images an earlier test cached under the session's ξ do not hide trunk calls here
+    xi = copy.deepcopy(xi)
 
     def run(executor: str) -> tuple[Federation, list[int]]:
         fed = Federation(parse_method("fedfs"), data, xi, FederationConfig(
