@@ -14,6 +14,13 @@ if str(ROOT) not in sys.path:
 
 os.environ.setdefault("FEDFS_CACHE_DIR", str(ROOT / ".fedfs_cache"))
 
+# Under pytest-xdist (.ci/run: one worker per core) each worker and the processes its tests start
+# get an equal share of the cores as torch/OpenMP threads: N workers × all-core thread pools would
+# oversubscribe the machine and spin. A user's own OMP_NUM_THREADS wins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     try:

@@ -101,32 +101,43 @@ class ServerProc:
                 self.kill()
 
 
-def start_server(state: Path, *args: str, port: int | None = None, timeout: float = 60.0,
+def start_server(state: Path, *args: str, port: int | None = None, timeout: float = 180.0,
                  tls: tuple[Path, Path] | None = None) -> ServerProc:
     """``python -m fedfs_sdk.cli.main serve`` on a free port; waits for /health. ``tls``:
-    ``(cert, key)`` — the server speaks HTTPS (``--tls-cert/--tls-key``) and is checked with cert."""
-    port = port or free_port()
-    if tls is not None:
-        args = (*args, "--tls-cert", str(tls[0]), "--tls-key", str(tls[1]))
-    log = state.parent / f"{state.name}.server.log"
-    cmd = [sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--state", str(state), "--admin-token", ADMIN, "--tick-interval", "0.1", "--poll-interval", "0.2", *args]
-    with open(log, "ab") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT)
-    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
-    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls[0])) if tls else True
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=1, verify=verify).status_code == 200:
-                return ServerProc(proc, url, state, log, verify, tls[0] if tls else None)
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError(f"server did not come up in {timeout} s:\n{log.read_text()[-3000:]}")
+    ``(cert, key)`` — the server speaks HTTPS (``--tls-cert/--tls-key``) and is checked with cert.
+
+    ``timeout`` is generous: a loaded machine (the suite runs on two xdist workers) may take a
+    minute to import the server. A free port can be taken by another worker between
+    :func:`free_port` and the bind: then the server is started again on a new port."""
+    chosen = port
+    for attempt in range(3):
+        port = chosen or free_port()
+        if tls is not None and attempt == 0:
+            args = (*args, "--tls-cert", str(tls[0]), "--tls-key", str(tls[1]))
+        log = state.parent / f"{state.name}.server.log"
+        cmd = [sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--state", str(state), "--admin-token", ADMIN, "--tick-interval", "0.1", "--poll-interval", "0.2", *args]
+        with open(log, "ab") as f:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT)
+        url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls[0])) if tls else True
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if proc.poll() is not None:
+                text = log.read_text()
+                if chosen is None and "address already in use" in text.lower():
+                    break                                   # another worker took the port: a new one
+                raise RuntimeError(f"server exited with {proc.returncode}:\n{text[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=1, verify=verify).status_code == 200:
+                    return ServerProc(proc, url, state, log, verify, tls[0] if tls else None)
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        else:
+            proc.kill()
+            raise RuntimeError(f"server did not come up in {timeout} s:\n{log.read_text()[-3000:]}")
+    raise RuntimeError(f"no free port for the server after 3 tries:\n{log.read_text()[-3000:]}")
 
 
 def write_images(folder: Path, count: int, seed: int, size: int = 40) -> list[Path]:
