@@ -432,7 +432,7 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
         return coord.close_round(round_id)
 
     install_secagg_routes(app, coord, device, _errors, body_timeout_s, receive_slots)
-    install_stats_routes(app, coord, device, admin, _errors)      # the statistics round (issue 29)
+    install_stats_routes(app, coord, device, admin, _errors, body_timeout_s, receive_slots)   # statistics (issue 29)
     return app
 
 

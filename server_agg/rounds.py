@@ -254,6 +254,9 @@ class Coordinator(DeviceRegistry, ModelStore, UploadIntake, DpLedger, Recovery, 
                 self._secagg_tick(self.round)       # phase deadlines
             elif self.round is not None and self.clock() >= self.round.deadline:
                 self._close_locked("deadline")
+            desk = getattr(self, "stats_desk", None)
+            if desk is not None:
+                desk.tick()                         # the statistics round's phase deadlines
             p = self.policy
             if self.round is None and p.rounds > 0 and self.model is not None and self._completed() < p.rounds:
                 if len(self.eligible_devices(p)) >= p.min_participants and not self._dp_exhausted():
