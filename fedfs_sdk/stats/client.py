@@ -83,6 +83,7 @@ class StatsParticipant:
         task = StatsTask.from_json(v["task"])
         if task.round_id in self.done:
             return None
+        self.done.add(task.round_id)                # one answer per round: taken part, or refused once
         self.policy.check(task)                     # a plain round is refused by a device that requires secagg
         if v["phase"] == "plain":
             if task.transport != PLAIN:
@@ -92,7 +93,6 @@ class StatsParticipant:
             body = {"vector": packed.tolist()}
             self.bytes_sent += len(json.dumps(body))
             self.client.request("PUT", f"/v1/stats-round/{task.round_id}/plain", json_body=body)
-            self.done.add(task.round_id)
             return {"round_id": task.round_id, "transport": PLAIN, "bytes_sent": self.bytes_sent}
         return self._secure(task, v["secagg"])
 
@@ -105,14 +105,14 @@ class StatsParticipant:
                                 clock=self._clock, wait_timeout_s=self.wait_timeout_s, identity=self.identity,
                                 policy=self.policy.secagg, round_log=log, context=stats_context(task, fields),
                                 path=f"/v1/stats-round/{task.round_id}/secagg")     # refuses below its floors
-        self._record(task)                          # before any key leaves
-        self.done.add(task.round_id)
         t0 = time.perf_counter()
+        own = self.contribution(task)               # before any key leaves: a device that cannot, sends nothing
+        packed = pack(own, task)
+        self._record(task)                          # before any key leaves
+        self.keep_own(task, own)
         session.advertise()
         session.share_keys()
-        own = self.contribution(task)               # between the keys and the masked input (like training)
-        self.keep_own(task, own)
-        session.masked_vector(pack(own, task), 1)
+        session.masked_vector(packed, 1)
         session.unmask()                            # authenticated rounds: after the consistency check
         session.result()
         self.bytes_sent += session.bytes_sent

@@ -1,0 +1,140 @@
+"""The statistics rounds ``fedfs serve`` opens by itself (issue 29, ``policy.stats_rounds``, on by
+default; ``--no-stats-rounds`` turns them off).
+
+The defaults' do-no-harm rule (:mod:`fedfs_sdk.stats.in_domain`) needs two sums, and the server opens
+a round for each at the point the rule needs it, on every eligible device, under secure aggregation
+(``fedfs-secagg/2`` where the server pins ``--secagg-ca``):
+
+1. **ξ's moments** (``xi.embedding``, ``xi.features`` — the latter when ξ's backbone splits into
+   trunk + top) before the first weight round: the first weight round opens once this round has
+   published or failed;
+2. **the devices' check results** (``checks``, one block per candidate after ξ) after the last weight
+   round, on the final model version; devices enrolling then take part before they choose.
+
+Each round proceeds with the devices that answered by its phase deadlines and publishes only a sum
+over ≥ :data:`~fedfs_sdk.stats.MIN_CONTRIBUTORS`; otherwise nothing is published and the outcome says why
+(``GET /v1/admin/stats-round/{id}``; devices fall back to the public impostors or keep ξ). A round
+that could not even open (fewer eligible devices than the minimum, no ξ) is recorded as skipped and
+the weight rounds go on.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fedfs_sdk.stats import EMBEDDING_BOUND, FEATURE_BOUND, MAX_PHOTOS, MIN_CONTRIBUTORS, feature_length
+from fedfs_sdk.stats.in_domain import CHECKS, EMBEDDING, FEATURES, candidate_names
+from fedfs_sdk.stats.transport import SECURE, StatSpec
+from fedfs_sdk.training.methods import uses_fedfs
+
+from .errors import ApiError
+from .round_state import _event
+
+STATE, SHAPE = "stats_auto", "stats_xi_shape"
+
+
+def _get(coord: Any, key: str) -> dict:
+    raw = coord.db.get_meta(key)
+    return json.loads(raw) if raw else {}
+
+
+def _note(coord: Any, key: str, value: dict) -> None:
+    state = _get(coord, STATE)
+    state[key] = value
+    coord.db.set_meta(STATE, json.dumps(state))
+
+
+def wanted(coord: Any) -> bool:
+    p = coord.policy
+    return bool(getattr(p, "stats_rounds", False)) and p.rounds > 0 and bool(coord.db.get_meta("xi_sha256"))
+
+
+def xi_shape(coord: Any) -> dict:
+    """``{sha, embedding, features, norm}`` of the served ξ: its embedding width, its trunk's feature
+    width (None: the backbone does not split) and whether it has an ``embed_norm`` to re-fit (cached)."""
+    sha = coord.db.get_meta("xi_sha256")
+    cached = _get(coord, SHAPE)
+    if cached.get("sha") == sha:
+        return cached
+    import torch
+
+    from fedfs_sdk.errors import InputError
+    from fedfs_sdk.nn.checkpoint import load_checkpoint
+    from fedfs_sdk.training.scope import Trunk
+
+    net = load_checkpoint(coord.layout.xi)[0].eval()
+    bb = net.backbone
+    size = int(getattr(bb, "input_size", 112))
+    with torch.no_grad():
+        dim = int(bb(torch.zeros(2, 3, size, size)).shape[1])
+        try:
+            feat: int | None = int(Trunk(bb)(torch.zeros(2, 3, size, size)).shape[1])
+        except InputError:
+            feat = None
+    shape = {"sha": sha, "embedding": dim, "features": feat,
+             "norm": isinstance(getattr(bb, "embed_norm", None), torch.nn.Module)}
+    coord.db.set_meta(SHAPE, json.dumps(shape))
+    return shape
+
+
+def _open(coord: Any, desk: Any, key: str, specs: tuple[StatSpec, ...], extra: dict | None = None) -> bool:
+    try:
+        out = desk.open_task(specs, SECURE, MIN_CONTRIBUTORS, MAX_PHOTOS, extra)
+    except ApiError as e:
+        _note(coord, key, {"state": "skipped", "reason": str(e)[:500]})
+        _event("statistics round skipped", key=key, reason=str(e)[:200])
+        return False
+    _note(coord, key, {"round_id": out["round_id"]})
+    _event("statistics round opened", key=key, round_id=out["round_id"], devices=out["devices"])
+    return True
+
+
+def before_weight_round(coord: Any, desk: Any) -> bool:
+    """Whether the next weight round may open now. Before the first one, ξ's moments round is opened
+    first (once per ξ) and the weight round waits until it has ended."""
+    if desk.round is not None:
+        return False                       # one thing at a time: devices answer the statistics round first
+    if not wanted(coord) or coord._completed() > 0:
+        return True
+    key = f"xi:{coord.db.get_meta('xi_sha256')}"
+    if key in _get(coord, STATE):
+        return True
+    shape = xi_shape(coord)
+    specs = [StatSpec(EMBEDDING, "embedding", 2 * shape["embedding"] + 1, EMBEDDING_BOUND)]
+    if shape["features"] is not None:
+        specs.append(StatSpec(FEATURES, "features", feature_length(shape["features"]), FEATURE_BOUND))
+    return not _open(coord, desk, key, tuple(specs))
+
+
+def after_weight_rounds(coord: Any, desk: Any) -> None:
+    """After the last weight round: the check-results round on the final model version (once)."""
+    p = coord.policy
+    if desk.round is not None or coord.round is not None or not wanted(coord) or coord.model is None \
+            or coord._completed() < p.rounds:
+        return
+    key = f"checks:v{coord.model.version}"
+    if key in _get(coord, STATE):
+        return
+    shape = xi_shape(coord)
+    xi_published = any(v.get("state") == "published" and EMBEDDING in v.get("names", [])
+                       for v in desk.outcomes().values())
+    names = candidate_names(uses_fedfs(p.method), bool(shape["norm"]) and xi_published)
+    _open(coord, desk, key, (StatSpec(CHECKS, "checks", 4 * (len(names) - 1), 1.0),), {"candidates": list(names)})
+
+
+def pending(coord: Any) -> list[str]:
+    """The automatic rounds a device should still wait for: ``checks`` once the weight rounds are over
+    and its round is still to open (devices enrolling then wait for it); ``xi`` before round 1."""
+    if not wanted(coord):
+        return []
+    state = _get(coord, STATE)
+    done = coord._completed()
+    out = []
+    if done == 0 and f"xi:{coord.db.get_meta('xi_sha256')}" not in state:
+        out.append("xi")
+    if coord.model is not None and done >= coord.policy.rounds and f"checks:v{coord.model.version}" not in state:
+        out.append("checks")
+    return out
+
+
+__all__ = ["before_weight_round", "after_weight_rounds", "pending", "wanted", "xi_shape"]
