@@ -29,7 +29,7 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.secagg import RoundFailedError
 from fedfs_sdk.stats.transport import PLAIN, SECURE, StatSpec, StatsTask, stats_context
 
-from .errors import Conflict, Gone, NotFound, Unprocessable
+from .errors import Conflict, NotFound, Unprocessable
 from .secagg_coord import JSON_BODY_BASE, JSON_BODY_PER_DEVICE
 from .secagg_rounds import SecAggRound, ca_of
 from .stats_round import StatsRound, load_published, save_published, stats_fields
@@ -224,8 +224,8 @@ class StatsDesk:
 
     def _secure(self, device_id: str, round_id: int) -> SecAggRound:
         r = self.round
-        if r is None or r.task.round_id != round_id:
-            raise Gone(f"statistics round {round_id} is not open", code="round_closed")
+        if r is None or r.task.round_id != round_id:     # 409 (not the weight rounds' 410): no round, or over
+            raise Conflict(f"statistics round {round_id} is not open", code="stats_round_closed")
         if r.secagg is None:
             raise Conflict(f"statistics round {round_id} is plain: PUT …/plain", code="not_secure_round")
         r.secagg.index_of(device_id)
@@ -267,7 +267,7 @@ class StatsDesk:
             self.tick()
             r = self.round
             if r is None or r.task.round_id != round_id:
-                raise Gone(f"statistics round {round_id} is not open", code="round_closed")
+                raise Conflict(f"statistics round {round_id} is not open", code="stats_round_closed")
             try:
                 r.contribute_plain(device_id, np.asarray(vector, dtype=np.float64))
             except (InputError, TypeError, ValueError) as e:
