@@ -14,8 +14,9 @@ a round for each at the point the rule needs it, on every eligible device, under
 Each round proceeds with the devices that answered by its phase deadlines and publishes only a sum
 over ≥ :data:`~fedfs_sdk.stats.MIN_CONTRIBUTORS`; otherwise nothing is published and the outcome says why
 (``GET /v1/admin/stats-round/{id}``; devices fall back to the public impostors or keep ξ). A round
-that could not even open (fewer eligible devices than the minimum, no ξ) is recorded as skipped and
-the weight rounds go on.
+that could not even open (fewer eligible devices than the minimum) is recorded as skipped and the
+weight rounds go on. Without a pinned CA the automatic rounds are skipped: the secure sum would run
+``fedfs-secagg/1``, which devices with the default floor refuse (they would only time out).
 """
 from __future__ import annotations
 
@@ -89,6 +90,22 @@ def _open(coord: Any, desk: Any, key: str, specs: tuple[StatSpec, ...], extra: d
     return True
 
 
+NO_CA = ("the server pins no operator CA (--secagg-ca): its secure sum would run fedfs-secagg/1, which devices "
+         "with the default floor refuse; the automatic statistics rounds run only authenticated (an operator may "
+         "still open one: POST /v1/admin/stats-round)")
+
+
+def _skip_without_ca(coord: Any, key: str) -> bool:
+    """Without a pinned CA the automatic round is skipped (recorded once, with the reason)."""
+    from .secagg_rounds import ca_of
+
+    if ca_of(coord.policy) is not None:
+        return False
+    _note(coord, key, {"state": "skipped", "reason": NO_CA})
+    _event("statistics round skipped", key=key, reason="no --secagg-ca")
+    return True
+
+
 def before_weight_round(coord: Any, desk: Any) -> bool:
     """Whether the next weight round may open now. Before the first one, ξ's moments round is opened
     first (once per ξ) and the weight round waits until it has ended."""
@@ -97,7 +114,7 @@ def before_weight_round(coord: Any, desk: Any) -> bool:
     if not wanted(coord) or coord._completed() > 0:
         return True
     key = f"xi:{coord.db.get_meta('xi_sha256')}"
-    if key in _get(coord, STATE):
+    if key in _get(coord, STATE) or _skip_without_ca(coord, key):
         return True
     shape = xi_shape(coord)
     specs = [StatSpec(EMBEDDING, "embedding", 2 * shape["embedding"] + 1, EMBEDDING_BOUND)]
@@ -113,7 +130,7 @@ def after_weight_rounds(coord: Any, desk: Any) -> None:
             or coord._completed() < p.rounds:
         return
     key = f"checks:v{coord.model.version}"
-    if key in _get(coord, STATE):
+    if key in _get(coord, STATE) or _skip_without_ca(coord, key):
         return
     shape = xi_shape(coord)
     xi_published = any(v.get("state") == "published" and EMBEDDING in v.get("names", [])

@@ -311,6 +311,14 @@ def install_stats_routes(app: FastAPI, coord: Any, device: Callable[..., str], a
     def advance_stats(round_id: int = Path(ge=1), _: str = Security(admin)) -> dict:
         return desk.advance(round_id)
 
+    @app.get("/v1/admin/stats-rounds", tags=["statistics"], responses=refusals)
+    def stats_rounds(_: str = Security(admin)) -> dict:
+        """Every statistics round's outcome and what the automatic rounds did (opened, skipped: why)."""
+        from .stats_auto import STATE
+
+        with desk._lock:
+            return {"rounds": desk.outcomes(), "automatic": desk._meta(STATE, {})}
+
     @app.get("/v1/admin/stats-round/{round_id}", tags=["statistics"], responses=refusals)
     def stats_status(round_id: int = Path(ge=1), _: str = Security(admin)) -> dict:
         return desk.status(round_id)
