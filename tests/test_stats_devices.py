@@ -95,6 +95,7 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
             assert again.chosen == sel["chosen"] == rep.enrollment.meta["model_choice"]
             verdicts = verdict_from_sum(np.asarray(pub_checks["sums"][CHECKS]), ["norm-adapt", "global", "personalized"])
             assert all(v.n == N for v in verdicts.values())
+        _simulator_builds_the_same_xi_candidates(tmp_path, agents[0], reports[0], pub_xi)
         ledger = json.loads((tmp_path / "dev0" / "stats" / "stats_contributed.json").read_text())
         assert sorted(ledger) == sorted(pub_xi["task"] and [f"{EMBEDDING}@xi:{pub_xi['task']['extra']['xi_sha256']}",
                                                               f"{FEATURES}@xi:{pub_xi['task']['extra']['xi_sha256']}",
@@ -103,3 +104,36 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
         for s in states:
             s.close()
         srv.stop()
+
+
+def _simulator_builds_the_same_xi_candidates(tmp_path, agent, report, pub_xi) -> None:
+    """ξ and norm-adapt ξ as the simulator builds them (``device_sim``: ``verifier_net``,
+    ``fold_standardization`` of the round's embedding sum) and the simulator's draws (the published
+    feature sum minus the device's own contribution) give the device's recorded checks."""
+    from device_sim.methods.base import verifier_net
+    from device_sim.methods.reference import fold_standardization
+    from device_sim.methods.selection import top_verifier
+    from fedfs_sdk.nn.checkpoint import load_checkpoint
+    from fedfs_sdk.stats import norm_fold_from_sum
+    from fedfs_sdk.stats.in_domain import EMBEDDING, FEATURES, in_domain_draws
+    from fedfs_sdk.training.selection import check_candidate
+
+    xi = load_checkpoint(tmp_path / "xi.safetensors")[0]
+    cfg = xi.config.resolved()
+    w = {k: v for k, v in xi.state_dict().items() if k.startswith("backbone.")}
+    mu, sd = norm_fold_from_sum(np.asarray(pub_xi["sums"][EMBEDDING]), "standardize")
+    own = dict(np.load(tmp_path / "dev0" / "stats" / "stats-own-r000001.npz"))
+    drawn = torch.from_numpy(in_domain_draws(np.asarray(pub_xi["sums"][FEATURES]), own[FEATURES]))
+    train, hold = agent.holdout_split()
+    x = torch.from_numpy(agent.all_images_array(int(cfg.input_size)))
+    recorded = {c["name"]: c for c in report.enrollment.meta["selection"]["checks"]}
+    for name, weights in (("xi", w), ("norm-adapt", fold_standardization(
+            w, torch.from_numpy(mu).float(), torch.from_numpy(sd).float()))):
+        net = verifier_net(cfg, with_head=False).eval()
+        net.load_state_dict(weights)
+        with torch.no_grad():
+            tr, ho = (net(x[i])[0].double().numpy() for i in (train, hold))
+            im = top_verifier(net)(drawn)[0].double().numpy()
+        ck = check_candidate(name, tr, ho, im, far=1e-3)
+        for key in ("margin", "auroc", "threshold", "tar"):
+            assert np.isclose(getattr(ck, key), recorded[name][key], rtol=1e-4, atol=1e-5), (name, key)
