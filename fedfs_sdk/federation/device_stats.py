@@ -206,8 +206,11 @@ def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: st
     seed = int(xi_pub["task"].get("extra", {}).get("draw_seed", 0))
     drawn = in_domain_draws(np.asarray(xi_pub["sums"][FEATURES]), None if own is None else own.get(FEATURES), seed)
     xi_net = _load_xi(xi_path(agent))
-    checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold)
-              for name in names]
+    try:
+        checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold)
+                  for name in names]
+    except InputError as e:          # a candidate this device cannot build (e.g. no θ_c yet): the fallback decides
+        raise StatsUnavailable(f"a candidate cannot be checked here: {e}") from None
     agent._stats_checks = (version, checks)
     check_sum, verdict_note = federation_verdict(agent, version, names)
     sel = decide(checks, check_sum[0] if check_sum else None, check_sum[1] if check_sum else names)
