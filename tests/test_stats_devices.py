@@ -40,6 +40,8 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
     from fedfs_sdk.stats.in_domain import CHECKS, EMBEDDING, FEATURES
 
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)          # ten agents in threads on a shared machine: no intra-op oversubscription
     save_checkpoint(tmp_path / "xi.safetensors", FaceNet(ModelConfig("tiny")), ModelConfig("tiny"))
     ca = CertificateAuthority.generate()
     _, pub = ca.save(tmp_path / "ca")
@@ -96,11 +98,27 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
             verdicts = verdict_from_sum(np.asarray(pub_checks["sums"][CHECKS]), ["norm-adapt", "global", "personalized"])
             assert all(v.n == N for v in verdicts.values())
         _simulator_builds_the_same_xi_candidates(tmp_path, agents[0], reports[0], pub_xi)
+
+        # a device that was offline during the rounds still enrolls with the published sums (its photos were
+        # in none of them: the others' moments are the whole sum); it trained nothing, so no θ_c candidate
+        late = DeviceState(tmp_path / "late")
+        states.append(late)
+        cert = ca.sign_request(identity_request(late, "late"))
+        cert.save(tmp_path / "cert-late.json")
+        cfg = DeviceConfig(rounds=1, enroll=True, q=0.8, wait_timeout_s=60, secagg=DevicePolicy(ca=CaPublicKey.load(pub)),
+                           identity_certificate=tmp_path / "cert-late.json")
+        rep = DeviceAgent(ServerClient(srv.url), late, [str(p) for p in write_images(tmp_path / "img-late", 8, seed=99)],
+                          cfg).run()
+        sel = rep.enrollment.meta["selection"]
+        assert rep.rounds == [] and rep.finished_by_server
+        assert sel["check"] == "in-domain" and not sel["in_stats_round"] and sel["verdict"] == f"published over {N} devices"
+        assert [c["name"] for c in sel["checks"]] == ["xi", "norm-adapt", "global"]
         ledger = json.loads((tmp_path / "dev0" / "stats" / "stats_contributed.json").read_text())
         assert sorted(ledger) == sorted(pub_xi["task"] and [f"{EMBEDDING}@xi:{pub_xi['task']['extra']['xi_sha256']}",
                                                               f"{FEATURES}@xi:{pub_xi['task']['extra']['xi_sha256']}",
                                                               f"{CHECKS}@model:{pub_checks['task']['model_version']}"])
     finally:
+        torch.set_num_threads(threads)
         for s in states:
             s.close()
         srv.stop()

@@ -202,7 +202,10 @@ def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: st
     xi_pub, own = xi_sums(agent, xi_sha)
     has_norm = EMBEDDING in xi_pub["sums"] and _has_embed_norm(xi_path(agent))
     agent.stats_embedding_sum = np.asarray(xi_pub["sums"][EMBEDDING]) if has_norm else None
-    names = candidate_names(uses_fedfs(method), has_norm)
+    # a device that never trained (enrolling late, offline during the rounds) has no θ_c: its candidates
+    # are ξ, norm-adapt and the global model
+    trained = uses_fedfs(method) and agent.state.file("personal.safetensors").is_file()
+    names = candidate_names(trained, has_norm)
     seed = int(xi_pub["task"].get("extra", {}).get("draw_seed", 0))
     drawn = in_domain_draws(np.asarray(xi_pub["sums"][FEATURES]), None if own is None else own.get(FEATURES), seed)
     xi_net = _load_xi(xi_path(agent))
