@@ -27,7 +27,7 @@ from fastapi import Body, FastAPI, Path, Security
 
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.secagg import RoundFailedError
-from fedfs_sdk.stats.transport import PLAIN, SECURE, StatSpec, StatsTask, stats_context
+from fedfs_sdk.stats.transport import SECURE, StatSpec, StatsTask, stats_context
 
 from .errors import Conflict, NotFound, Unprocessable
 from .secagg_coord import JSON_BODY_BASE, JSON_BODY_PER_DEVICE

@@ -4,7 +4,6 @@ needs the operator's named opt-in and is refused by a device that requires secur
 than min_contributors publish nothing; bytes per device."""
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest

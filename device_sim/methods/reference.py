@@ -17,7 +17,7 @@ All three verify with a cosine template of their embedding, like ``pretrained``.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 

@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..errors import FedFSError, InputError, ProtocolError
+from ..errors import FedFSError, InputError
 from ..stats.in_domain import CHECKS, EMBEDDING, FEATURES, candidate_names, check_contributions, decide, in_domain_draws
 
 STATS_DIR = "stats"
