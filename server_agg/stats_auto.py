@@ -120,7 +120,8 @@ def before_weight_round(coord: Any, desk: Any) -> bool:
     specs = [StatSpec(EMBEDDING, "embedding", 2 * shape["embedding"] + 1, EMBEDDING_BOUND)]
     if shape["features"] is not None:
         specs.append(StatSpec(FEATURES, "features", feature_length(shape["features"]), FEATURE_BOUND))
-    return not _open(coord, desk, key, tuple(specs))
+    # the devices' impostor draws are seeded by the federation's seed (the simulator's --seed)
+    return not _open(coord, desk, key, tuple(specs), {"draw_seed": int(coord.policy.seed)})
 
 
 def after_weight_rounds(coord: Any, desk: Any) -> None:

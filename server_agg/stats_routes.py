@@ -52,6 +52,10 @@ class StatsDesk:
             p.unlink(missing_ok=True)
         for p in self.dir.glob("s*.sum*"):
             p.unlink(missing_ok=True)
+        for rid, out in self.outcomes().items():
+            if out.get("state") == "open":
+                self._outcome(int(rid), "failed", reason="the server restarted while the round was open; nothing "
+                              "was published", names=out.get("names"))
 
     # ---- persisted bookkeeping ------------------------------------------------------------
     def _meta(self, key: str, default: Any) -> Any:
