@@ -133,6 +133,8 @@ class ModelInfo(BaseModel):
     """ξ served with the model (``GET /v1/xi``), if any."""
     impostors_sha256: str | None = None
     """The public impostor set shipped with the model (``GET /v1/impostors``), if any."""
+    method: str | None = None
+    """The method the federation trains (the policy's): how a device that never trained verifies."""
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -7,7 +7,8 @@ a round for each at the point the rule needs it, on every eligible device, under
 
 1. **ξ's moments** (``xi.embedding``, ``xi.features`` — the latter when ξ's backbone splits into
    trunk + top) before the first weight round: the first weight round opens once this round has
-   published or failed;
+   published or failed — for ``fedfs+feduv`` on a model started from ξ, from version 2: the initial
+   model with the default's ``norm_init`` (:func:`norm_init`), as the simulator starts ϕ;
 2. **the devices' check results** (``checks``, one block per candidate after ξ) after the last weight
    round, on the final model version; devices enrolling then take part before they choose.
 
@@ -106,15 +107,64 @@ def _skip_without_ca(coord: Any, key: str) -> bool:
     return True
 
 
+def norm_init(coord: Any, desk: Any) -> None:
+    """The default's ``norm_init`` (:data:`~fedfs_sdk.training.methods.DEFAULT_NORM_INIT`, ``fedfs+feduv``:
+    ``standardize``): once ξ's moments are published and before round 1, the initial global model —
+    when its embedding normalization is ξ's — is published again with that normalization re-fitted to
+    the federation's pooled embedding moments, as the simulator starts ϕ (``init_global``)."""
+    from fedfs_sdk.training.methods import DEFAULT_NORM_INIT
+
+    mode = DEFAULT_NORM_INIT.get(coord.policy.method, "none")
+    sha = coord.db.get_meta("xi_sha256")
+    key = f"norm_init:{sha}"
+    if mode == "none" or coord.model is None or coord._completed() > 0 or key in _get(coord, STATE):
+        return
+    rid = _get(coord, STATE).get(f"xi:{sha}", {}).get("round_id")
+    out = desk.outcomes().get(str(rid)) if rid is not None else None
+    if out is None or out.get("state") != "published":
+        _note(coord, key, {"state": "skipped", "reason": "ξ's embedding moments were not published"})
+        return
+    import numpy as np
+    import torch
+
+    from fedfs_sdk.nn.checkpoint import load_checkpoint
+    from fedfs_sdk.stats.in_domain import embedding_norm_prefix, norm_adapt_weights
+
+    from fedfs_sdk.errors import InputError
+
+    weights = coord.model.weights
+    try:
+        pre = embedding_norm_prefix({k: v for k, v in weights.items() if k.startswith("backbone.")})
+    except InputError as e:          # no embed_norm to fold into (dlib-resnet): the simulator runs without it too
+        _note(coord, key, {"state": "skipped", "reason": str(e)[:300]})
+        return
+    xi_w = load_checkpoint(coord.layout.xi)[0].state_dict()
+    if not all(pre + n in xi_w and xi_w[pre + n].shape == weights[pre + n].shape
+               and torch.equal(xi_w[pre + n], weights[pre + n]) for n in ("weight", "bias")):
+        _note(coord, key, {"state": "skipped", "reason": "the initial global model's embedding normalization is not "
+                           "ξ's (it was not started from ξ): the fold applies to ξ's"})
+        return
+    total = np.asarray(desk.published(int(rid))["sums"]["xi.embedding"])
+    new = norm_adapt_weights(weights, total, mode)
+    version = coord.model.version + 1
+    coord._publish(version, new, coord.model.model_config, None, 0, 0, f"norm_init={mode}")
+    _note(coord, key, {"version": version, "mode": mode, "stats_round": int(rid)})
+    _event("norm_init folded", version=version, mode=mode, stats_round=int(rid))
+
+
 def before_weight_round(coord: Any, desk: Any) -> bool:
     """Whether the next weight round may open now. Before the first one, ξ's moments round is opened
-    first (once per ξ) and the weight round waits until it has ended."""
+    first (once per ξ) and the weight round waits until it has ended (then the default's
+    :func:`norm_init`)."""
     if desk.round is not None:
         return False                       # one thing at a time: devices answer the statistics round first
     if not wanted(coord) or coord._completed() > 0:
         return True
     key = f"xi:{coord.db.get_meta('xi_sha256')}"
-    if key in _get(coord, STATE) or _skip_without_ca(coord, key):
+    if key in _get(coord, STATE):
+        norm_init(coord, desk)
+        return True
+    if _skip_without_ca(coord, key):
         return True
     shape = xi_shape(coord)
     specs = [StatSpec(EMBEDDING, "embedding", 2 * shape["embedding"] + 1, EMBEDDING_BOUND)]

@@ -99,6 +99,21 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
             assert all(v.n == N for v in verdicts.values())
         _simulator_builds_the_same_xi_candidates(tmp_path, agents[0], reports[0], pub_xi)
 
+        # the default's norm_init: version 2 is the initial model with ξ's normalization re-fitted to the
+        # published embedding moments (the simulator's init_global), and round 1 trained from it
+        from conftest_server import read_safetensors
+        from fedfs_sdk.nn.checkpoint import load_checkpoint
+        from fedfs_sdk.stats import norm_fold_from_sum
+
+        auto = admin.request("GET", "/v1/admin/stats-rounds").json()["automatic"]
+        assert auto[f"norm_init:{pub_xi['task']['extra']['xi_sha256']}"]["version"] == 2, auto
+        assert admin.request("GET", "/v1/rounds/1").json()["model_version"] == 2
+        v2 = read_safetensors(admin.request("GET", "/v1/models/2").content)[0]
+        xi_sd = load_checkpoint(tmp_path / "xi.safetensors")[0].state_dict()
+        mu, sd = norm_fold_from_sum(np.asarray(pub_xi["sums"][EMBEDDING]))
+        want_b = (xi_sd["backbone.embed_norm.bias"].double().numpy() - mu) / np.maximum(sd, 1e-6)
+        assert np.allclose(v2["backbone.embed_norm.bias"], want_b, rtol=1e-5, atol=1e-5)
+
         # a device that was offline during the rounds still enrolls with the published sums (its photos were
         # in none of them: the others' moments are the whole sum); it trained nothing, so no θ_c candidate
         late = DeviceState(tmp_path / "late")

@@ -33,7 +33,7 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
             self._sleep(1.0)
     info = self.client.latest_model()
     method = (self.state.info.rounds[-1]["method"] if self.state.info and self.state.info.rounds
-              else ("feduv" if info["config"].get("code_length") else "fedfs"))
+              else info.get("method") or ("feduv" if info["config"].get("code_length") else "fedfs"))
     version = int(info["version"])
     score, model = check_verification(check_method(method), self.config.score, self.config.verify)
     mbytes = self.model_bytes(version, info["sha256"])
