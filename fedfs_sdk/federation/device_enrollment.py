@@ -51,7 +51,7 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
             from .device_stats import StatsUnavailable, stats_choice
 
             try:
-                chosen, selection = stats_choice(self, method, mbytes, version, model)
+                chosen, selection = stats_choice(self, method, mbytes, version, model, score)
             except StatsUnavailable as e:
                 fallback = f"no in-domain check: {e}"
                 self._emit("stats_unavailable", {"reason": str(e)[:300]})

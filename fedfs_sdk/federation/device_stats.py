@@ -183,7 +183,8 @@ def xi_sums(agent: Any, xi_sha: str | None) -> tuple[dict, dict | None]:
 
 
 # ---- the rule at enrollment -----------------------------------------------------------------
-def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: str) -> tuple[str, dict]:
+def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: str,
+                 score: str | None = None) -> tuple[str, dict]:
     """The defaults' in-domain choice (module docstring); :class:`StatsUnavailable` when it cannot run."""
     from ..training.methods import uses_fedfs
     from .device_enrollment import has_xi
@@ -210,7 +211,7 @@ def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: st
     drawn = in_domain_draws(np.asarray(xi_pub["sums"][FEATURES]), None if own is None else own.get(FEATURES), seed)
     xi_net = _load_xi(xi_path(agent))
     try:
-        checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold)
+        checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold, score)
                   for name in names]
     except InputError as e:          # a candidate this device cannot build (e.g. no θ_c yet): the fallback decides
         raise StatsUnavailable(f"a candidate cannot be checked here: {e}") from None
@@ -232,18 +233,27 @@ def _has_embed_norm(path: Path) -> bool:
 
 
 def in_domain_check(agent: Any, name: str, method: str, model: bytes, version: int, verify: str, drawn: np.ndarray,
-                    xi_net, train: np.ndarray, hold: np.ndarray):
+                    xi_net, train: np.ndarray, hold: np.ndarray, score: str | None = None):
     """One candidate's check: template from the training photos, genuine = the hold-out, impostors =
     the drawn trunk features through the candidate's top (:func:`~fedfs_sdk.training.selection.check_candidate`,
-    the simulator's function)."""
+    the simulator's function), on the candidate's ``embedding`` output as the simulator scores it (the
+    global model of a ``head-template`` FedUV method: its head projection ``W·e``)."""
     import torch
 
+    from ..nn.model import VerifierNet
     from ..stats.in_domain import top_verifier
+    from ..training.methods import uses_feduv
     from ..training.selection import check_candidate
 
     backend = agent.runtime.verifier(method, model, agent, version, verify, candidate=name)
     net = backend.verifier
     _require_xi_trunk(net, xi_net.backbone, name)
+    if name == "global" and score == "head-template" and uses_feduv(method) and isinstance(net, VerifierNet) \
+            and net.uv_head is not None and not net.project:
+        net = VerifierNet(net.backbone, net.uv_head, project=True).eval()     # the simulator's global spec
+        from ..runtime.inference import TorchBackend
+
+        backend = TorchBackend(net, backend.model_id, device=getattr(backend, "device", "cpu"))
     x = agent.all_images_array(backend.input_size)
     tr, ho = (backend.run(np.ascontiguousarray(x[i]))["embedding"] for i in (train, hold))
     top = top_verifier(net).eval()
