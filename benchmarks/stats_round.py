@@ -1,23 +1,37 @@
-"""Bytes per device and time of a secure statistics round (issue 29): every device contributes ξ's
-embedding moments (D = 128) and trunk-feature moments (F = 512, the MobileFaceNet GDC output) through
-the secure-sum protocol of weight rounds (server_agg.stats_round), in one process — the messages are
-the ones a device sends; no network. Prints the JSON bytes each device sends, its masked vector's
-share, and the protocol's wall time (device + server work of every device, on this machine).
+"""Bytes per device and seconds of an authenticated statistics round (issue 29), over HTTP.
 
-    python benchmarks/stats_round.py [--devices 10] [--dim 128] [--features 512]
+A real ``fedfs serve --secure-aggregation --secagg-ca ca.pub`` on 127.0.0.1 (plain HTTP on loopback,
+or ``--tls``) and ``--devices`` devices with CA-certified identities in this process (threads, each a
+:class:`~fedfs_sdk.stats.client.StatsParticipant` with the default floor + pinned CA): the admin opens a
+round of ξ's embedding moments (D) and trunk-feature moments (F; MobileFaceNet: D = 128, F = 512) and
+every device runs the weight rounds' ``fedfs-secagg/2`` exchange on its packed contribution. Prints
+per device the bytes sent and received (JSON messages, the raw masked vector), and the round's wall
+time from opening to the published sum — all devices and the server share this machine's cores, so
+it is an upper bound of one device's time.
+
+    python benchmarks/stats_round.py [--devices 10] [--dim 128] [--features 512] [--tls]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
+import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
-from fedfs_sdk.federation.secagg import messages as M
-from fedfs_sdk.federation.secagg.device import SecAggDevice
-from fedfs_sdk.stats import embedding_moments, feature_length, feature_moments
-from fedfs_sdk.stats.transport import StatSpec, StatsDevicePolicy, StatsTask, pack, secagg_params
-from server_agg.stats_round import StatsRound
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest_server import ADMIN, self_signed_cert, start_server  # noqa: E402
+from fedfs_sdk.federation.secagg import CaPublicKey, CertificateAuthority, DeviceIdentity, DevicePolicy  # noqa: E402
+from fedfs_sdk.federation.server_client import ServerClient  # noqa: E402
+from fedfs_sdk.stats import embedding_moments, feature_length, feature_moments  # noqa: E402
+from fedfs_sdk.stats.client import StatsParticipant  # noqa: E402
+from fedfs_sdk.stats.transport import StatsDevicePolicy  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,50 +40,51 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--features", type=int, default=512)
     p.add_argument("--photos", type=int, default=16)
+    p.add_argument("--tls", action="store_true", help="HTTPS with a self-signed certificate")
     a = p.parse_args(argv)
-    task = StatsTask(1, 1, (StatSpec("xi.embedding", "embedding", 2 * a.dim + 1, 64.0),
-                            StatSpec("xi.features", "features", feature_length(a.features), 64.0)),
-                     min_contributors=min(10, a.devices))
+    root = Path(tempfile.mkdtemp(prefix="fedfs-stats-bench-"))
+    ca = CertificateAuthority.generate()
+    _, pub = ca.save(root / "ca")
+    tls = self_signed_cert(root / "tls") if a.tls else None
+    srv = start_server(root / "server", "--init-backbone", "tiny", "--secure-aggregation", "--secagg-ca", str(pub),
+                       "--secagg-phase-timeout", "300", tls=tls)
     rng = np.random.default_rng(0)
-    t0 = time.perf_counter()
-    packed = {u: pack({"xi.embedding": embedding_moments(rng.normal(size=(a.photos, a.dim)), bound=64.0),
-                       "xi.features": feature_moments(rng.normal(size=(a.photos, a.features)), bound=64.0)}, task)
-              for u in range(1, a.devices + 1)}
-    t_stats = time.perf_counter() - t0
-    rnd = StatsRound(task, list(packed))
-    # the statistics round runs unauthenticated keys today: devices opt in (honest-but-curious server)
-    devs = {u: SecAggDevice(secagg_params(task, a.devices), u, policy=StatsDevicePolicy.honest_but_curious().secagg)
-            for u in packed}
-    sent = {u: 0 for u in packed}
-    masked_bytes = 0
-
-    def send(u: int, msg: dict) -> None:
-        sent[u] += len(M.to_json(msg))
-        rnd.secagg.receive(msg)
-
-    t0 = time.perf_counter()
-    for u, d in devs.items():
-        send(u, d.advertise())
-    roster = rnd.secagg.close_advertise()
-    for u, d in devs.items():
-        send(u, d.share_keys(roster))
-    inboxes = rnd.secagg.close_share_keys()
-    for u, d in devs.items():
-        m = d.masked_input(inboxes[u], packed[u], 1)
-        masked_bytes = len(M.to_json(m))
-        send(u, m)
-    req = rnd.secagg.close_masked()
-    for u in req["survivors"]:
-        send(u, devs[u].unmask(req))
-    pub = rnd.close()
-    t_round = time.perf_counter() - t0
-    per = int(np.mean(list(sent.values())))
-    print(f"statistics: {task.dim:,} numbers per device (embedding moments {2 * a.dim + 1:,}, feature moments "
-          f"{feature_length(a.features):,}); {a.devices} devices, {pub['count']} contributed")
-    print(f"bytes sent per device: {per:,} (masked vector {masked_bytes:,} as JSON; raw 8 × {task.dim + 1:,} = "
-          f"{8 * (task.dim + 1):,})")
-    print(f"time: statistics of {a.photos} photos ×{a.devices} {t_stats:.2f} s; secure round (all devices + server, "
-          f"one process) {t_round:.2f} s = {t_round / a.devices:.2f} s per device")
+    stats = [{"name": "xi.embedding", "kind": "embedding", "length": 2 * a.dim + 1, "bound": 1e3},
+             {"name": "xi.features", "kind": "features", "length": feature_length(a.features), "bound": 1e3}]
+    try:
+        t0 = time.perf_counter()
+        own = [{"xi.embedding": embedding_moments(rng.normal(size=(a.photos, a.dim))),
+                "xi.features": feature_moments(rng.normal(size=(a.photos, a.features)))} for _ in range(a.devices)]
+        t_stats = (time.perf_counter() - t0) / a.devices
+        policy = StatsDevicePolicy(secagg=DevicePolicy(ca=CaPublicKey.load(pub)))
+        devs = []
+        for u in range(a.devices):
+            tok = ServerClient(srv.url, tls_ca=tls[0] if tls else None).register()["token"]
+            ident = DeviceIdentity.generate()
+            ident = ident.with_certificate(ca.sign_request(ident.request(f"bench{u}")))
+            devs.append(StatsParticipant(ServerClient(srv.url, tok, tls_ca=tls[0] if tls else None),
+                                         lambda task, u=u: own[u], policy, identity=ident, wait_timeout_s=600))
+        admin = ServerClient(srv.url, ADMIN, tls_ca=tls[0] if tls else None)
+        t0 = time.perf_counter()
+        r = admin.request("POST", "/v1/admin/stats-round",
+                          json_body={"stats": stats, "min_contributors": min(10, a.devices)}).json()
+        with ThreadPoolExecutor(a.devices) as pool:
+            got = list(pool.map(lambda d: d.take_part(), devs))
+        published = devs[0].fetch_published()
+        wall = time.perf_counter() - t0
+    finally:
+        srv.stop()
+    dim = 2 * a.dim + 1 + feature_length(a.features)
+    sent = [g["bytes_sent"] for g in got]
+    recv = [g["bytes_received"] for g in got]
+    print(f"statistics round {r['round_id']} ({r['protocol']}, {'https' if a.tls else 'http'} on 127.0.0.1): "
+          f"{dim:,} numbers per device (embedding moments {2 * a.dim + 1:,}, feature moments "
+          f"{feature_length(a.features):,}); {a.devices} devices, {published['count']} in the published sum")
+    print(f"bytes per device: sent {statistics.mean(sent):,.0f} (of which the masked vector 8 × {dim + 1:,} = "
+          f"{8 * (dim + 1):,}), received {statistics.mean(recv):,.0f}")
+    print(f"seconds: contribution of {a.photos} photos (moments only) {t_stats:.3f} s per device; round wall time "
+          f"{wall:.2f} s (open → published, {a.devices} devices + server on this machine); per device "
+          f"{statistics.mean(g['seconds'] for g in got):.2f} s in take_part")
     return 0
 
 

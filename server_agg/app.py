@@ -133,6 +133,8 @@ class ModelInfo(BaseModel):
     """ξ served with the model (``GET /v1/xi``), if any."""
     impostors_sha256: str | None = None
     """The public impostor set shipped with the model (``GET /v1/impostors``), if any."""
+    method: str | None = None
+    """The method the federation trains (the policy's): how a device that never trained verifies."""
 
 
 def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -432,7 +434,7 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
         return coord.close_round(round_id)
 
     install_secagg_routes(app, coord, device, _errors, body_timeout_s, receive_slots)
-    install_stats_routes(app, coord, device, admin, _errors)      # the statistics round (issue 29)
+    install_stats_routes(app, coord, device, admin, _errors, body_timeout_s, receive_slots)   # statistics (issue 29)
     return app
 
 

@@ -43,6 +43,7 @@ _POLICY_FLAGS: dict[str, tuple[str, type]] = {
     "secagg_neighbours": ("secagg_neighbours", int), "secagg_clip": ("secagg_clip", float),
     "secagg_scale_bits": ("secagg_scale_bits", int), "secagg_min_devices": ("secagg_min_devices", int),
     "secagg_phase_timeout": ("secagg_phase_timeout_s", float),
+    "stats_rounds": ("stats_rounds", bool),
 }
 
 
@@ -107,6 +108,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-noise", choices=("central", "distributed"),
                    help="with --secure-aggregation: 'distributed' = each device adds its share of the noise to "
                         "its masked input, so the server never sees a noiseless sum (docs/privacy.md)")
+    g.add_argument("--stats-rounds", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --rounds and a served ξ (default on): open the statistics rounds of the default "
+                        "do-no-harm rule — ξ's moments before round 1, the devices' check results after the last "
+                        "round — under secure aggregation (fedfs-secagg/2 with --secagg-ca); --no-stats-rounds: "
+                        "devices fall back to the public impostors")
     g.add_argument("--secure-aggregation", action=argparse.BooleanOptionalAction, default=None,
                    help="rounds run secure aggregation: the server learns only the sum of the surviving "
                         "devices' n·w and n (with --dp-noise-multiplier: of their clipped, weighted w_c − w, "

@@ -75,6 +75,9 @@ class RoundPolicy:
         secagg_min_devices: a round with fewer devices advertising keys fails (≥ 3).
         secagg_phase_timeout_s: deadline of each key / unmasking phase (the masked-input phase,
             which includes training, ends at ``round_timeout_s``).
+        stats_rounds: with ``rounds`` > 0 and a served ξ, the server opens the statistics rounds the
+            defaults' do-no-harm rule needs by itself (:mod:`server_agg.stats_auto`, issue 29): ξ's
+            moments before the first weight round, the devices' check results after the last.
         secagg_ca: the operator CA's public key (the ``ca.pub`` document of ``fedfs ca init``).
             Set: secure rounds run ``fedfs-secagg/2`` — devices present CA-certified identity
             keys and sign their advertised keys, the threshold is fixed against the number of
@@ -110,6 +113,7 @@ class RoundPolicy:
     secagg_min_devices: int = 3
     secagg_phase_timeout_s: float = 60.0
     secagg_ca: Mapping[str, Any] | None = None
+    stats_rounds: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -108,7 +108,8 @@ class ModelStore:
             return {"version": m.version, "sha256": m.sha256, "config": m.model_config,
                     "nbytes": m.nbytes, "dp": json.loads(dp) if dp else None,
                     # what ships with the model (docs/protocol.md): ξ and the public impostor set
-                    "xi_sha256": self.db.get_meta("xi_sha256"), "impostors_sha256": impostors_sha256(self)}
+                    "xi_sha256": self.db.get_meta("xi_sha256"), "impostors_sha256": impostors_sha256(self),
+                    "method": self.policy.method}
 
     def model_file(self, version: int) -> tuple[Path, str]:
         with self._lock:

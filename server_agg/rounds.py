@@ -43,6 +43,7 @@ from .round_models import ModelStore, validate_xi
 from .round_recovery import Recovery
 from .round_state import BASE_BITS, SEEN_WRITE_INTERVAL_S, GlobalModel, OpenRound, _event, log  # noqa: F401 (re-exported)
 from .round_uploads import UploadIntake
+from . import stats_auto
 from .secagg_coord import SecAggCoordinator
 from .store import Database, Layout
 
@@ -254,10 +255,22 @@ class Coordinator(DeviceRegistry, ModelStore, UploadIntake, DpLedger, Recovery, 
                 self._secagg_tick(self.round)       # phase deadlines
             elif self.round is not None and self.clock() >= self.round.deadline:
                 self._close_locked("deadline")
+            desk = getattr(self, "stats_desk", None)
+            if desk is not None:
+                desk.tick()                         # the statistics round's phase deadlines
             p = self.policy
             if self.round is None and p.rounds > 0 and self.model is not None and self._completed() < p.rounds:
                 if len(self.eligible_devices(p)) >= p.min_participants and not self._dp_exhausted():
-                    self.open_round()
+                    # the defaults' statistics first (issue 29, server_agg.stats_auto): ξ's moments round
+                    if desk is None or stats_auto.before_weight_round(self, desk):
+                        self.open_round()
+            if desk is not None:
+                stats_auto.after_weight_rounds(self, desk)   # the check-results round after the last round
+
+    def stats_pending(self) -> list[str]:
+        """The automatic statistics rounds still to come (:func:`server_agg.stats_auto.pending`)."""
+        with self._lock:
+            return stats_auto.pending(self)
 
     def _completed(self) -> int:
         return int(self.db.scalar("SELECT COUNT(*) FROM rounds WHERE state = 'closed'"))
@@ -284,8 +297,12 @@ class Coordinator(DeviceRegistry, ModelStore, UploadIntake, DpLedger, Recovery, 
             if r is None and self._dp_exhausted():     # the privacy budget ended the federation
                 return {"action": "done", "model_version": self.model.version if self.model else None,
                         "reason": "dp_budget_exhausted"}
+            desk = getattr(self, "stats_desk", None)
+            sr = desk.round if desk is not None else None
             return {"action": "wait", "retry_after": self.poll_interval_s,
-                    "round_id": r.id if r is not None else None}
+                    "round_id": r.id if r is not None else None,
+                    # a statistics round open for this device: take part (GET /v1/stats-round)
+                    **({"stats_round": sr.task.round_id} if sr is not None and device_id in sr.participants else {})}
 
 
 

@@ -93,6 +93,7 @@ POLICY_CHANGES_SCHEMA: dict[str, Any] = {
         "secagg_scale_bits": _int(0, 52),
         "secagg_min_devices": _int(3, 1 << 31),
         "secagg_phase_timeout_s": _num(0.0, MAX_SECONDS, exclusive_lo=True),
+        "stats_rounds": {"type": "boolean"},
         "secagg_ca": _nullable({"type": "object", "required": ["format", "public_key"],
                                 "description": "the operator CA's public key (ca.pub of fedfs ca init): secure "
                                                "rounds run fedfs-secagg/2",

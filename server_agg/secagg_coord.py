@@ -53,27 +53,36 @@ class SecAggCoordinator:
             raise Conflict(f"a secure-aggregation round needs at least secagg_min_devices = "
                            f"{policy.secagg_min_devices} devices; {len(selected)} sampled", code="too_few_devices")
         fields = task_fields(policy, {k: tuple(t.shape) for k, t in model.weights.items()}, len(selected))
-        crl = self.layout.root / SERVER_FILENAME  # type: ignore[attr-defined]
-        if fields.get("protocol") == PROTOCOL_V2 and crl.is_file():   # the operator's list (issue 30)
-            try:
-                fields["revocations"] = RevocationList.load(crl).to_json()
-            except InputError as e:
-                raise Conflict(f"secure aggregation cannot run this round: {e}", code="secagg_revocations") from None
-        try:
-            params = params_from_task(round_id, fields)
-            params.threshold_for(len(selected))
-            if params.authenticated:     # what every device with the default floors would refuse (issue 30)
-                DevicePolicy(ca=ca_of(policy)).check_params(params, f"round {round_id}")
-        except InputError as e:
-            raise Conflict(f"secure aggregation cannot run this round: {e}", code="secagg_params") from None
-        except RefusedError as e:
-            raise Conflict(f"secure aggregation cannot run this round: devices with the default floors refuse it: "
-                           f"{e}", code="secagg_params") from None
+        fields = self._secagg_checked(policy, fields, round_id, len(selected))
         sr = SecAggRound(round_id, selected, fields, self._secagg_path(round_id), opened,
                          opened + policy.round_timeout_s, task_context({**task, "secagg": fields}), ca_of(policy))
         sr.path.parent.mkdir(parents=True, exist_ok=True)
         sr.save()                  # the file first, then the round's row (a row without a file fails cleanly)
         return sr
+
+    def _secagg_checked(self, policy: Any, fields: dict[str, Any], round_id: int, n: int,
+                        what: str = "round") -> dict[str, Any]:
+        """``fields`` of a new secure round (weight or statistics round) with the operator's
+        revocation list added under ``fedfs-secagg/2``, checked: 409 if the parameters do not fit
+        or devices with the default floors would refuse them (issue 30)."""
+        crl = self.layout.root / SERVER_FILENAME  # type: ignore[attr-defined]
+        fields = dict(fields)
+        if fields.get("protocol") == PROTOCOL_V2 and crl.is_file():   # the operator's list (issue 30)
+            try:
+                fields["revocations"] = RevocationList.load(crl).to_json()
+            except InputError as e:
+                raise Conflict(f"secure aggregation cannot run this {what}: {e}", code="secagg_revocations") from None
+        try:
+            params = params_from_task(round_id, fields)
+            params.threshold_for(n)
+            if params.authenticated:     # what every device with the default floors would refuse (issue 30)
+                DevicePolicy(ca=ca_of(policy)).check_params(params, f"{what} {round_id}")
+        except InputError as e:
+            raise Conflict(f"secure aggregation cannot run this {what}: {e}", code="secagg_params") from None
+        except RefusedError as e:
+            raise Conflict(f"secure aggregation cannot run this {what}: devices with the default floors refuse it: "
+                           f"{e}", code="secagg_params") from None
+        return fields
 
     # ---- devices -----------------------------------------------------------------------
     def _secagg_target(self, device_id: str, round_id: int) -> "OpenRound":

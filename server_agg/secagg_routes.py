@@ -76,8 +76,12 @@ class SecAggView(BaseModel, extra="allow"):
 
 
 def install_secagg_routes(app: FastAPI, coord: Any, device: Callable[..., str], errors: Callable[..., Any],
-                          body_timeout_s: float, receive_slots: asyncio.Semaphore) -> None:
-    """Add the secure-aggregation endpoints to ``app`` (``device``: the bearer dependency)."""
+                          body_timeout_s: float, receive_slots: asyncio.Semaphore, prefix: str = "/v1/rounds",
+                          tag: str = "secure aggregation") -> None:
+    """Add the secure-aggregation endpoints to ``app`` (``device``: the bearer dependency) under
+    ``{prefix}/{round_id}/secagg``. ``coord`` answers ``secagg_check``, ``secagg_receive`` and
+    ``secagg_view``: the coordinator for weight rounds (``/v1/rounds``), the statistics desk for
+    statistics rounds (``/v1/stats-round``, :mod:`.stats_routes`) — one protocol, one set of routes."""
 
     async def _receive(request: Request, device_id: str, round_id: int, step: str, media: str) -> dict[str, Any]:
         require_media_type(request, media)
@@ -89,44 +93,44 @@ def install_secagg_routes(app: FastAPI, coord: Any, device: Callable[..., str], 
 
     refusals = errors(400, 401, 403, 404, 408, 409, 410, 413, 415, 422)
 
-    @app.get("/v1/rounds/{round_id}/secagg", response_model=SecAggView, response_model_exclude_none=True,
-             responses=errors(401, 403, 404, 409, 422), tags=["secure aggregation"])
+    @app.get(prefix + "/{round_id}/secagg", response_model=SecAggView, response_model_exclude_none=True,
+             responses=errors(401, 403, 404, 409, 422), tags=[tag])
     def secagg_view(round_id: int = Path(ge=1, le=MAX_ID), device_id: str = Security(device)) -> dict[str, Any]:
         """This device's view of a secure round: the phase and the message it waits for."""
         return coord.secagg_view(device_id, round_id)
 
-    @app.post("/v1/rounds/{round_id}/secagg/advertise", response_model=SecAggAck, response_model_exclude_none=True,
-              responses=refusals, tags=["secure aggregation"], openapi_extra=ADVERTISE_BODY)
+    @app.post(prefix + "/{round_id}/secagg/advertise", response_model=SecAggAck, response_model_exclude_none=True,
+              responses=refusals, tags=[tag], openapi_extra=ADVERTISE_BODY)
     async def secagg_advertise(request: Request, round_id: int = Path(ge=1, le=MAX_ID),
                                device_id: str = Security(device)) -> dict[str, Any]:
         """Phase 0, AdvertiseKeys: this device's two X25519 public keys ``c_pk``, ``s_pk``."""
         return await _receive(request, device_id, round_id, "advertise", "application/json")
 
-    @app.post("/v1/rounds/{round_id}/secagg/share-keys", response_model=SecAggAck, response_model_exclude_none=True,
-              responses=refusals, tags=["secure aggregation"], openapi_extra=SHARE_KEYS_BODY)
+    @app.post(prefix + "/{round_id}/secagg/share-keys", response_model=SecAggAck, response_model_exclude_none=True,
+              responses=refusals, tags=[tag], openapi_extra=SHARE_KEYS_BODY)
     async def secagg_share_keys(request: Request, round_id: int = Path(ge=1, le=MAX_ID),
                                 device_id: str = Security(device)) -> dict[str, Any]:
         """Phase 1, ShareKeys: one AES-GCM ciphertext of Shamir shares per neighbour in the roster."""
         return await _receive(request, device_id, round_id, "share-keys", "application/json")
 
-    @app.put("/v1/rounds/{round_id}/secagg/masked-input", response_model=SecAggAck,
-             response_model_exclude_none=True, responses=refusals, tags=["secure aggregation"],
+    @app.put(prefix + "/{round_id}/secagg/masked-input", response_model=SecAggAck,
+             response_model_exclude_none=True, responses=refusals, tags=[tag],
              openapi_extra=MASKED_BODY)
     async def secagg_masked_input(request: Request, round_id: int = Path(ge=1, le=MAX_ID),
                                   device_id: str = Security(device)) -> dict[str, Any]:
         """Phase 2, MaskedInputCollection: ``y_u`` as a raw body of exactly 8·(dim + 1) bytes."""
         return await _receive(request, device_id, round_id, "masked-input", "application/octet-stream")
 
-    @app.post("/v1/rounds/{round_id}/secagg/consistency", response_model=SecAggAck,
-              response_model_exclude_none=True, responses=refusals, tags=["secure aggregation"],
+    @app.post(prefix + "/{round_id}/secagg/consistency", response_model=SecAggAck,
+              response_model_exclude_none=True, responses=refusals, tags=[tag],
               openapi_extra=CONSISTENCY_BODY)
     async def secagg_consistency(request: Request, round_id: int = Path(ge=1, le=MAX_ID),
                                  device_id: str = Security(device)) -> dict[str, Any]:
         """fedfs-secagg/2, ConsistencyCheck: this device's Ed25519 signature over the survivor set U3."""
         return await _receive(request, device_id, round_id, "consistency", "application/json")
 
-    @app.post("/v1/rounds/{round_id}/secagg/unmask", response_model=SecAggAck, response_model_exclude_none=True,
-              responses=refusals, tags=["secure aggregation"], openapi_extra=UNMASK_BODY)
+    @app.post(prefix + "/{round_id}/secagg/unmask", response_model=SecAggAck, response_model_exclude_none=True,
+              responses=refusals, tags=[tag], openapi_extra=UNMASK_BODY)
     async def secagg_unmask(request: Request, round_id: int = Path(ge=1, le=MAX_ID),
                             device_id: str = Security(device)) -> dict[str, Any]:
         """Phase 3, Unmasking: b-shares of survivors, s_sk-shares of devices dropped before masking."""

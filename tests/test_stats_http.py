@@ -1,18 +1,32 @@
-"""The statistics round over HTTP with a real `fedfs serve` process on 127.0.0.1: ten devices send
-their secure-sum messages, the server publishes the sum of their statistics (equal to the plain sum
-of the device functions' contributions); only masked vectors cross the wire; a plain round is opened
-only by naming it and refused by a device that requires secure aggregation."""
+"""The statistics round over HTTP with a real `fedfs serve` process on 127.0.0.1.
+
+* ``--secure-aggregation --secagg-ca``: the round runs the weight rounds' authenticated protocol
+  (``fedfs-secagg/2``: certified identities, signed roster, consistency check); ten devices whose
+  floor is the default :class:`DevicePolicy` with the pinned CA — no opt-in — publish the sum of their
+  statistics (equal to the plain sum of the device functions' contributions). The server refuses a
+  second round of the same statistic on the same basis, and a device refuses to contribute it twice.
+* no CA: the secure sum runs ``fedfs-secagg/1``, which a default device refuses; the
+  honest-but-curious opt-in takes part.
+* a plain round is opened only by naming it and refused by a device that requires secure aggregation.
+"""
 from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
 from conftest_server import ADMIN, start_server
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.federation.server_client import ServerClient
+from fedfs_sdk.federation.secagg import CaPublicKey, DevicePolicy
+from fedfs_sdk.federation.secagg.http_device import SecAggRoundLost
+from fedfs_sdk.federation.secagg.identity import CertificateAuthority, DeviceIdentity
+from fedfs_sdk.federation.server_client import ServerClient, ServerError
 from fedfs_sdk.stats import embedding_moments, feature_length, feature_moments, sum_contributions
 from fedfs_sdk.stats.client import StatsParticipant
 from fedfs_sdk.stats.transport import PLAIN, SECURE, StatsDevicePolicy
+
+pytestmark = [pytest.mark.timeout(120)]
 
 N = 10
 STATS = [{"name": "xi.embedding", "kind": "embedding", "length": 2 * 8 + 1, "bound": 10.0},
@@ -25,53 +39,86 @@ def _own(u: int) -> dict[str, np.ndarray]:
             "xi.features": feature_moments(rng.normal(size=(6, 12)), bound=10.0)}
 
 
-@pytest.fixture()
-def server(tmp_path):
-    srv = start_server(tmp_path / "server")
-    yield srv
-    srv.stop()
-
-
-def _devices(srv, policy=StatsDevicePolicy.honest_but_curious()):
+def _devices(srv, tmp_path, policy: StatsDevicePolicy, ca: CertificateAuthority | None = None, n: int = N,
+             tag: str = "d"):
     out = []
-    for u in range(N):
+    for u in range(n):
         reg = ServerClient(srv.url).register()
-        c = ServerClient(srv.url, reg["token"])
-        out.append((u, StatsParticipant(c, lambda task, u=u: _own(u), policy)))
+        ident = None
+        if ca is not None:
+            ident = DeviceIdentity.generate()
+            ident = ident.with_certificate(ca.sign_request(ident.request(f"{tag}{u}")))
+        (tmp_path / f"{tag}{u}").mkdir()
+        out.append(StatsParticipant(ServerClient(srv.url, reg["token"]), lambda task, u=u: _own(u), policy,
+                                    state_dir=tmp_path / f"{tag}{u}", identity=ident, wait_timeout_s=60))
     return out
 
 
-def test_secure_statistics_round_over_http(server, tmp_path) -> None:
-    admin = ServerClient(server.url, ADMIN)
-    devs = _devices(server)
-    r = admin.request("POST", "/v1/admin/stats-round", json_body={"stats": STATS, "min_contributors": N}).json()
-    rid = r["round_id"]
-    assert r["phase"] == "advertise" and r["task"]["transport"] == SECURE
-    for phase in ("advertise", "share_keys", "masked", "unmask"):
-        for _, d in devs:
-            assert d.step() == phase
-        admin.request("POST", f"/v1/admin/stats-round/{rid}/advance")
-    pub = devs[0][1].fetch_published(tmp_path / "device0-stats.json")
-    want = sum_contributions(_own(u) for u in range(N))
-    assert pub["count"] == N
-    for k, v in want.sums.items():
-        assert np.allclose(pub["sums"][k], v, rtol=0, atol=1e-4)
-    assert (tmp_path / "device0-stats.json").is_file()
-    # what crossed the wire from each device: keys, encrypted shares, the masked vector, unmasking shares
-    dim = 2 * 8 + 1 + feature_length(12)
-    assert all(d.bytes_sent > 8 * (dim + 1) for _, d in devs)
+def _all(devs, fn):
+    with ThreadPoolExecutor(len(devs)) as pool:
+        return list(pool.map(fn, devs))
 
 
-def test_plain_round_is_named_and_refused_by_a_secure_device(server) -> None:
-    admin = ServerClient(server.url, ADMIN)
-    devs = _devices(server, StatsDevicePolicy(require_secure=False))
-    strict = _devices(server)[:1]
-    r = admin.request("POST", "/v1/admin/stats-round",
-                      json_body={"stats": STATS, "transport": PLAIN, "min_contributors": N}).json()
-    assert r["phase"] == "plain"
-    with pytest.raises(InputError, match="requires secure-sum"):
-        strict[0][1].step()
-    for _, d in devs:
-        assert d.step() == "plain"
-    out = admin.request("POST", f"/v1/admin/stats-round/{r['round_id']}/advance").json()
-    assert out == {"round_id": r["round_id"], "phase": "published", "count": N}
+def test_authenticated_statistics_round_with_default_device_floors(tmp_path) -> None:
+    ca = CertificateAuthority.generate()
+    _, pub = ca.save(tmp_path / "ca")
+    srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--secure-aggregation", "--secagg-ca", str(pub),
+                       "--secagg-phase-timeout", "20")
+    try:
+        policy = StatsDevicePolicy(secagg=DevicePolicy(ca=CaPublicKey.load(pub)))   # the weight rounds' floor
+        devs = _devices(srv, tmp_path, policy, ca)
+        admin = ServerClient(srv.url, ADMIN)
+        r = admin.request("POST", "/v1/admin/stats-round", json_body={"stats": STATS, "min_contributors": N}).json()
+        assert r["phase"] == "secure" and r["protocol"] == "fedfs-secagg/2" and r["task"]["transport"] == SECURE
+        got = _all(devs, lambda d: d.take_part())
+        assert all(g["protocol"] == "fedfs-secagg/2" for g in got)
+        pub_sum = devs[0].fetch_published()
+        want = sum_contributions(_own(u) for u in range(N))
+        assert pub_sum["count"] == N and pub_sum["round_id"] == r["round_id"]
+        for k, v in want.sums.items():
+            assert np.allclose(pub_sum["sums"][k], v, rtol=0, atol=1e-6)
+        assert (tmp_path / "d0" / f"stats-r{r['round_id']:06d}.json").is_file()
+        # what crossed the wire from each device: keys, certificate, signatures, shares, the masked vector
+        dim = 2 * 8 + 1 + feature_length(12)
+        assert all(g["bytes_sent"] > 8 * (dim + 1) for g in got)
+        # the same statistic on the same basis again: the server refuses, and so would each device
+        with pytest.raises(ServerError, match="already summed"):
+            admin.request("POST", "/v1/admin/stats-round", json_body={"stats": STATS, "min_contributors": N})
+        from fedfs_sdk.stats.transport import StatsTask
+
+        with pytest.raises(InputError, match="already contributed"):
+            devs[0]._record(StatsTask.from_json(r["task"]))
+    finally:
+        srv.stop()
+
+
+def test_unauthenticated_secure_sum_needs_the_opt_in_and_a_plain_round_is_named(tmp_path) -> None:
+    srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--secagg-phase-timeout", "20")
+    try:
+        devs = _devices(srv, tmp_path, StatsDevicePolicy.honest_but_curious())
+        admin = ServerClient(srv.url, ADMIN)
+        r = admin.request("POST", "/v1/admin/stats-round", json_body={"stats": STATS, "min_contributors": N}).json()
+        assert r["protocol"] == "fedfs-secagg/1"
+        (tmp_path / "strict").mkdir()
+        strict = StatsParticipant(devs[0].client, lambda task: _own(0), StatsDevicePolicy(), state_dir=tmp_path / "strict")
+        with pytest.raises(SecAggRoundLost, match="allow-unauthenticated-secagg"):
+            strict.take_part(devs[0].view())          # the default floor, shown device 1's round
+        assert not (tmp_path / "strict" / "stats_contributed.json").exists()    # refused before anything left
+        _all(devs, lambda d: d.take_part())
+        assert devs[3].fetch_published()["count"] == N
+
+        # a plain sum: only when the operator names it, and refused by a device that requires secure sums
+        plain_stats = [{**s, "name": "plain." + s["name"]} for s in STATS]
+        r = admin.request("POST", "/v1/admin/stats-round",
+                          json_body={"stats": plain_stats, "transport": PLAIN, "min_contributors": N}).json()
+        assert r["phase"] == "plain"
+        with pytest.raises(InputError, match="requires secure-sum"):
+            strict.take_part(devs[0].view())
+        lax = [StatsParticipant(d.client, lambda task, u=u: {"plain." + k: v for k, v in _own(u).items()},
+                                StatsDevicePolicy(require_secure=False)) for u, d in enumerate(devs)]
+        for d in lax:
+            assert d.take_part()["transport"] == PLAIN
+        out = admin.request("GET", f"/v1/admin/stats-round/{r['round_id']}").json()   # all ten: closed at once
+        assert out["state"] == "published" and out["count"] == N
+    finally:
+        srv.stop()

@@ -23,8 +23,7 @@ import torch
 
 from fedfs_sdk.stats import StatSum, embedding_moments, feature_moments, sum_contributions
 
-EMBEDDING = "xi.embedding"
-FEATURES = "xi.features"
+from fedfs_sdk.stats.in_domain import EMBEDDING, FEATURES  # noqa: E402 (the statistics' names, as devices send them)
 
 
 @dataclass

@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 
 from fedfs_sdk.errors import InputError
-from fedfs_sdk.training.methods import DEFAULT_LR, DEFAULT_SCOPE, DEFAULT_VERIFICATION, PAPER_LR, PAPER_SCOPE
+from fedfs_sdk.training.methods import (DEFAULT_LR, DEFAULT_NORM_INIT, DEFAULT_SCOPE, DEFAULT_VERIFICATION, PAPER_LR,
+                                        PAPER_SCOPE)
 
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "fedfs": {"paper": {"lr": PAPER_LR["fedfs"], "scope": PAPER_SCOPE},
@@ -18,7 +19,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
               "default": {"lr": DEFAULT_LR["feduv"], "scope": DEFAULT_SCOPE["feduv"], "select": "auto"}},
     "fedfs+feduv": {
         "paper": {"lr": PAPER_LR["fedfs+feduv"], "scope": PAPER_SCOPE},
-        "default": {"lr": DEFAULT_LR["fedfs+feduv"], "norm_init": "standardize", "scope": DEFAULT_SCOPE["fedfs+feduv"],
+        "default": {"lr": DEFAULT_LR["fedfs+feduv"], "norm_init": DEFAULT_NORM_INIT["fedfs+feduv"],
+                    "scope": DEFAULT_SCOPE["fedfs+feduv"],
                     "select": "auto", **dict(zip(("score", "verify"), DEFAULT_VERIFICATION["fedfs+feduv"]))}},
 }
 """Named configurations of each method. ``paper``: the papers' values as printed (FedFS lr

@@ -17,7 +17,7 @@ All three verify with a cosine template of their embedding, like ``pretrained``.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -116,12 +116,7 @@ class LocalCompact(FederatedMethod):
         return split_spec(spec, self.context.xi) if self.scope == "top" else spec
 
 
-def embedding_norm_prefix(weights: Mapping[str, torch.Tensor]) -> str:
-    """The state-dict prefix of the backbone's embedding normalization (``embed_norm``)."""
-    for k in weights:
-        if k.endswith("embed_norm.weight"):
-            return k[: -len("weight")]
-    raise InputError("norm-adapt needs a backbone whose embedding ends in a GroupNormP 'embed_norm' layer")
+from fedfs_sdk.stats.in_domain import embedding_norm_prefix, fold_standardization  # noqa: E402 (moved to the SDK: the device folds norm-adapt too)
 
 
 NORM_STATS_CLIENTS = 1000
@@ -169,17 +164,6 @@ def pooled_embedding_stats(net: torch.nn.Module, weights: Weights, data: Any, cl
     mu = total / n
     var = (total_sq / n - mu * mu).clamp_min(0.0)
     return mu.float().cpu(), var.sqrt().float().cpu(), n
-
-
-def fold_standardization(weights: Weights, mu: torch.Tensor, sd: torch.Tensor | None) -> Weights:
-    """New weights whose embedding is ``(e − μ)/s`` (``s = 1`` when ``sd`` is None), folded
-    into the ``embed_norm`` affine: ``γ' = γ/s``, ``β' = (β − μ)/s``."""
-    pre = embedding_norm_prefix(weights)
-    s = torch.ones_like(mu) if sd is None else sd.clamp_min(1e-6)
-    out = dict(weights)
-    out[pre + "weight"] = weights[pre + "weight"] / s
-    out[pre + "bias"] = (weights[pre + "bias"] - mu) / s
-    return out
 
 
 def norm_fold(net: torch.nn.Module, weights: Weights, data: Any, mode: str, seed: int = 0,

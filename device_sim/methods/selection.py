@@ -30,11 +30,9 @@ import torch
 
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.runtime.capture_match import match_capture
-from fedfs_sdk.nn.model import DualVerifierNet, VerifierNet
-from fedfs_sdk.training.scope import EmbeddingTop
-from fedfs_sdk.stats import (DRAWS, check_contribution, impostor_features, moments_of, standard_draws,
-                             sum_contributions, threshold_at_far, verdict_from_sum)
-from fedfs_sdk.training.selection import CHECK_IMPOSTORS, DEFAULT_HOLDOUT, check_candidate, choose, holdout_split
+from fedfs_sdk.stats import DRAWS, standard_draws, sum_contributions, threshold_at_far
+from fedfs_sdk.stats.in_domain import check_contributions, decide, in_domain_draws, top_verifier
+from fedfs_sdk.training.selection import CHECK_IMPOSTORS, DEFAULT_HOLDOUT, check_candidate, holdout_split
 
 from .base import VerifierSpec
 
@@ -43,16 +41,6 @@ IN_DOMAIN_CANDIDATES = ("xi", "norm-adapt", "global", "personalized")
 CHECKS = ("in-domain", "public")
 DIAGNOSTIC_FARS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 """FARs at which the simulator records predicted vs measured in-domain FAR (diagnostics only)."""
-
-
-def top_verifier(net: torch.nn.Module) -> torch.nn.Module:
-    """The verifier ``net`` after ξ's trunk: the same heads on :class:`EmbeddingTop` backbones
-    (shared modules, so its parameter names are the top-only subset of ``net``'s)."""
-    if isinstance(net, DualVerifierNet):
-        return DualVerifierNet(EmbeddingTop(net.backbone), EmbeddingTop(net.global_backbone), net.uv_head)
-    if isinstance(net, VerifierNet):
-        return VerifierNet(EmbeddingTop(net.backbone), net.uv_head, project=net.project)
-    raise InputError(f"scope='top' cannot split a {type(net).__name__} verifier")
 
 
 def split_spec(spec: VerifierSpec, xi: torch.nn.Module) -> VerifierSpec:
@@ -238,10 +226,15 @@ class SimSelection:
         from .client_stats import FEATURES
 
         assert self.stats is not None
-        mu, cov, _ = moments_of(self.stats.others(client, FEATURES))
-        if getattr(self, "_z", None) is None or self._z.shape[1] != mu.size:
-            self._z = standard_draws(mu.size, DRAWS, seed=int(self.method.context.seed))
-        drawn = torch.from_numpy(impostor_features(mu, cov, z=self._z))
+        total = self.stats.total.sums[FEATURES]
+        own = self.stats.contribution(client)
+        from fedfs_sdk.stats import feature_dim
+
+        dim = feature_dim(total.size)
+        if getattr(self, "_z", None) is None or self._z.shape[1] != dim:
+            self._z = standard_draws(dim, DRAWS, seed=int(self.method.context.seed))
+        # the device's function (fedfs_sdk.stats.in_domain): the published sum minus its own contribution
+        drawn = torch.from_numpy(in_domain_draws(total, None if own is None else own[FEATURES], z=self._z))
         real = self._real_impostors(client)
         checks, diag = [], {}
         for name in self.candidates:
@@ -274,10 +267,13 @@ class SimSelection:
         done = [v for v in self._checks.values() if v is not None]
         others = self.candidates[1:]
         if done:
-            summed = sum_contributions({"checks": check_contribution(v, others)} for v in done)
-            self.verdicts = verdict_from_sum(summed.sums["checks"], others)
+            summed = sum_contributions({"checks": check_contributions(v, self.candidates)} for v in done)
+            self._check_sum = summed.sums["checks"]
         else:
-            self.verdicts = verdict_from_sum(np.zeros(4 * len(others)), others)
+            self._check_sum = np.zeros(4 * len(others))
+        from fedfs_sdk.stats import verdict_from_sum
+
+        self.verdicts = verdict_from_sum(self._check_sum, others)
 
     def choose(self, client: int, specs: Mapping[str, VerifierSpec]) -> VerifierSpec:
         checks = self._checks[client] if client in self._checks else self.check(client, specs)
@@ -285,7 +281,9 @@ class SimSelection:
             self.choices[client] = "xi"
             self.details[client] = {"chosen": "xi", "reason": "no hold-out photos (too few training photos)"}
             return specs["xi"]
-        sel = choose(checks, self.verdicts)
+        # the device's rule (fedfs_sdk.stats.in_domain.decide): its checks and the published check sum
+        sel = decide(checks, getattr(self, "_check_sum", None), self.candidates) if self._check_sum_ready() \
+            else decide(checks)
         self.details[client] = {**sel.to_dict(), "checks_unmatched": self._unmatched.get(client),
                                 **({"in_domain_far": self.diagnostics[client]} if client in self.diagnostics else {})}
         if self.audit:      # select=audit: record what the rule would choose, verify with the personalized model
@@ -293,6 +291,9 @@ class SimSelection:
             return specs["personalized"]
         self.choices[client] = sel.chosen
         return specs[sel.chosen]
+
+    def _check_sum_ready(self) -> bool:
+        return getattr(self, "_check_sum", None) is not None and len(self.candidates) > 1
 
     def counts(self, clients: list[int] | None = None) -> dict[str, int]:
         """How many of ``clients`` (default: every client chosen for) use each candidate."""

@@ -82,10 +82,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "server ships with its model: with --enroll the device keeps --holdout of its photos out of "
                         "training and enrolls with whichever of ξ, the global model and its personalized model "
                         "verifies them best against these impostors")
+    p.add_argument("--no-stats", dest="stats", action="store_false",
+                   help="take no part in the server's statistics rounds and do not use their sums at enrollment "
+                        "(default: take part under secure aggregation, and choose with the in-domain check, "
+                        "norm-adapt ξ and the federation's verdict; docs/protocol.md, 'Statistics rounds')")
     p.add_argument("--select", choices=("auto", "off"), default="auto",
-                   help="with --enroll: 'auto' (default) runs the do-no-harm check on the public impostors "
-                        "(--impostors, else the server's; without any it keeps ξ); 'off' enrolls the method's own "
-                        "model unchecked (the papers' behaviour)")
+                   help="with --enroll: 'auto' (default) runs the do-no-harm check — in the federation's conditions "
+                        "from the statistics rounds' sums where the server published them, else on the public "
+                        "impostors (--impostors, else the server's; without any it keeps ξ); 'off' enrolls the "
+                        "method's own model unchecked (the papers' behaviour)")
     p.add_argument("--holdout", type=float, default=0.2, help="share of the owner's photos kept out of training for "
                    "that check (at least 2; default 0.2)")
     p.add_argument("--far", type=float, default=None, help="enrollment false-accept target on the impostor set "
@@ -150,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                           score=args.score, verify=args.verify,
                           require_secure_aggregation=args.require_secure_aggregation, secagg=policy,
                           identity_certificate=args.identity_cert,
-                          impostors=args.impostors, holdout=args.holdout, far=args.far, select=args.select)
+                          impostors=args.impostors, holdout=args.holdout, far=args.far, select=args.select, stats=args.stats)
     runtime = OrtRuntime(args.artifacts) if args.artifacts is not None else None
     batches = check_local_inputs(images, config, runtime)
     if args.key_file is not None and key is None:

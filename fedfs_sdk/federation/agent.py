@@ -170,6 +170,11 @@ class DeviceAgent(SecureRounds):
                     self._emit("server_done", {"model_version": task.get("model_version")})
                     break
                 if task["action"] == "wait":
+                    if task.get("stats_round") is not None and self.config.stats:
+                        from .device_stats import take_part   # a statistics round is open for this device
+
+                        if take_part(self) is not None:
+                            self._progress_at = self._clock()
                     if self._clock() - self._progress_at > self.config.wait_timeout_s:
                         raise ProtocolError(f"no task from the server for {self.config.wait_timeout_s:.0f} s")
                     # the server's hint, bounded so a bad value neither spins nor stalls the device

@@ -78,8 +78,14 @@ class DeviceConfig:
         helps: candidates (``global``, ``personalized``) the federation found better than ξ
             across its devices (:func:`fedfs_sdk.training.selection.population_verdict`); for
             them the device only checks that they do no harm *here*. Empty (the default, and all
-            a device knows today: the protocol does not carry the verdict yet): a candidate must
-            show on the device's own photos that it is better.
+            a device knows without statistics rounds): a candidate must show on the device's own
+            photos that it is better.
+        stats: take part in the server's statistics rounds (ξ's moments, the check results; under
+            secure aggregation with the device's own ``secagg`` floor, :mod:`fedfs_sdk.federation.device_stats`)
+            and, at enrollment, run the defaults' in-domain rule from the published sums — norm-adapt
+            ξ as a candidate, impostors drawn in the federation's capture conditions, the federation's
+            verdict — falling back (and saying why) to the public impostors, else ξ, when no
+            statistics are available. ``False``: neither.
     """
 
     rounds: int = 1
@@ -103,6 +109,7 @@ class DeviceConfig:
     far: float | None = None
     select: str = "auto"
     helps: tuple[str, ...] = ()
+    stats: bool = True
 
     def __post_init__(self) -> None:
         if self.select not in ("auto", "off"):

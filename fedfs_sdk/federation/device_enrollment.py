@@ -33,7 +33,7 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
             self._sleep(1.0)
     info = self.client.latest_model()
     method = (self.state.info.rounds[-1]["method"] if self.state.info and self.state.info.rounds
-              else ("feduv" if info["config"].get("code_length") else "fedfs"))
+              else info.get("method") or ("feduv" if info["config"].get("code_length") else "fedfs"))
     version = int(info["version"])
     score, model = check_verification(check_method(method), self.config.score, self.config.verify)
     mbytes = self.model_bytes(version, info["sha256"])
@@ -46,10 +46,21 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
         if impostors is None and self.config.far is not None:
             raise InputError(f"a false-accept target (far={self.config.far:g}) needs a public impostor set: the server "
                              "ships none (fedfs serve --impostors); give the device --impostors FILE")
-        if impostors is not None:
+        fallback = None
+        if self.config.stats:                # the defaults' rule: in-domain check, norm-adapt, the federation's verdict
+            from .device_stats import StatsUnavailable, stats_choice
+
+            try:
+                chosen, selection = stats_choice(self, method, mbytes, version, model, score)
+            except StatsUnavailable as e:
+                fallback = f"no in-domain check: {e}"
+                self._emit("stats_unavailable", {"reason": str(e)[:300]})
+        if selection is None and impostors is not None:
             chosen, selection = choose_model(self, method, mbytes, version, score, model, impostors)
-        else:
+        elif selection is None:
             chosen, selection = unchecked_choice(self)
+        if fallback is not None:
+            selection = {**selection, "fallback": fallback}
     backend = self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen)
     mode, template_output = candidate_mode(method, score, model, chosen)
     codeword = self.state.load_codeword() if mode == "codeword" else None
@@ -159,7 +170,7 @@ def candidate_mode(method: str, score: str, verify: str, candidate: str) -> tupl
     embedding; the global model — its method's scoring (codeword, or a head-space template of
     ``uv``); the personalized one — the method's verification (the dual verifier's embedding is
     already ``unit(W q') ⊕ unit(W r')``; a single model's head-template is the cosine of ``uv``)."""
-    if candidate == "xi" or not uses_feduv(method):
+    if candidate in ("xi", "norm-adapt") or not uses_feduv(method):
         return "template", "embedding"
     if score == "codeword":
         return "codeword", "embedding"

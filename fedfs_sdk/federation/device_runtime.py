@@ -197,7 +197,7 @@ class TorchRuntime:
         from ..runtime.inference import TorchBackend
         from ..nn.model import FaceNet, ModelConfig, personal_config
 
-        chosen = {"xi": "xi", "global": "global"}.get(candidate) or verifier_model(method, verify)
+        chosen = {"xi": "xi", "norm-adapt": "xi", "global": "global"}.get(candidate) or verifier_model(method, verify)
         weights, meta = self._decode(model)
         config = ModelConfig.from_json(meta["model_config"]).resolved()
         global_net = FaceNet(config)
@@ -206,7 +206,16 @@ class TorchRuntime:
             xi = load_checkpoint(xi_path(agent))[0]
             config = replace(xi.config.resolved(), code_length=None, proj_dim=None)
             global_net = FaceNet(config)
-            global_net.backbone.load_state_dict(xi.backbone.state_dict())
+            xi_weights = xi.backbone.state_dict()
+            if candidate == "norm-adapt":   # ξ re-fitted to the federation's embedding moments (fedfs_sdk.stats.in_domain)
+                from ..stats.in_domain import norm_adapt_weights
+
+                total = getattr(agent, "stats_embedding_sum", None)
+                if total is None:
+                    raise InputError("the norm-adapt candidate needs the federation's published embedding moments "
+                                     "(a statistics round's xi.embedding)")
+                xi_weights = norm_adapt_weights(xi_weights, total)
+            global_net.backbone.load_state_dict(xi_weights)
         personal_backbone = None
         if chosen in ("personal", "both"):
             loaded = agent.state.load_weights("personal")
@@ -217,7 +226,7 @@ class TorchRuntime:
             personal_backbone = personal.backbone
         head = global_net.uv_head if uses_feduv(method) and chosen != "xi" else None
         path = agent.state.file("verifier.safetensors")    # what `fedfs verify --model` takes
-        vmeta = {"global_version": int(version), "method": method, "verify": chosen}
+        vmeta = {"global_version": int(version), "method": method, "verify": candidate if candidate == "norm-adapt" else chosen}
         if chosen == "both":
             save_dual_verifier(path, personal_backbone, global_net.backbone, head, config, meta=vmeta)
         else:

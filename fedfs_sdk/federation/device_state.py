@@ -64,7 +64,8 @@ DIR_MODE = 0o700
 STATE_FILES = frozenset({
     "device.json", "token", "secrets.json", "personal.safetensors", "global.safetensors", "xi.safetensors",
     "verifier.safetensors", "verifier.onnx", "enrollment.fedfs", "enrollment.key", ".lock",
-    "pending.json", "pending.update.safetensors", "pending.personal.safetensors", "identity.key", "identity.cert"})
+    "pending.json", "pending.update.safetensors", "pending.personal.safetensors", "identity.key", "identity.cert",
+    "stats"})
 _PENDING_FILES = ("pending.json", "pending.update.safetensors", "pending.personal.safetensors")
 
 

@@ -1,18 +1,19 @@
-"""How a statistics round's contributions travel: a secure sum (``fedfs-secagg/2``, the secure-sum
-machinery of weight rounds, :mod:`fedfs_sdk.federation.secagg`) or — only when the operator opts in by
-name — a plain sum that reveals each device's vector to the server.
+"""How a statistics round's contributions travel: a secure sum (the weight rounds' secure-aggregation
+protocol, :mod:`fedfs_sdk.federation.secagg`, run by the same code on both sides — ``fedfs-secagg/2``
+with certified identities where the server pins an operator CA, else ``fedfs-secagg/1``) or — only
+when the operator opts in by name — a plain sum that reveals each device's vector to the server.
 
 A round's :class:`StatsTask` names the statistics, their lengths and clip bounds, the model version
-they are computed under and the fewest contributors whose sum may be published. A device packs its
+(and ξ) they are computed under and the fewest contributors whose sum may be published. A device packs its
 contribution (:func:`pack`: each segment divided by its largest possible magnitude, so every number
 lies in ``[-1, 1]`` before the fixed-point encoding of :class:`~fedfs_sdk.federation.secagg.encoding.FixedPoint`)
 and the server unpacks the sum (:func:`unpack`). :class:`StatsDevicePolicy` refuses a plain round when the
-device requires secure aggregation.
+device requires secure aggregation, and carries the device's secure-aggregation floor.
 
 Precision: packed numbers are encoded with ``2^-46`` steps (each device's weight is 1, so up to
-16,384 devices fit the 64-bit ring), but the protocol decodes its sum as a float32 mean: the sum
-comes back to ~6e-8 of each element's *scale* (``max_photos·bound²`` for second moments) times the
-count — tight bounds (the task's, measured on the public set) keep that small.
+16,384 devices fit the 64-bit ring) and the server decodes the statistics round's sum in float64:
+each element comes back to ``2^-47`` of its *scale* (``max_photos·bound²`` for second moments)
+times the count.
 """
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ from ..federation.secagg.params import SecAggParams
 from ..federation.secagg.policy import DevicePolicy
 
 SECURE = "secure-sum"
-"""The secure sum of weight rounds (pairwise masks, Shamir-shared seeds), today with unauthenticated
-keys (``fedfs-secagg/1``): a default device refuses it (:class:`StatsDevicePolicy`); the
-authenticated roster of ``fedfs-secagg/2`` is not wired into statistics rounds yet."""
+"""The secure sum of weight rounds (pairwise masks, Shamir-shared seeds; the round's ``secagg`` fields
+say ``fedfs-secagg/2`` — certified keys, signed roster, consistency check — when the server pins an
+operator CA, else ``fedfs-secagg/1``, which a device with the default floors refuses)."""
 PLAIN = "plain-sum-reveals-each-device"
 TRANSPORTS = (SECURE, PLAIN)
 
@@ -82,6 +83,19 @@ class StatsTask:
     def dim(self) -> int:
         return sum(s.length for s in self.stats)
 
+    def basis(self, spec: "StatSpec") -> str:
+        """What ``spec`` is computed under: ξ (its sha256, from ``extra["xi_sha256"]``) for ξ's
+        moments, the global model version for check results. A device contributes one statistic
+        at most once per basis, and the server runs it at most once per basis: two sums over
+        cohorts that differ by one device would reveal that device's vector."""
+        if spec.kind in ("embedding", "features") and self.extra.get("xi_sha256"):
+            return f"xi:{self.extra['xi_sha256']}"
+        return f"model:{self.model_version}"
+
+    def keys(self) -> list[str]:
+        """``name@basis`` of every statistic (the ledgers' keys, :meth:`basis`)."""
+        return [f"{s.name}@{self.basis(s)}" for s in self.stats]
+
     def to_json(self) -> dict:
         return {**asdict(self), "stats": [asdict(s) for s in self.stats]}
 
@@ -123,10 +137,11 @@ def unpack(vector: np.ndarray, task: StatsTask) -> dict[str, np.ndarray]:
 class StatsDevicePolicy:
     """A device's floor for statistics rounds: with ``require_secure`` (the default) it refuses a round
     whose transport reveals its vector; ``secagg`` is its secure-aggregation floor (issue 30's
-    :class:`DevicePolicy`, secure by default). The statistics round runs the secure sum with
-    unauthenticated keys today (``fedfs-secagg/1``: the authenticated roster of weight rounds is not
-    wired into it yet), so a device with the default ``secagg`` refuses it; an owner who trusts the
-    server to follow the protocol opts in with ``DevicePolicy.honest_but_curious()``."""
+    :class:`DevicePolicy`, secure by default — the device agent passes the one its weight rounds use,
+    with its pinned CA). Against a server that pins the operator CA the statistics round runs
+    ``fedfs-secagg/2`` and a device with its default floor takes part; a server without a CA runs
+    ``fedfs-secagg/1`` (unauthenticated keys), which the default floor refuses — an owner who trusts the
+    server to follow the protocol opts in with :meth:`honest_but_curious`."""
 
     require_secure: bool = True
     secagg: DevicePolicy = field(default_factory=DevicePolicy)
@@ -148,9 +163,23 @@ STATS_FIXED_POINT = FixedPoint(clip=1.0, scale_bits=46, max_devices=1 << 14, max
 
 
 def secagg_params(task: "StatsTask", participants: int) -> SecAggParams:
-    """The secure-sum parameters every device of the round and the server derive from its task."""
+    """Secure-sum parameters of ``task`` without the server's policy (``fedfs-secagg/1``; unit tests
+    of the core). Rounds over HTTP take theirs from the ``secagg`` fields the server sends
+    (:func:`server_agg.stats_round.stats_fields`, the weight rounds' :func:`params_from_task`)."""
     return SecAggParams(round_id=task.round_id, dim=task.dim, fixed_point=STATS_FIXED_POINT,
                         min_devices=max(3, task.min_contributors), participants=participants)
 
 
-__all__ = ["STATS_FIXED_POINT", "secagg_params", "StatSpec", "StatsTask", "StatsDevicePolicy", "pack", "unpack", "SECURE", "PLAIN", "TRANSPORTS"]
+def stats_context(task: "StatsTask", fields: Mapping) -> bytes:
+    """What an authenticated statistics round's signatures bind besides its parameters: the whole
+    task (statistics, bounds, model version, ξ) and the secure fields without the device's index —
+    and the word ``statistics``, so no advertisement or consistency signature of a statistics round
+    verifies in a weight round (whose context is :func:`~fedfs_sdk.federation.secagg.http_device.task_context`)."""
+    import json
+
+    doc = {"kind": "fedfs-statistics/1", "task": task.to_json(),
+           "secagg": {k: v for k, v in dict(fields).items() if k != "device"}}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+__all__ = ["STATS_FIXED_POINT", "secagg_params", "stats_context", "StatSpec", "StatsTask", "StatsDevicePolicy", "pack", "unpack", "SECURE", "PLAIN", "TRANSPORTS"]

@@ -51,6 +51,11 @@ VERIFY_MODELS: tuple[str, ...] = ("personal", "global", "both")
 PAPER_VERIFICATION = {"fedfs": ("template", "personal"), "feduv": ("codeword", "global"),
                       "fedfs+feduv": ("codeword", "personal")}
 """``(score, model)`` as the papers verify: FedFS with ``q'``, FedUV with its codeword."""
+DEFAULT_NORM_INIT = {"fedfs": "none", "feduv": "none", "fedfs+feduv": "standardize"}
+"""How the default starts ϕ (``norm_init``): ``fedfs+feduv`` from ξ with its embedding normalization
+re-fitted to the federation's pooled embedding moments (a statistics round's ``xi.embedding`` sum;
+the simulator's preset and ``fedfs serve``'s initial model after that round, :mod:`server_agg.stats_auto`)."""
+
 DEFAULT_VERIFICATION = {"fedfs": ("template", "personal"), "feduv": ("codeword", "global"),
                         "fedfs+feduv": ("head-template", "both")}
 """``(score, model)`` a device verifies with by default; ``fedfs+feduv``: a head-space template
@@ -97,6 +102,6 @@ def uses_feduv(method: str) -> bool:
     return method in ("feduv", "fedfs+feduv")
 
 
-__all__ = ["METHODS", "PAPER_LR", "DEFAULT_LR", "DEFAULT_SCOPE", "PAPER_SCOPE", "SCORES", "VERIFY_MODELS", "PAPER_VERIFICATION",
+__all__ = ["METHODS", "PAPER_LR", "DEFAULT_LR", "DEFAULT_SCOPE", "DEFAULT_NORM_INIT", "PAPER_SCOPE", "SCORES", "VERIFY_MODELS", "PAPER_VERIFICATION",
            "DEFAULT_VERIFICATION", "check_verification", "DEFAULT_EPOCHS", "DEFAULT_HEAD_LR", "DEFAULT_UV_WEIGHT", "DEFAULT_BATCH_SIZE",
            "check_method", "uses_fedfs", "uses_feduv"]

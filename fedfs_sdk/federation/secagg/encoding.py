@@ -83,8 +83,9 @@ class FixedPoint:
         out[-1] = int(n_samples)
         return out, n_clipped
 
-    def decode_sum(self, total: np.ndarray, n_inputs: int) -> tuple[np.ndarray, int]:
-        """Turn the unmasked sum of ``n_inputs`` encodings into ``(weighted mean float32, Σn)``.
+    def decode_sum(self, total: np.ndarray, n_inputs: int, dtype: type = np.float32) -> tuple[np.ndarray, int]:
+        """Turn the unmasked sum of ``n_inputs`` encodings into ``(weighted mean, Σn)`` (float32, or
+        ``dtype``: the statistics round keeps float64, its sums need the fixed point's full resolution).
 
         Raises :class:`RoundFailedError` when the sum cannot be a sum of valid encodings —
         what a corrupted masked vector or share yields with overwhelming probability — so a
@@ -102,4 +103,4 @@ class FixedPoint:
             raise RoundFailedError(
                 f"{bad} coordinates of the unmasked sum exceed Σn·clip·2^s = {limit:.3g}: "
                 "a masked vector or a share was corrupted")
-        return (signed / (self.scale * n_total)).astype(np.float32), n_total
+        return (signed / (self.scale * n_total)).astype(dtype), n_total

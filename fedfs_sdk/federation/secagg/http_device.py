@@ -151,7 +151,7 @@ class SecAggSession:
     def __init__(self, client: Any, task: Mapping[str, Any], *, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.monotonic, wait_timeout_s: float = 3600.0,
                  identity: DeviceIdentity | None = None, policy: DevicePolicy | None = None,
-                 round_log: RoundLog | None = None) -> None:
+                 round_log: RoundLog | None = None, path: str | None = None, context: bytes | None = None) -> None:
         fields = task.get("secagg")
         self.round_id = int(task["round_id"])
         if client is not None:
@@ -172,11 +172,12 @@ class SecAggSession:
         self.noise_min_inputs = noise_request(noise, self.dp, self.params.fixed_point.max_devices)
         revoked = self._local(self._revocations, fields, round_log)
         self.device = self._local(SecAggDevice, self.params, self.index, identity=identity, policy=self.policy,
-                                  context=task_context(task), round_log=round_log, revoked=revoked)
+                                  context=task_context(task) if context is None else context,
+                                  round_log=round_log, revoked=revoked)
         if self.noise_min_inputs and self.params.participants is not None:   # t is known before the roster
             self._local(self._check_noise, self.params.threshold_for(self.params.participants))
         self.client, self._sleep, self._clock, self.wait_timeout_s = client, sleep, clock, wait_timeout_s
-        self.path = f"/v1/rounds/{self.round_id}/secagg"
+        self.path = path if path is not None else f"/v1/rounds/{self.round_id}/secagg"
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -258,6 +259,11 @@ class SecAggSession:
             if self.noise_min_inputs:        # the threshold the roster gave: a sum of t inputs may be unmasked
                 self._local(self._check_noise, self.device._t)
             w, n = dp_input(w, n, reference, self.dp, self.layout_sha256, self.noise_min_inputs, self.dp_kind or DP_INPUT)
+        return self.masked_vector(w, n)
+
+    def masked_vector(self, w: np.ndarray, n: int) -> dict[str, Any]:
+        """Mask the vector ``w`` (weighed ``n``) and upload ``y_u``: :meth:`masked_input` after its
+        flattening, and the statistics round's packed contribution (:mod:`fedfs_sdk.stats.client`)."""
         inbox = self._wait_for("inbox", "masked")
         msg = self._local(self.device.masked_input, inbox, w, n)
         y = msg["y"]

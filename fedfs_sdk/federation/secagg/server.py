@@ -65,6 +65,7 @@ class SecAggServer:
         self.context = auth.context_digest(params, context)
         self.ca = ca
         self.revoked: frozenset[str] = frozenset()                     # serials of the operator's revocation list
+        self.decode_dtype: type = np.float32       # of SecAggResult.mean (statistics rounds: float64)
         self.adverts: dict[int, tuple[dict[str, Any], bytes]] = {}   # authenticated: device → (cert, sig)
         self.ids: dict[int, bytes] = {}                                # authenticated: device → identity key
         self.u4: list[int] = []                                        # devices asked to unmask
@@ -358,7 +359,7 @@ class SecAggServer:
         self.stats["self_masks_cpu_s"] = t1 - t0
         self.stats["dropped_masks_cpu_s"] = time.thread_time() - t1
         try:
-            mean, total = self.params.fixed_point.decode_sum(z, len(self.u3))
+            mean, total = self.params.fixed_point.decode_sum(z, len(self.u3), self.decode_dtype)
         except RoundFailedError as e:
             raise self._fail(str(e), len(self.u3)) from e
         self.step = "done"

@@ -1,0 +1,310 @@
+"""The device agent's part in statistics rounds and the defaults' full do-no-harm rule at
+enrollment (issue 29) — the rule of the simulator's ``check=in-domain``, from the same functions
+(:mod:`fedfs_sdk.stats.in_domain`).
+
+* **Rounds.** When the server has a statistics round open for the device (``stats_round`` in a
+  ``wait`` task, or the view at enrollment) the agent takes part (:class:`~fedfs_sdk.stats.client.StatsParticipant`,
+  with the device's own secure-aggregation floor, identity and state): ξ's embedding moments and,
+  under ``scope=top``, ξ's trunk-feature moments of its training photos (the hold-out excluded, as
+  the simulator's clients), and after training its per-candidate check results. What it keeps in its
+  state folder (``stats/``): the published sums, its own contribution (0600), its ledger and round log.
+* **Enrollment** (:func:`stats_choice`): ``norm-adapt`` ξ from the published embedding moments; every
+  candidate checked against impostors drawn from the other devices' published trunk-feature moments;
+  the federation's verdict from the published check sum (taking part in that round first);
+  :func:`~fedfs_sdk.stats.in_domain.decide`. When statistics are missing it raises
+  :class:`StatsUnavailable` naming why, and the caller falls back (public impostors, else ξ).
+
+The torch runtime runs all of it. The ORT runtime (an export folder) has no trunk output: it cannot
+compute trunk features or score drawn ones, so it neither contributes ξ's moments nor runs the
+in-domain check (it falls back, saying so).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..errors import FedFSError, InputError
+from ..stats.in_domain import CHECKS, EMBEDDING, FEATURES, candidate_names, check_contributions, decide, in_domain_draws
+
+STATS_DIR = "stats"
+
+
+class StatsUnavailable(FedFSError):
+    """The in-domain rule cannot run on this device now (the reason says what is missing)."""
+
+
+def participant(agent: Any):
+    """The agent's :class:`StatsParticipant` (one per agent; state in ``STATE/stats``)."""
+    p = getattr(agent, "_stats_participant", None)
+    if p is None:
+        from ..stats.client import StatsParticipant
+        from ..stats.transport import StatsDevicePolicy
+
+        d = agent.state.path / STATS_DIR
+        d.mkdir(mode=0o700, exist_ok=True)
+        p = StatsParticipant(agent.client, lambda task: contribution(agent, task),
+                             StatsDevicePolicy(secagg=agent.config.secagg), state_dir=d, identity=agent._identity,
+                             sleep=agent._sleep, clock=agent._clock, wait_timeout_s=agent.config.wait_timeout_s)
+        agent._stats_participant = p
+    return p
+
+
+def take_part(agent: Any, view: Mapping[str, Any] | None = None) -> dict | None:
+    """Take part in the statistics round open for this device; events ``stats_round_done`` or
+    ``stats_round_refused`` (a round below the device's floors, a statistic it already gave, one it
+    cannot compute) — a refusal never stops the device."""
+    from ..federation.secagg.http_device import SecAggRoundLost
+    from .server_client import ServerError
+
+    p = participant(agent)
+    try:
+        out = p.take_part(view)
+    except (InputError, SecAggRoundLost, StatsUnavailable) as e:
+        agent._emit("stats_round_refused", {"reason": str(e)[:300]})
+        return None
+    except ServerError as e:
+        if e.status >= 500:
+            raise
+        agent._emit("stats_round_lost", {"code": e.code, "reason": e.reason})
+        return None
+    if out is not None:
+        agent._emit("stats_round_done", out)
+    return out
+
+
+# ---- contributions --------------------------------------------------------------------------
+def contribution(agent: Any, task) -> dict[str, np.ndarray]:
+    """This device's contribution to ``task``: ξ's moments (``xi.embedding``, ``xi.features``) of its
+    training photos, or its check results (``checks``, computed at enrollment)."""
+    names = {s.name for s in task.stats}
+    if CHECKS in names:
+        checks = getattr(agent, "_stats_checks", None)
+        if checks is None or checks[0] != task.model_version:
+            raise StatsUnavailable(f"statistics round {task.round_id} asks for check results on model version "
+                                   f"{task.model_version}; this device has checked none on it")
+        return {CHECKS: check_contributions(checks[1], list(task.extra.get("candidates") or []))}
+    return xi_moments(agent, task)
+
+
+def xi_moments(agent: Any, task) -> dict[str, np.ndarray]:
+    """ξ's embedding and trunk-feature moments of the training photos (clipped by the task's bounds)."""
+    from ..stats import embedding_moments, feature_moments
+    from .device_runtime import TorchRuntime
+    from .wire_format import sha256_hex
+
+    if not isinstance(agent.runtime, TorchRuntime):
+        raise StatsUnavailable(f"the {agent.runtime.name} runtime has no trunk output to compute ξ's statistics "
+                               "(the export's verifier graph ends at the embedding)")
+    sha = task.extra.get("xi_sha256")
+    if not sha:
+        raise StatsUnavailable("the statistics round names no ξ (xi_sha256)")
+    path = agent.xi_file(sha)
+    if sha256_hex(Path(path).read_bytes()) != sha:
+        raise StatsUnavailable(f"the round's ξ ({sha[:12]}…) is not this device's ξ ({path})")
+    specs = {s.name: s for s in task.stats}
+    net = _load_xi(path)
+    x = agent.all_images_array(int(net.backbone.input_size))[agent.holdout_split()[0]]
+    e, f = _embed_xi(net, x, FEATURES in specs)
+    out: dict[str, np.ndarray] = {}
+    if EMBEDDING in specs:
+        out[EMBEDDING] = embedding_moments(e, specs[EMBEDDING].bound, task.max_photos)
+    if FEATURES in specs:
+        out[FEATURES] = feature_moments(f, specs[FEATURES].bound, task.max_photos)
+    unknown = set(specs) - set(out)
+    if unknown:
+        raise StatsUnavailable(f"statistics {sorted(unknown)} are unknown to this device")
+    return out
+
+
+def _load_xi(path: Path):
+    from ..nn.checkpoint import load_checkpoint
+
+    return load_checkpoint(path)[0].eval()
+
+
+def _embed_xi(net, x: np.ndarray, features: bool, batch: int = 64) -> tuple[np.ndarray, np.ndarray | None]:
+    import torch
+
+    from ..training.scope import Trunk
+
+    bb = net.backbone
+    trunk = Trunk(bb) if features else None
+    es, fs = [], []
+    with torch.inference_mode():
+        for a in range(0, x.shape[0], batch):
+            xb = torch.from_numpy(np.ascontiguousarray(x[a:a + batch]))
+            es.append(bb(xb).double().numpy())
+            if trunk is not None:
+                fs.append(trunk(xb).double().numpy())
+    return np.concatenate(es), (np.concatenate(fs) if fs else None)
+
+
+# ---- published sums -------------------------------------------------------------------------
+def published(agent: Any) -> list[dict]:
+    """Every published statistics sum (downloaded once, kept in ``STATE/stats``), oldest first."""
+    from .server_client import ServerError
+
+    p = participant(agent)
+    try:
+        newest = p.client.request("GET", "/v1/stats").json()
+    except ServerError as e:
+        if e.status in (404, 405):
+            return []
+        raise
+    out = []
+    for rid in newest.get("published_rounds", [newest["round_id"]]):
+        path = p.dir / f"stats-r{int(rid):06d}.json"
+        if not path.is_file():
+            p.fetch_published(path, int(rid))
+        out.append(json.loads(path.read_text()))
+    return out
+
+
+def own_contribution(agent: Any, round_id: int) -> dict[str, np.ndarray] | None:
+    path = participant(agent).dir / f"stats-own-r{round_id:06d}.npz"
+    if not path.is_file():
+        return None
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def xi_sums(agent: Any, xi_sha: str | None) -> tuple[dict, dict | None]:
+    """The newest published ξ round for this ξ and the device's own part of it (None: it was not in it)."""
+    rounds = [d for d in published(agent) if FEATURES in d["sums"]
+              and (xi_sha is None or d["task"].get("extra", {}).get("xi_sha256") == xi_sha)]
+    if not rounds:
+        raise StatsUnavailable("no statistics of ξ's trunk features were published (the server opened no "
+                               "statistics round for this ξ, or fewer than the minimum of devices answered)")
+    d = rounds[-1]
+    return d, own_contribution(agent, int(d["round_id"]))
+
+
+# ---- the rule at enrollment -----------------------------------------------------------------
+def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: str,
+                 score: str | None = None) -> tuple[str, dict]:
+    """The defaults' in-domain choice (module docstring); :class:`StatsUnavailable` when it cannot run."""
+    from ..training.methods import uses_fedfs
+    from .device_enrollment import has_xi
+    from .device_runtime import TorchRuntime, xi_path
+    from .wire_format import sha256_hex
+
+    if not isinstance(agent.runtime, TorchRuntime):
+        raise StatsUnavailable(f"the {agent.runtime.name} runtime cannot score drawn trunk features (its verifier "
+                               "graph takes images only)")
+    if not has_xi(agent):
+        raise StatsUnavailable("no ξ to compare with")
+    train, hold = agent.holdout_split()
+    if hold.size == 0:
+        raise StatsUnavailable("no hold-out photos (too few photos)")
+    xi_sha = sha256_hex(xi_path(agent).read_bytes())
+    xi_pub, own = xi_sums(agent, xi_sha)
+    has_norm = EMBEDDING in xi_pub["sums"] and _has_embed_norm(xi_path(agent))
+    agent.stats_embedding_sum = np.asarray(xi_pub["sums"][EMBEDDING]) if has_norm else None
+    # a device that never trained (enrolling late, offline during the rounds) has no θ_c: its candidates
+    # are ξ, norm-adapt and the global model
+    trained = uses_fedfs(method) and agent.state.file("personal.safetensors").is_file()
+    names = candidate_names(trained, has_norm)
+    seed = int(xi_pub["task"].get("extra", {}).get("draw_seed", 0))
+    drawn = in_domain_draws(np.asarray(xi_pub["sums"][FEATURES]), None if own is None else own.get(FEATURES), seed)
+    xi_net = _load_xi(xi_path(agent))
+    try:
+        checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold, score)
+                  for name in names]
+    except InputError as e:          # a candidate this device cannot build (e.g. no θ_c yet): the fallback decides
+        raise StatsUnavailable(f"a candidate cannot be checked here: {e}") from None
+    agent._stats_checks = (version, checks)
+    check_sum, verdict_note = federation_verdict(agent, version, names)
+    sel = decide(checks, check_sum[0] if check_sum else None, check_sum[1] if check_sum else names)
+    out = {**sel.to_dict(), "check": "in-domain", "stats_round": int(xi_pub["round_id"]),
+           "in_stats_round": own is not None, "verdict": verdict_note}
+    agent._emit("model_chosen", {"chosen": sel.chosen, "reason": sel.reason, "check": "in-domain",
+                                 "verdict": verdict_note})
+    return sel.chosen, out
+
+
+def _has_embed_norm(path: Path) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "np") as f:
+        return any(k.endswith("embed_norm.weight") for k in f.keys())
+
+
+def in_domain_check(agent: Any, name: str, method: str, model: bytes, version: int, verify: str, drawn: np.ndarray,
+                    xi_net, train: np.ndarray, hold: np.ndarray, score: str | None = None):
+    """One candidate's check: template from the training photos, genuine = the hold-out, impostors =
+    the drawn trunk features through the candidate's top (:func:`~fedfs_sdk.training.selection.check_candidate`,
+    the simulator's function), on the candidate's ``embedding`` output as the simulator scores it (the
+    global model of a ``head-template`` FedUV method: its head projection ``W·e``)."""
+    import torch
+
+    from ..nn.model import VerifierNet
+    from ..stats.in_domain import top_verifier
+    from ..training.methods import uses_feduv
+    from ..training.selection import check_candidate
+
+    backend = agent.runtime.verifier(method, model, agent, version, verify, candidate=name)
+    net = backend.verifier
+    _require_xi_trunk(net, xi_net.backbone, name)
+    if name == "global" and score == "head-template" and uses_feduv(method) and isinstance(net, VerifierNet) \
+            and net.uv_head is not None and not net.project:
+        net = VerifierNet(net.backbone, net.uv_head, project=True).eval()     # the simulator's global spec
+        from ..runtime.inference import TorchBackend
+
+        backend = TorchBackend(net, backend.model_id, device=getattr(backend, "device", "cpu"))
+    x = agent.all_images_array(backend.input_size)
+    tr, ho = (backend.run(np.ascontiguousarray(x[i]))["embedding"] for i in (train, hold))
+    top = top_verifier(net).eval()
+    outs = []
+    with torch.inference_mode():
+        for a in range(0, drawn.shape[0], 2048):
+            outs.append(top(torch.from_numpy(drawn[a:a + 2048]))[0].double().numpy())
+    return check_candidate(name, tr, ho, np.concatenate(outs), far=1e-3)
+
+
+def _require_xi_trunk(net, xi_backbone, name: str) -> None:
+    """Drawn ξ-trunk features apply to a candidate only if its trunk *is* ξ's (``scope=top``)."""
+    import torch
+
+    from ..training.scope import is_top_key
+
+    ref = {k: v for k, v in xi_backbone.state_dict().items() if not is_top_key(k)}
+    for bb in [net.backbone] + ([net.global_backbone] if hasattr(net, "global_backbone") else []):
+        mine = bb.state_dict()
+        # within the secure sum's fixed-point rounding: the trunk is averaged too (as received, scope=top)
+        if any(k not in mine or mine[k].shape != v.shape
+               or not torch.allclose(mine[k].double(), v.double(), rtol=1e-5, atol=1e-6) for k, v in ref.items()):
+            raise StatsUnavailable(f"candidate {name!r} does not run on ξ's trunk (trained with scope='all', or a "
+                                   "global model not started from ξ): impostors drawn in ξ's feature space do not "
+                                   "apply to it")
+
+
+def federation_verdict(agent: Any, version: int, names: tuple[str, ...]) -> tuple[tuple | None, str]:
+    """Take part in the check-results round on ``version`` (waiting while the server says it is still
+    to come) and return ``((sum, candidates), note)`` of its published sum, or ``(None, why not)``."""
+    p = participant(agent)
+    t0, handled = agent._clock(), set()
+    while True:
+        v = p.view()
+        rid = v.get("round_id")
+        if v.get("phase") in ("secure", "plain") and rid not in handled:
+            handled.add(rid)
+            take_part(agent, v)                    # the check round (or any other open for it: answer it too)
+            continue
+        opened = v.get("phase") in ("secure", "plain")     # answered (plain) or refused: wait for its end
+        if not opened and "checks" not in (v.get("pending") or []):
+            break
+        if agent._clock() - t0 > agent.config.wait_timeout_s:
+            return None, f"the check-results round did not open within {agent.config.wait_timeout_s:.0f} s"
+        agent._sleep(min(max(float(v.get("retry_after") or 0.5), 0.05), 10.0))
+    for d in reversed(published(agent)):
+        if CHECKS in d["sums"] and int(d["task"]["model_version"]) == int(version):
+            cands = list(d["task"].get("extra", {}).get("candidates") or names)
+            return (np.asarray(d["sums"][CHECKS]), cands), f"published over {d['count']} devices"
+    return None, "no check results published for this model version (no round, or too few devices answered)"
+
+
+__all__ = ["StatsUnavailable", "participant", "take_part", "contribution", "xi_moments", "published", "xi_sums",
+           "stats_choice", "in_domain_check", "federation_verdict", "STATS_DIR"]
