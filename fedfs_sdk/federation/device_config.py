@@ -70,6 +70,9 @@ class DeviceConfig:
             the enrollment records the choice and its operating point.
         holdout: share of the owner's photos held out for that check (at least 2).
         far: the enrollment's false-accept target on the impostor set (None: FedUV's q only).
+        far_stats: a statistics round's published sum (``xi.features``, ``xi.tail``): with ``far``,
+            τ is set in the federation's capture conditions where the impostor set is too small for
+            ``far`` (:mod:`fedfs_sdk.stats.evidence`; the torch runtime).
         select: ``auto`` (default) — the do-no-harm check at every enrollment: ``holdout`` of the
             photos are never trained on, and the device verifies with the candidate the check picks
             on the public impostor set (``impostors``, else the one the server ships with its model);
@@ -101,6 +104,7 @@ class DeviceConfig:
     impostors: Path | None = None
     holdout: float = 0.2
     far: float | None = None
+    far_stats: Path | None = None
     select: str = "auto"
     helps: tuple[str, ...] = ()
 
