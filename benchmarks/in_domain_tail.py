@@ -213,12 +213,13 @@ class LookupBackend:
         return {"embedding": self.emb[x[:, 0, 0, 0].astype(np.int64)]}
 
 
-def enroll_far(d: dict, cands: list[str], q: float, limit: int | None = None) -> dict:
+def enroll_far(d: dict, cands: list[str], q: float, limit: int | None = None, tail: str = "self") -> dict:
     """``enroll(far=…)`` itself, per device, from a published statistics sum (``xi.features`` and
     ``xi.tail`` under ξ, :mod:`fedfs_sdk.stats.evidence`; the device's own contribution subtracted),
     the shipped public set of 40 people too small for 1e-3: ``{(cand, far, set): [FAR]}`` measured at
     the enrolled τ on the other clients' photos and the new users'; refusals counted under
-    ``(cand, far, "refused")``."""
+    ``(cand, far, "refused")``. ``tail``: the histograms under the enrolled verifier itself
+    (``self``: a model every device can run) or under ξ (``xi``: what a personalized top would get)."""
     from torch.func import functional_call
 
     from fedfs_sdk.errors import OperatingPointError
@@ -235,18 +236,20 @@ def enroll_far(d: dict, cands: list[str], q: float, limit: int | None = None) ->
     feats = d["clients"]
     newf = np.concatenate([f for f in d["new_users"] if f.shape[0]])
     total = sum_contributions({FEATURES: feature_moments(f)} for f in feats if f.shape[0]).sums[FEATURES]
-    xi_embed = lambda f: emb("xi", f)  # noqa: E731
-    dirs = tail_directions(d["public"], d["public_ids"], xi_embed, total)
-    stats = sum_contributions({FEATURES: feature_moments(f), TAIL: tail_histogram(xi_embed(f), dirs)}
-                              for f in feats if f.shape[0])
+    stats = {}
+    for tc in {("xi" if tail == "xi" else c) for c in cands}:
+        dirs = tail_directions(d["public"], d["public_ids"], lambda f: emb(tc, f), total)
+        stats[tc] = sum_contributions({FEATURES: feature_moments(f), TAIL: tail_histogram(emb(tc, f), dirs)}
+                                      for f in feats if f.shape[0])
     units = {c: [_unit(emb(c, f)) for f in feats] for c in cands}
     new_units = {c: _unit(emb(c, newf)) for c in cands}
     res: dict[tuple, list[float]] = {}
     clients = [c for c in range(len(feats)) if feats[c].shape[0] >= 2][:limit]
     for i, c in enumerate(clients):
         for cand in cands:
-            ev = in_domain_evidence(stats, lambda f: {"embedding": emb(cand, f)}, xi_embed, d["public"], d["public_ids"],
-                                    own_features=feats[c])
+            tc = "xi" if tail == "xi" else cand
+            ev = in_domain_evidence(stats[tc], lambda f: {"embedding": emb(cand, f)}, lambda f: emb(tc, f), d["public"],
+                                    d["public_ids"], own_features=feats[c])
             be = LookupBackend(units[cand][c], f"{cand}")
             others = np.concatenate([units[cand][o] for o in range(len(feats)) if o != c and feats[o].shape[0]])
             for far in FARS:
@@ -303,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--enroll", action="store_true", help="run enroll(far=…) itself from a statistics sum (the "
                    "chosen estimator, ξ's tail for every verifier) instead of the comparison")
     p.add_argument("--q", type=float, default=0.5, help="with --enroll: the warm-up TPR the enrollment must keep")
+    p.add_argument("--tail", choices=("self", "xi"), default="self", help="with --enroll: the tail histograms under "
+                   "the enrolled verifier itself (default) or under ξ")
     a, sim = p.parse_known_args(argv)
     torch.set_num_threads(1)
     d = load_features(sim, a.cache)
@@ -311,8 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(d['clients'])} clients, {len(d['new_users'])} new users, {len(d['public'])} public photos of "
           f"{np.unique(d['public_ids']).size} people")
     if a.enroll:
-        res = enroll_far(d, a.candidates.split(","), a.q, a.limit)
-        print(f"enroll(far=…, in_domain=…) per device (warm-up: its training photos, q = {a.q:g}); FAR measured at the "
+        res = enroll_far(d, a.candidates.split(","), a.q, a.limit, a.tail)
+        print(f"enroll(far=…, in_domain=…) per device (warm-up: its training photos, q = {a.q:g}; tail histograms under "
+              f"{'each verifier itself' if a.tail == 'self' else 'ξ'}); FAR measured at the "
               "enrolled τ on the other clients' real photos and on the new users' (held out)")
         print(enroll_table(res))
         return 0

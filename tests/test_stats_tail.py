@@ -88,7 +88,7 @@ def test_operating_point_picks_and_records_its_evidence() -> None:
         operating_point(warm, 0.9, 1e-3, None, 0.5, in_domain=(draws + 0.8, _Evidence()))
 
 
-def test_enroll_far_from_a_published_statistics_file(tmp_path) -> None:
+def test_enroll_far_from_a_published_statistics_file(tmp_path, capsys) -> None:
     """Devices contribute ξ's feature moments and tail histograms; the summed file sets τ for a
     FAR 1e-2 that the 60-photo public set cannot; the record says which evidence set it; 1e-3 is
     refused: 12 devices' photos cannot say it."""
@@ -125,3 +125,22 @@ def test_enroll_far_from_a_published_statistics_file(tmp_path) -> None:
     s = ev.draws["embedding"] / np.linalg.norm(ev.draws["embedding"], axis=1, keepdims=True) @ e.template
     assert e.threshold == pytest.approx(s.mean() + s.std() * op["in_domain"]["z"], abs=1e-6)
     assert verify(backend, e, owner[0]).accepted
+
+    # the CLI: fedfs enroll --far --far-stats (same weights from a file), and its refusals
+    import cv2
+
+    from fedfs_sdk.cli.main import main
+    from fedfs_sdk.nn.checkpoint import save_verifier
+    from fedfs_sdk.runtime.impostors import save_impostors
+
+    save_verifier(tmp_path / "v.safetensors", m.backbone, m.config)
+    save_impostors(tmp_path / "imp.npz", pub)
+    (tmp_path / "owner").mkdir()
+    for j, im in enumerate(owner):
+        cv2.imwrite(str(tmp_path / "owner" / f"{j}.png"), im)
+    base = ["enroll", "--model", str(tmp_path / "v.safetensors"), "--images", str(tmp_path / "owner"), "--key-file",
+            str(tmp_path / "key"), "--q", "0.5", "--far", "1e-2", "--out", str(tmp_path / "a.enr")]
+    assert main(base + ["--far-stats", str(tmp_path / "stats.json")]) == 2              # no public set: no directions
+    assert "--far needs a public impostor set" in capsys.readouterr().err
+    assert main(base + ["--far-stats", str(tmp_path / "stats.json"), "--impostors", str(tmp_path / "imp.npz")]) == 0
+    assert "predicted for impostors in the federation's capture conditions" in capsys.readouterr().out

@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a statistics round's published sum (xi.features and xi.tail, GET /v1/stats): with --far, τ "
                         "is predicted in the federation's capture conditions (docs/personalization.md; a torch model "
                         "whose trunk is ξ's, and --impostors: the public set of the round's tail directions)")
-    p.add_argument("--xi", default=None, help="with --far-stats: ξ, the model the statistics were computed with "
-                   "(default: --model itself)")
+    p.add_argument("--tail-model", default=None, help="with --far-stats: the model the round's tail histograms were "
+                   "computed with — ξ for xi.tail (default: --model itself; its trunk must be --model's)")
     p.add_argument("--far-evidence", choices=("auto", "public", "federation"), default="auto",
                    help="which evidence sets τ for --far: 'auto' (default) the public set when it holds ≥ ⌈1/far⌉−1 "
                         "photos, else --far-stats; 'public'; 'federation'")
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         if args.far is None:
             raise InputError("--far-stats sets τ for a false-accept target: give --far too")
         from ..stats.evidence import evidence_for_backend
-        xi = backend if args.xi is None else load_backend(args.xi)
+        xi = backend if args.tail_model is None else load_backend(args.tail_model)
         in_domain = evidence_for_backend(args.far_stats, backend, xi, impostors)
     from ..nn.builtin_models import builtin_name
 

@@ -182,8 +182,11 @@ def torch_trunk(verifier: Any) -> Callable[[np.ndarray], np.ndarray]:
 
 def evidence_for_backend(stats: StatSum | str | Path, backend: Any, xi_backend: Any, impostors: Any,
                          own_images: np.ndarray | None = None, mode: str = TAIL_MODE) -> InDomainEvidence:
-    """:func:`in_domain_evidence` for a torch backend (the enrolled verifier), ξ's torch backend and
-    the public :class:`~fedfs_sdk.runtime.impostors.ImpostorSet` the round's directions came from.
+    """:func:`in_domain_evidence` for a torch backend (the enrolled verifier), the torch backend the
+    round's tail histograms were computed with (``xi_backend``: ξ for ``xi.tail``; measured on LFW,
+    the tail shape is calibrated for the model it was measured with and does *not* carry over to
+    another top — docs/personalization.md) and the public
+    :class:`~fedfs_sdk.runtime.impostors.ImpostorSet` the round's directions came from.
     ``stats``: a :class:`StatSum` or a published statistics file (``{"count", "sums", …}``).
     ``own_images``: the preprocessed photos this device contributed to the round (their moments are
     subtracted), None if it did not contribute. Refuses a verifier whose trunk is not ξ's."""
@@ -204,7 +207,7 @@ def evidence_for_backend(stats: StatSum | str | Path, backend: Any, xi_backend: 
     xi_top = torch_top(xi_backend)
     ev = in_domain_evidence(stats, torch_top(backend), lambda f: xi_top(f)["embedding"], pub, impostors.identity,
                             own_features=None if own_images is None else trunk(own_images), mode=mode)
-    ev.record.update(model_id=getattr(backend, "model_id", None), xi_model_id=getattr(xi_backend, "model_id", None))
+    ev.record.update(model_id=getattr(backend, "model_id", None), tail_model_id=getattr(xi_backend, "model_id", None))
     return ev
 
 
