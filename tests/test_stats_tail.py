@@ -144,3 +144,14 @@ def test_enroll_far_from_a_published_statistics_file(tmp_path, capsys) -> None:
     assert "--far needs a public impostor set" in capsys.readouterr().err
     assert main(base + ["--far-stats", str(tmp_path / "stats.json"), "--impostors", str(tmp_path / "imp.npz")]) == 0
     assert "predicted for impostors in the federation's capture conditions" in capsys.readouterr().out
+
+
+def test_device_config_checks_far_stats_before_it_registers(tmp_path) -> None:
+    from fedfs_sdk.federation.device_config import DeviceConfig
+
+    with pytest.raises(InputError, match="not a file"):
+        DeviceConfig(far=1e-3, far_stats=tmp_path / "missing.json")
+    (tmp_path / "s.json").write_text("{}")
+    with pytest.raises(InputError, match="give far"):
+        DeviceConfig(far_stats=tmp_path / "s.json")
+    assert DeviceConfig(far=1e-3, far_stats=tmp_path / "s.json").far_stats == tmp_path / "s.json"

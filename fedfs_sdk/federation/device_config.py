@@ -118,6 +118,10 @@ class DeviceConfig:
             raise InputError("a false-accept target (far) needs the public impostor set (impostors / --impostors)")
         if self.far is not None and not 0 < self.far < 1:
             raise InputError(f"far must be in (0, 1), got {self.far!r}")
+        if self.far_stats is not None and (self.far is None or not Path(self.far_stats).is_file()):
+            # checked before the device registers or trains: the statistics are read only at enrollment
+            raise InputError(f"far_stats (--far-stats) {self.far_stats}: " + ("not a file" if self.far is not None else
+                             "sets τ for a false-accept target: give far (--far) too"))
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
             raise InputError(f"rounds must be an integer ≥ 0 (0: until the server is done), got {self.rounds!r}")
         w = self.wait_timeout_s
