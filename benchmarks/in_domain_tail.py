@@ -224,7 +224,7 @@ def enroll_far(d: dict, cands: list[str], q: float, limit: int | None = None, ta
 
     from fedfs_sdk.errors import OperatingPointError
     from fedfs_sdk.runtime.enrollment import enroll
-    from fedfs_sdk.stats import TAIL, feature_moments, sum_contributions, tail_histogram
+    from fedfs_sdk.stats import TAIL, feature_moments, impostor_features, moments_of, sum_contributions, tail_histogram
     from fedfs_sdk.stats.evidence import FEATURES, in_domain_evidence, tail_directions
 
     top, tops = d["top"], d["tops"]
@@ -236,20 +236,22 @@ def enroll_far(d: dict, cands: list[str], q: float, limit: int | None = None, ta
     feats = d["clients"]
     newf = np.concatenate([f for f in d["new_users"] if f.shape[0]])
     total = sum_contributions({FEATURES: feature_moments(f)} for f in feats if f.shape[0]).sums[FEATURES]
-    stats = {}
+    stats, dirs = {}, {}
     for tc in {("xi" if tail == "xi" else c) for c in cands}:
-        dirs = tail_directions(d["public"], d["public_ids"], lambda f: emb(tc, f), total)
-        stats[tc] = sum_contributions({FEATURES: feature_moments(f), TAIL: tail_histogram(emb(tc, f), dirs)}
+        dirs[tc] = tail_directions(d["public"], d["public_ids"], lambda f: emb(tc, f), total)
+        stats[tc] = sum_contributions({FEATURES: feature_moments(f), TAIL: tail_histogram(emb(tc, f), dirs[tc])}
                                       for f in feats if f.shape[0])
     units = {c: [_unit(emb(c, f)) for f in feats] for c in cands}
     new_units = {c: _unit(emb(c, newf)) for c in cands}
     res: dict[tuple, list[float]] = {}
     clients = [c for c in range(len(feats)) if feats[c].shape[0] >= 2][:limit]
     for i, c in enumerate(clients):
+        mu, cov, _ = moments_of(total - feature_moments(feats[c]))
+        drawn = impostor_features(mu, cov)              # once per device: every verifier's τ uses the same draws
         for cand in cands:
             tc = "xi" if tail == "xi" else cand
             ev = in_domain_evidence(stats[tc], lambda f: {"embedding": emb(cand, f)}, lambda f: emb(tc, f), d["public"],
-                                    d["public_ids"], own_features=feats[c])
+                                    d["public_ids"], own_features=feats[c], directions=dirs[tc], features=drawn)
             be = LookupBackend(units[cand][c], f"{cand}")
             others = np.concatenate([units[cand][o] for o in range(len(feats)) if o != c and feats[o].shape[0]])
             for far in FARS:
@@ -264,6 +266,7 @@ def enroll_far(d: dict, cands: list[str], q: float, limit: int | None = None, ta
                     res.setdefault((cand, far, set_name), []).append(float((u @ t >= e.threshold).mean()))
         if (i + 1) % 20 == 0:
             print(f"  {i + 1}/{len(clients)} devices enrolled", file=sys.stderr, flush=True)
+            print(f"after {i + 1} devices:\n{enroll_table(res)}", file=sys.stderr, flush=True)
     return res
 
 

@@ -95,13 +95,17 @@ class InDomainEvidence:
 
 def in_domain_evidence(stats: StatSum, verifier_top: TopFn, xi_embed: Callable[[np.ndarray], np.ndarray],
                        public_features: np.ndarray, public_ids: np.ndarray, own_features: np.ndarray | None = None,
-                       mode: str = TAIL_MODE, draws: int = DRAWS, seed: int = 0) -> InDomainEvidence:
+                       mode: str = TAIL_MODE, draws: int = DRAWS, seed: int = 0, directions: np.ndarray | None = None,
+                       features: np.ndarray | None = None) -> InDomainEvidence:
     """An :class:`InDomainEvidence` from the published ``stats`` (needs ``xi.features`` and ``xi.tail``).
 
     ``verifier_top``: trunk features → the enrolled verifier's outputs; ``xi_embed``: trunk features →
     ξ's embeddings; ``public_features``/``public_ids``: the shipped public set's trunk features and
     people; ``own_features``: the device's contribution to the round (subtracted: its photos are not
-    impostors of itself), None when it did not contribute."""
+    impostors of itself), None when it did not contribute. ``directions`` (from :func:`tail_directions`
+    for this round) and ``features`` (the draws, :func:`~.impostor_model.impostor_features` of the same
+    others' moments and seed) may be passed when already computed — a device that sets τ for several
+    verifiers draws once."""
     for name in (FEATURES, TAIL):
         if name not in stats.sums:
             raise InputError(f"the statistics sum has no {name!r} (it holds {sorted(stats.sums)}): a FAR target in the "
@@ -109,9 +113,9 @@ def in_domain_evidence(stats: StatSum, verifier_top: TopFn, xi_embed: Callable[[
     total = np.asarray(stats.sums[FEATURES], dtype=np.float64)
     others = total if own_features is None else total - feature_moments(own_features)
     mu, cov, n = moments_of(others)
-    z = standard_draws(mu.size, draws, seed)
-    f = impostor_features(mu, cov, draws, seed, z=z)
-    dirs = tail_directions(public_features, public_ids, xi_embed, total, mode)
+    f = impostor_features(mu, cov, draws, seed, z=standard_draws(mu.size, draws, seed)) if features is None else features
+    draws = int(len(f))
+    dirs = tail_directions(public_features, public_ids, xi_embed, total, mode) if directions is None else directions
     hist = np.asarray(stats.sums[TAIL], dtype=np.float64)
     if hist.size % dirs.shape[0] or hist.size // dirs.shape[0] != _bins():
         raise InputError(f"the tail histogram has {hist.size} numbers; {dirs.shape[0]} public directions need "
