@@ -143,6 +143,17 @@ def test_enroll_far_from_a_published_statistics_file(tmp_path, capsys) -> None:
     assert main(base + ["--far-stats", str(tmp_path / "stats.json"), "--impostors", str(tmp_path / "imp.npz")]) == 0
     assert "predicted for impostors in the federation's capture conditions" in capsys.readouterr().out
 
+    # the device agent's ξ (a checkpoint): trunk then top is its backbone, exactly
+    from fedfs_sdk.nn.checkpoint import save_checkpoint
+    from fedfs_sdk.stats.evidence import xi_verifier
+
+    save_checkpoint(tmp_path / "xi.safetensors", m, m.config)
+    x = pub.batch(backend.input_size)[:4]
+    xi = xi_verifier(tmp_path / "xi.safetensors")
+    with torch.no_grad():
+        ref = m.backbone(torch.from_numpy(x)).double().numpy()
+    assert np.allclose(torch_top(xi)(torch_trunk(xi)(x))["embedding"], ref, atol=1e-6)
+
 
 def test_device_config_checks_far_stats_before_it_registers(tmp_path) -> None:
     from fedfs_sdk.federation.device_config import DeviceConfig

@@ -55,8 +55,10 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     codeword = self.state.load_codeword() if mode == "codeword" else None
     in_domain = None
     if self.config.far is not None and self.config.far_stats is not None:
-        from ..stats.evidence import evidence_for_backend     # the federation's conditions (issue 29)
-        xi = self.runtime.verifier(method, mbytes, self, version, model, candidate="xi") if has_xi(self) else backend
+        from ..stats.evidence import evidence_for_backend, xi_verifier     # the federation's conditions (issue 29)
+        from .device_runtime import xi_path
+        # ξ loaded directly: runtime.verifier would overwrite the state's verifier.safetensors with it
+        xi = xi_verifier(xi_path(self)) if has_xi(self) else backend
         in_domain = evidence_for_backend(self.config.far_stats, backend, xi,
                                          impostors or (load_impostors(self.config.impostors) if self.config.impostors else None))
     enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,

@@ -168,6 +168,15 @@ def torch_top(verifier: Any) -> TopFn:
     return run
 
 
+def xi_verifier(path: str | Path) -> Any:
+    """ξ's checkpoint as a torch :class:`~fedfs_sdk.nn.model.VerifierNet` (its backbone: what
+    ``xi.tail`` is computed with)."""
+    from ..nn.checkpoint import load_checkpoint
+    from ..nn.model import VerifierNet
+
+    return VerifierNet(load_checkpoint(Path(path))[0].backbone).eval()
+
+
 def torch_trunk(verifier: Any) -> Callable[[np.ndarray], np.ndarray]:
     """Preprocessed images ``[n, 3, S, S]`` → trunk features of a torch verifier's backbone."""
     import torch
@@ -215,5 +224,5 @@ def evidence_for_backend(stats: StatSum | str | Path, backend: Any, xi_backend: 
     return ev
 
 
-__all__ = ["InDomainEvidence", "evidence_for_backend", "in_domain_evidence", "tail_directions", "move_public", "torch_top", "torch_trunk",
+__all__ = ["InDomainEvidence", "evidence_for_backend", "xi_verifier", "in_domain_evidence", "tail_directions", "move_public", "torch_top", "torch_trunk",
            "FEATURES", "TAIL_MODE", "ESTIMATOR"]
