@@ -94,7 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--holdout", type=float, default=0.2, help="share of the owner's photos kept out of training for "
                    "that check (at least 2; default 0.2)")
     p.add_argument("--far", type=float, default=None, help="enrollment false-accept target on the impostor set "
-                   "(e.g. 1e-3; needs a public impostor set — --impostors, or the server's — with ≥ ⌈1/far⌉−1 photos)")
+                   "(e.g. 1e-3; needs a public impostor set — --impostors, or the server's — with ≥ ⌈1/far⌉−1 photos, "
+                   "or --far-stats)")
+    p.add_argument("--far-stats", type=Path, default=None, metavar="FILE",
+                   help="with --far: a statistics round's published sum (xi.features, xi.tail); where the impostor "
+                        "set is too small for --far, τ is set in the federation's capture conditions (torch runtime)")
     p.add_argument("--key-file", type=Path, help="32-byte device key: encrypts the enrollment and the FedUV "
                    "secrets (default: STATE/enrollment.key, created 0600)")
     p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what "
@@ -155,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
                           score=args.score, verify=args.verify,
                           require_secure_aggregation=args.require_secure_aggregation, secagg=policy,
                           identity_certificate=args.identity_cert,
-                          impostors=args.impostors, holdout=args.holdout, far=args.far, select=args.select, stats=args.stats)
+                          impostors=args.impostors, holdout=args.holdout, far=args.far, select=args.select,
+                          stats=args.stats, far_stats=args.far_stats)
     runtime = OrtRuntime(args.artifacts) if args.artifacts is not None else None
     batches = check_local_inputs(images, config, runtime)
     if args.key_file is not None and key is None:

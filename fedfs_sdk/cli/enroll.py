@@ -32,7 +32,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--far", type=float, default=None,
                    help="target false-accept rate (e.g. 1e-3): τ is set so that at most ⌊far·(n+1)⌋−1 of the n public "
                         "impostor photos pass (needs --impostors with ≥ ⌈1/far⌉−1 photos); refused when the warm-up "
-                        "then accepts fewer than q of the owner's photos")
+                        "then accepts fewer than q of the owner's photos; with --far-stats and a public set too small "
+                        "for the target, τ is set in the federation's conditions instead")
+    p.add_argument("--far-stats", default=None, metavar="FILE",
+                   help="a statistics round's published sum (xi.features and xi.tail, GET /v1/stats): with --far, τ "
+                        "is predicted in the federation's capture conditions (docs/personalization.md; a torch model "
+                        "whose trunk is ξ's, and --impostors: the public set of the round's tail directions)")
+    p.add_argument("--tail-model", default=None, help="with --far-stats: the model the round's tail histograms were "
+                   "computed with — ξ for xi.tail (default: --model itself; its trunk must be --model's)")
+    p.add_argument("--far-evidence", choices=("auto", "public", "federation"), default="auto",
+                   help="which evidence sets τ for --far: 'auto' (default) the public set when it holds ≥ ⌈1/far⌉−1 "
+                        "photos, else --far-stats; 'public'; 'federation'")
     p.add_argument("--impostors", default=None,
                    help="public impostor set (`fedfs impostors --out FILE`): the operating point's FAR is measured on "
                         "it (and set with --far)")
@@ -91,14 +101,23 @@ def run(args: argparse.Namespace) -> int:
         impostors = load_impostors(args.impostors)
     elif args.far is not None:
         raise InputError("--far needs a public impostor set to set τ on: pass --impostors FILE "
-                         "(make one with `fedfs impostors --images DIR --model MODEL --out FILE`)")
+                         "(make one with `fedfs impostors --images DIR --model MODEL --out FILE`; with --far-stats it "
+                         "is the set the statistics round's tail directions came from)")
+    in_domain = None
+    if args.far_stats is not None:
+        if args.far is None:
+            raise InputError("--far-stats sets τ for a false-accept target: give --far too")
+        from ..stats.evidence import evidence_for_backend
+        xi = backend if args.tail_model is None else load_backend(args.tail_model)
+        in_domain = evidence_for_backend(args.far_stats, backend, xi, impostors)
     from ..nn.builtin_models import builtin_name
 
     recorded = builtin_name(args.model) or str(Path(args.model).resolve())    # a built-in model by name
     e = enroll(backend, [str(f) for f in files], q=args.q, codeword=codeword, detect_face=args.detect_face,
                meta={"model_path": recorded,
                      **({"model_client": args.client} if args.client is not None else {})}, outliers=args.outliers,
-               template_output=args.template_output, far=args.far, impostors=impostors)
+               template_output=args.template_output, far=args.far, impostors=impostors, in_domain=in_domain,
+               far_evidence=args.far_evidence)
     created = key is None
     if created:
         key = read_key(args.key_file, create=True)

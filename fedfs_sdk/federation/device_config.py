@@ -70,6 +70,9 @@ class DeviceConfig:
             the enrollment records the choice and its operating point.
         holdout: share of the owner's photos held out for that check (at least 2).
         far: the enrollment's false-accept target on the impostor set (None: FedUV's q only).
+        far_stats: a statistics round's published sum (``xi.features``, ``xi.tail``): with ``far``,
+            τ is set in the federation's capture conditions where the impostor set is too small for
+            ``far`` (:mod:`fedfs_sdk.stats.evidence`; the torch runtime).
         select: ``auto`` (default) — the do-no-harm check at every enrollment: ``holdout`` of the
             photos are never trained on, and the device verifies with the candidate the check picks
             on the public impostor set (``impostors``, else the one the server ships with its model);
@@ -107,6 +110,7 @@ class DeviceConfig:
     impostors: Path | None = None
     holdout: float = 0.2
     far: float | None = None
+    far_stats: Path | None = None
     select: str = "auto"
     helps: tuple[str, ...] = ()
     stats: bool = True
@@ -121,6 +125,10 @@ class DeviceConfig:
             raise InputError("a false-accept target (far) needs the public impostor set (impostors / --impostors)")
         if self.far is not None and not 0 < self.far < 1:
             raise InputError(f"far must be in (0, 1), got {self.far!r}")
+        if self.far_stats is not None and (self.far is None or not Path(self.far_stats).is_file()):
+            # checked before the device registers or trains: the statistics are read only at enrollment
+            raise InputError(f"far_stats (--far-stats) {self.far_stats}: " + ("not a file" if self.far is not None else
+                             "sets τ for a false-accept target: give far (--far) too"))
         if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 0:
             raise InputError(f"rounds must be an integer ≥ 0 (0: until the server is done), got {self.rounds!r}")
         w = self.wait_timeout_s

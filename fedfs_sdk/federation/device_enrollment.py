@@ -43,7 +43,7 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     else:
         fetch_xi(self, info)                 # ξ is a candidate of the check even where the method trains without it
         impostors = public_impostors(self, info)
-        if impostors is None and self.config.far is not None:
+        if impostors is None and self.config.far is not None and self.config.far_stats is None:
             raise InputError(f"a false-accept target (far={self.config.far:g}) needs a public impostor set: the server "
                              "ships none (fedfs serve --impostors); give the device --impostors FILE")
         fallback = None
@@ -64,9 +64,17 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     backend = self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen)
     mode, template_output = candidate_mode(method, score, model, chosen)
     codeword = self.state.load_codeword() if mode == "codeword" else None
+    in_domain = None
+    if self.config.far is not None and self.config.far_stats is not None:
+        from ..stats.evidence import evidence_for_backend, xi_verifier     # the federation's conditions (issue 29)
+        from .device_runtime import xi_path
+        # ξ loaded directly: runtime.verifier would overwrite the state's verifier.safetensors with it
+        xi = xi_verifier(xi_path(self)) if has_xi(self) else backend
+        in_domain = evidence_for_backend(self.config.far_stats, backend, xi,
+                                         impostors or (load_impostors(self.config.impostors) if self.config.impostors else None))
     enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
                         detect_face=self.config.detect_face, outliers=self.config.outliers,
-                        template_output=template_output, far=self.config.far, impostors=impostors,
+                        template_output=template_output, far=self.config.far, impostors=impostors, in_domain=in_domain,
                         meta={"global_version": version, "method": method, "runtime": self.runtime.name,
                               "score": score, "verify": model, "model_choice": chosen,
                               **({"selection": selection} if selection is not None else {})})

@@ -286,7 +286,7 @@ def _loo_scores(emb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.ndarray | None = None,
            detect_face: bool = False, meta: dict[str, Any] | None = None, outliers: str = "mad",
            outlier_k: float = OUTLIER_K, template_output: str = "embedding", far: float | None = None,
-           impostors: Any = None) -> Enrollment:
+           impostors: Any = None, in_domain: Any = None, far_evidence: str = "auto") -> Enrollment:
     """Enroll the owner from ``n`` warm-up images with target TPR ``q`` (FedUV Alg. 2).
 
     ``images``: paths / bytes / uint8 arrays, or an already preprocessed float32 batch.
@@ -318,6 +318,14 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
     so an exchangeable impostor passes with probability ≤ ``far``), provided the warm-up still
     accepts at least ``q`` of the owner's photos; :class:`~fedfs_sdk.errors.OperatingPointError`
     otherwise, naming both rates.
+
+    ``in_domain`` (an :class:`~fedfs_sdk.stats.evidence.InDomainEvidence`, built from the federation's
+    published statistics for this backend's model) lets ``far`` be met in the federation's own capture
+    conditions: ``τ = m_u + s_u·z*(far)`` — the Gaussian location/scale of the owner's template's
+    impostor scores and the federation's tail quantile (:mod:`fedfs_sdk.stats.tail`), a prediction, not
+    a bound. ``far_evidence`` (:data:`~fedfs_sdk.runtime.operating_point.FAR_EVIDENCE`): ``auto`` uses
+    the public set when it holds ≥ ``⌈1/far⌉ − 1`` photos, else the statistics; the record's
+    ``far_evidence`` says which set ``τ``. With neither evidence a ``far`` is refused, naming both.
     """
     if outliers not in OUTLIER_RULES:
         raise InputError(f"outliers must be one of {', '.join(OUTLIER_RULES)}, got {outliers!r}")
@@ -386,7 +394,9 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
     if far is not None or impostors is not None:
         imp = None if impostors is None else _impostor_scores(backend, impostors, mode, v, template, template_output)
         ids = getattr(impostors, "identity", None)
-        tau, op = operating_point(scores, q, far, imp, tau, identities=ids)
+        fed = None if in_domain is None or far is None else \
+            (_verify_scores(in_domain.draws, mode, v, template, template_output), in_domain)
+        tau, op = operating_point(scores, q, far, imp, tau, identities=ids, in_domain=fed, far_evidence=far_evidence)
         op["n_warmup"] = int(keep.sum())
         if impostors is not None and hasattr(impostors, "digest"):
             op["impostor_set"] = {"sha256": impostors.digest(), "photos": len(impostors),

@@ -79,7 +79,8 @@ def far_threshold(impostor_scores: np.ndarray, far: float, identities: np.ndarra
     if k < 0:
         raise OperatingPointError(f"the public impostor set has {n} photos: a false-accept rate of {far:g} needs at "
                                   f"least {min_impostors(far)} to be bounded (far·(n+1) ≥ 1); build a larger one "
-                                  f"(`fedfs impostors --images DIR`) or ask for a larger far")
+                                  f"(`fedfs impostors --images DIR`), give the federation's published statistics (--stats FILE: τ "
+                                  f"in the federation's conditions), or ask for a larger far")
     tau = float(s[k]) + FAR_TOLERANCE
     raw = np.asarray(impostor_scores, dtype=np.float64).ravel()
     m = kp = bp = None
@@ -91,13 +92,50 @@ def far_threshold(impostor_scores: np.ndarray, far: float, identities: np.ndarra
     return FarThreshold(tau, int((s >= tau).sum()), int(n), (k + 1) / (n + 1), m, kp, bp)
 
 
+FAR_EVIDENCE = ("auto", "public", "federation")
+"""Which evidence sets a FAR-targeted τ: ``public`` — the shipped public impostor set (the
+conformal bound above); ``federation`` — the federation's published statistics
+(:mod:`fedfs_sdk.stats.evidence`: the impostor scores of the owner's template predicted in the
+federation's capture conditions, a prediction, not a bound); ``auto`` — the public set when it is
+large enough for the target, else the federation's statistics."""
+
+
+def _refuse_far(far: float, impostor_scores: np.ndarray | None, why: str = "") -> OperatingPointError:
+    n = 0 if impostor_scores is None else int(np.asarray(impostor_scores).size)
+    have = "no public impostor set" if impostor_scores is None else f"a public impostor set of {n} photos"
+    return OperatingPointError(
+        f"a false-accept target of {far:g} needs a public impostor set of ≥ {min_impostors(far)} photos or the "
+        f"federation's published statistics (in-domain evidence); this enrollment has {have} and "
+        f"{why or 'no statistics'}: pass --impostors FILE with a larger set (`fedfs impostors --images DIR`), "
+        f"--stats FILE (a statistics round's published sum with xi.features and xi.tail), or ask for a larger far")
+
+
+def _federation_tau(in_domain: tuple[np.ndarray, Any], far: float) -> tuple[float, dict[str, Any]]:
+    """``τ = m_u + s_u·z*(far)`` from the draws' scores on the owner's template and the federation's
+    tail (:mod:`fedfs_sdk.stats.tail`), and its record."""
+    from ..stats.tail import calibrated_threshold
+
+    scores, ev = in_domain
+    s = np.asarray(scores, dtype=np.float64).ravel()
+    z = float(ev.z(far))
+    tau = calibrated_threshold(s, z)
+    return tau, {**dict(ev.record), "z": z, "location": float(s.mean()), "scale": float(s.std()),
+                 "gaussian_far_at_tau": float((s >= tau).mean())}
+
+
 def operating_point(warmup_scores: np.ndarray, q: float, far: float | None, impostor_scores: np.ndarray | None,
-                    tau_q: float, identities: np.ndarray | None = None) -> tuple[float, dict[str, Any]]:
+                    tau_q: float, identities: np.ndarray | None = None,
+                    in_domain: tuple[np.ndarray, Any] | None = None, far_evidence: str = "auto") -> tuple[float, dict[str, Any]]:
     """The enrollment's ``τ`` and its record (stored in ``meta["operating_point"]``).
 
     Without ``far`` ``τ`` is the warm-up's ``tau_q``; impostor scores, when given, measure its
-    FAR on the public set. With ``far`` ``τ = τ_far`` if the warm-up TPR there is ≥ ``q`` —
-    else :class:`OperatingPointError` names both rates."""
+    FAR on the public set. With ``far`` ``τ`` is set on the evidence ``far_evidence`` names
+    (:data:`FAR_EVIDENCE`; ``record["far_evidence"]`` says which set it): the public set
+    (``τ_far``), or the federation's statistics — ``in_domain = (draw scores on the owner's
+    template, an InDomainEvidence)``. Either way the warm-up TPR there must be ≥ ``q``, else
+    :class:`OperatingPointError` names both rates; with neither evidence the error names both."""
+    if far_evidence not in FAR_EVIDENCE:
+        raise OperatingPointError(f"far_evidence must be one of {', '.join(FAR_EVIDENCE)}, got {far_evidence!r}")
     w = np.asarray(warmup_scores, dtype=np.float64)
     rec: dict[str, Any] = {"q": float(q), "tau_q": float(tau_q)}
     if impostor_scores is not None:
@@ -107,13 +145,35 @@ def operating_point(warmup_scores: np.ndarray, q: float, far: float | None, impo
         rec.update(tau=float(tau_q), warmup_tpr=float((w >= tau_q).mean()), far_target=None,
                    far_public=rec.get("far_public_at_tau_q"))
         return float(tau_q), rec
+    f = as_written(far, "far")
+    if not 0 < f < 1:
+        raise OperatingPointError(f"far must be in (0, 1), got {far}")
+    public_ok = impostor_scores is not None and np.asarray(impostor_scores).size >= min_impostors(far)
+    use_federation = far_evidence == "federation" or (far_evidence == "auto" and not public_ok and in_domain is not None)
+    if use_federation:
+        if in_domain is None:
+            raise _refuse_far(far, impostor_scores, "far_evidence='federation' but no statistics")
+        tau, fed = _federation_tau(in_domain, float(far))
+        tpr = float((w >= tau).mean())
+        i = None if impostor_scores is None else np.asarray(impostor_scores, dtype=np.float64)
+        rec.update(tau=tau, far_target=float(far), far_evidence="federation-statistics", in_domain=fed,
+                   far_bound=None, far_public=None if i is None or not i.size else float((i >= tau).mean()),
+                   warmup_tpr=tpr, warmup_tpr_at_tau_q=float((w >= tau_q).mean()))
+        if tpr < float(as_written(q, "q")):
+            raise OperatingPointError(
+                f"cannot meet both targets: at FAR {far:g} in the federation's conditions (τ = {tau:.4f}, predicted from "
+                f"{fed['contributors']} devices' statistics) the warm-up accepts {tpr:.1%} of the owner's {w.size} photos, "
+                f"below q = {q:g}. Lower q, raise far, or add clearer photos of the owner")
+        return tau, rec
     if impostor_scores is None:
-        raise OperatingPointError("a false-accept target (far) needs a public impostor set to measure it on "
-                                  "(impostors=…, `fedfs enroll --impostors FILE`)")
+        raise _refuse_far(far, impostor_scores)
     ft = far_threshold(impostor_scores, far, identities)
     tpr = float((w >= ft.tau).mean())
-    rec.update(tau=ft.tau, far_target=float(far), far_bound=ft.bound, far_public=ft.k / ft.n, warmup_tpr=tpr,
-               warmup_tpr_at_tau_q=float((w >= tau_q).mean()), public_people=ft.m, far_bound_people=ft.bound_people)
+    rec.update(tau=ft.tau, far_target=float(far), far_evidence="public-set", far_bound=ft.bound, far_public=ft.k / ft.n,
+               warmup_tpr=tpr, warmup_tpr_at_tau_q=float((w >= tau_q).mean()), public_people=ft.m,
+               far_bound_people=ft.bound_people)
+    if in_domain is not None:          # what the federation's statistics would have set, for the record
+        rec["tau_federation"], _ = _federation_tau(in_domain, float(far))
     if tpr < float(as_written(q, "q")):
         raise OperatingPointError(
             f"cannot meet both targets: at FAR ≤ {far:g} (τ = {ft.tau:.4f}, {ft.k}/{ft.n} public impostors accepted) "
@@ -130,7 +190,14 @@ def describe(meta: dict[str, Any]) -> str:
         return "operating point: TAR ≥ q on the warm-up photos (FedUV warm-up); FAR not measured (enroll with " \
                "--impostors FILE, or --far, to know it)"
     tar = f"TAR {op['warmup_tpr']:.3f} on the {op.get('n_warmup', '?')} warm-up photos (q = {op['q']:g})"
-    if op.get("far_target") is not None:
+    if op.get("far_target") is not None and op.get("far_evidence") == "federation-statistics":
+        d = op.get("in_domain") or {}
+        far = (f"FAR ≈ {op['far_target']:g} predicted for impostors in the federation's capture conditions "
+               f"(statistics of {d.get('contributors', '?')} devices, {d.get('estimator', '?')}; a prediction, "
+               f"not a bound — measured within about ×2 on LFW, docs/personalization.md)")
+        if op.get("far_public") is not None:
+            far += f"; {op['far_public']:.4f} of the {op['n_impostors']} public impostor photos accepted"
+    elif op.get("far_target") is not None:
         far = (f"FAR ≤ {op['far_bound']:.2g} for impostor photos like the public set's, taken independently "
                f"(target {op['far_target']:g}; {op['far_public']:.4f} of its {op['n_impostors']} photos accepted)")
         if op.get("far_bound_people") is not None:
@@ -143,4 +210,5 @@ def describe(meta: dict[str, Any]) -> str:
     return f"operating point: {tar}; {far}; τ = {op['tau']:.4f}"
 
 
-__all__ = ["FarThreshold", "far_threshold", "min_impostors", "operating_point", "describe", "FAR_TOLERANCE"]
+__all__ = ["FarThreshold", "far_threshold", "min_impostors", "operating_point", "describe", "FAR_TOLERANCE",
+           "FAR_EVIDENCE"]

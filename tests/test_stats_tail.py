@@ -1,0 +1,166 @@
+"""The federation's tail (fedfs_sdk.stats.tail / .evidence) and a FAR-targeted τ set from it:
+hand-checked histogram bins and quantiles, the evidence rules of ``operating_point``, and
+``enroll(far=1e-3)`` end to end from a summed statistics file on a tiny torch model."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import norm
+
+from fedfs_sdk.errors import InputError, OperatingPointError
+from fedfs_sdk.stats import (TAIL, TAIL_BINS, calibrated_threshold, feature_moments, public_directions,
+                             sum_contributions, tail_histogram, tail_z)
+from fedfs_sdk.runtime.operating_point import describe, operating_point
+
+
+def test_tail_histogram_bins_by_hand() -> None:
+    dirs = np.array([[1.0, 0.0], [0.0, 1.0]])
+    e = np.array([[1.0, 0.0], [0.6, 0.8], [-1.0, 0.0]])        # scores on dir 0: 1, 0.6, −1; on dir 1: 0, 0.8, 0
+    h = tail_histogram(e, dirs).reshape(2, TAIL_BINS)
+    assert h.sum(1).tolist() == [3, 3]
+    # bin of s: ⌊(s + 1)/2 · 400⌋, the last bin closed at 1
+    assert h[0, 399] == 1 and h[0, 320] == 1 and h[0, 0] == 1
+    assert h[1, 200] == 2 and h[1, 360] == 1
+    many = np.tile(e, (40, 1))                                    # 120 photos: only the first 64 count
+    assert tail_histogram(many, dirs).reshape(2, TAIL_BINS).sum(1).tolist() == [64, 64]
+    with pytest.raises(InputError, match="do not match"):
+        tail_histogram(e, np.ones((2, 3)))
+
+
+def test_tail_z_is_the_pooled_standardized_quantile() -> None:
+    """Two directions whose scores are normal with different location and scale: standardized by
+    them, the pooled quantile is the normal one."""
+    rng = np.random.default_rng(0)
+    dirs_loc, dirs_sd = np.array([0.1, -0.2]), np.array([0.05, 0.1])
+    h = np.zeros((2, TAIL_BINS))
+    for p in range(2):
+        s = rng.normal(dirs_loc[p], dirs_sd[p], 200_000)
+        h[p] = np.bincount(((s + 1) / 2 * TAIL_BINS).astype(int), minlength=TAIL_BINS)
+    for far in (1e-3, 1e-2, 0.1):
+        assert tail_z(h, dirs_loc, dirs_sd, far) == pytest.approx(norm.isf(far), abs=0.03)
+    # a model that puts the location too low by one SD: z* absorbs it
+    assert tail_z(h, dirs_loc - dirs_sd, dirs_sd, 0.01) == pytest.approx(norm.isf(0.01) + 1, abs=0.03)
+    with pytest.raises(InputError, match="too few"):
+        tail_z(h / 1000, dirs_loc, dirs_sd, 1e-3)                 # 200 scores per direction cannot say 1e-3
+    assert calibrated_threshold(np.array([0.0, 0.2]), 2.0) == pytest.approx(0.1 + 0.1 * 2.0)
+
+
+def test_public_directions_are_unit_templates() -> None:
+    e = np.array([[2.0, 0.0], [0.0, 1.0], [0.0, 3.0], [0.0, 0.5], [1.0, 1.0]])
+    d = public_directions(e, np.array([0, 0, 1, 1, 2]))            # person 2 has one photo: left out
+    assert d.shape == (2, 2)                                       # unit mean of unit embeddings
+    assert np.allclose(d[0], [1 / np.sqrt(2), 1 / np.sqrt(2)]) and np.allclose(d[1], [0.0, 1.0])
+
+
+class _Evidence:
+    """A stand-in InDomainEvidence: z* fixed per far (the rules, not the estimator, are tested here)."""
+
+    record = {"estimator": "test", "contributors": 12}
+
+    def z(self, far: float) -> float:
+        return 3.0 if far == 1e-3 else 2.0
+
+
+def test_operating_point_picks_and_records_its_evidence() -> None:
+    warm = np.linspace(0.5, 0.9, 10)
+    draws = np.array([0.0, 0.2] * 50)                             # m = 0.1, s = 0.1
+    small = np.linspace(-0.2, 0.2, 644)                           # a public set too small for 1e-3
+    tau, rec = operating_point(warm, 0.9, 1e-3, small, 0.5, in_domain=(draws, _Evidence()))
+    assert tau == pytest.approx(0.1 + 0.1 * 3.0) and rec["far_evidence"] == "federation-statistics"
+    assert rec["in_domain"]["z"] == 3.0 and rec["far_public"] == 0.0 and rec["far_bound"] is None
+    assert "predicted for impostors in the federation's capture conditions" in describe(
+        {"operating_point": {**rec, "n_warmup": 10}})
+    big = np.linspace(-0.2, 0.2, 1999)                            # large enough: the public set sets τ (auto)
+    tau, rec = operating_point(warm, 0.9, 1e-3, big, 0.5, in_domain=(draws, _Evidence()))
+    assert rec["far_evidence"] == "public-set" and rec["tau_federation"] == pytest.approx(0.4)
+    tau, rec = operating_point(warm, 0.9, 1e-3, big, 0.5, in_domain=(draws, _Evidence()), far_evidence="federation")
+    assert rec["far_evidence"] == "federation-statistics"
+    with pytest.raises(OperatingPointError, match="needs at least 999.*--stats"):
+        operating_point(warm, 0.9, 1e-3, small, 0.5)              # no statistics: the public set's refusal
+    with pytest.raises(OperatingPointError, match="public impostor set of ≥ 999 photos or the federation's"):
+        operating_point(warm, 0.9, 1e-3, None, 0.5)
+    with pytest.raises(OperatingPointError, match="far_evidence='federation' but no statistics"):
+        operating_point(warm, 0.9, 1e-3, big, 0.5, far_evidence="federation")
+    with pytest.raises(OperatingPointError, match="cannot meet both targets.*federation"):
+        operating_point(warm, 0.9, 1e-3, None, 0.5, in_domain=(draws + 0.8, _Evidence()))
+
+
+def test_enroll_far_from_a_published_statistics_file(tmp_path, capsys) -> None:
+    """Devices contribute ξ's feature moments and tail histograms; the summed file sets τ for a
+    FAR 1e-2 that the 60-photo public set cannot (its refusal alone: the operating-point test above);
+    the record says which evidence set it; 1e-3 is refused: 12 devices' photos cannot say it."""
+    from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
+    from fedfs_sdk.runtime.enrollment import enroll, verify
+    from fedfs_sdk.runtime.inference import TorchBackend
+    from fedfs_sdk.stats.evidence import (FEATURES, evidence_for_backend, tail_directions, torch_top, torch_trunk)
+    from tests.test_operating_point import _impostor_set, _person
+
+    torch.manual_seed(0)
+    m = FaceNet(ModelConfig("tiny")).eval()
+    backend = TorchBackend(VerifierNet(m.backbone), "model-far")
+    pub = _impostor_set(backend.input_size, 20, 3)                # 60 photos: too few for 1e-2 on their own
+    trunk, top = torch_trunk(backend), torch_top(backend)
+    from fedfs_sdk.runtime.preprocess import preprocess
+    feats = [trunk(preprocess(_person(300 + d, 12), backend.input_size)) for d in range(12)]
+    total = sum_contributions({FEATURES: feature_moments(f)} for f in feats)
+    dirs = tail_directions(trunk(pub.batch(backend.input_size)), pub.identity, lambda f: top(f)["embedding"],
+                           total.sums[FEATURES])
+    stats = sum_contributions({FEATURES: feature_moments(f), TAIL: tail_histogram(top(f)["embedding"], dirs)}
+                              for f in feats)
+    assert stats.count == 12
+    (tmp_path / "stats.json").write_text(json.dumps({"task": {}, **stats.to_dict()}))
+    ev = evidence_for_backend(tmp_path / "stats.json", backend, backend, pub)
+    assert ev.record["contributors"] == 12 and ev.record["tail_directions"] == 20
+    owner = _person(1, 12)
+    with pytest.raises(InputError, match="too few to estimate FAR 0.001"):
+        enroll(backend, owner, q=0.5, far=1e-3, impostors=pub, in_domain=ev)
+    e = enroll(backend, owner, q=0.5, far=1e-2, impostors=pub, in_domain=ev)
+    op = e.meta["operating_point"]
+    assert op["far_evidence"] == "federation-statistics" and op["in_domain"]["model_id"] == "model-far"
+    s = ev.draws["embedding"] / np.linalg.norm(ev.draws["embedding"], axis=1, keepdims=True) @ e.template
+    assert e.threshold == pytest.approx(s.mean() + s.std() * op["in_domain"]["z"], abs=1e-6)
+    assert verify(backend, e, owner[0]).accepted
+
+    # the CLI: fedfs enroll --far --far-stats (same weights from a file), and its refusals
+    import cv2
+
+    from fedfs_sdk.cli.main import main
+    from fedfs_sdk.nn.checkpoint import save_verifier
+    from fedfs_sdk.runtime.impostors import save_impostors
+
+    save_verifier(tmp_path / "v.safetensors", m.backbone, m.config)
+    save_impostors(tmp_path / "imp.npz", pub)
+    (tmp_path / "owner").mkdir()
+    for j, im in enumerate(owner):
+        cv2.imwrite(str(tmp_path / "owner" / f"{j}.png"), im)
+    base = ["enroll", "--model", str(tmp_path / "v.safetensors"), "--images", str(tmp_path / "owner"), "--key-file",
+            str(tmp_path / "key"), "--q", "0.5", "--far", "1e-2", "--out", str(tmp_path / "a.enr")]
+    assert main(base + ["--far-stats", str(tmp_path / "stats.json")]) == 2              # no public set: no directions
+    assert "--far needs a public impostor set" in capsys.readouterr().err
+    assert main(base + ["--far-stats", str(tmp_path / "stats.json"), "--impostors", str(tmp_path / "imp.npz")]) == 0
+    assert "predicted for impostors in the federation's capture conditions" in capsys.readouterr().out
+
+    # the device agent's ξ (a checkpoint): trunk then top is its backbone, exactly
+    from fedfs_sdk.nn.checkpoint import save_checkpoint
+    from fedfs_sdk.stats.evidence import xi_verifier
+
+    save_checkpoint(tmp_path / "xi.safetensors", m, m.config)
+    x = pub.batch(backend.input_size)[:4]
+    xi = xi_verifier(tmp_path / "xi.safetensors")
+    with torch.no_grad():
+        ref = m.backbone(torch.from_numpy(x)).double().numpy()
+    assert np.allclose(torch_top(xi)(torch_trunk(xi)(x))["embedding"], ref, atol=1e-6)
+
+
+def test_device_config_checks_far_stats_before_it_registers(tmp_path) -> None:
+    from fedfs_sdk.federation.device_config import DeviceConfig
+
+    with pytest.raises(InputError, match="not a file"):
+        DeviceConfig(far=1e-3, far_stats=tmp_path / "missing.json")
+    (tmp_path / "s.json").write_text("{}")
+    with pytest.raises(InputError, match="give far"):
+        DeviceConfig(far_stats=tmp_path / "s.json")
+    assert DeviceConfig(far=1e-3, far_stats=tmp_path / "s.json").far_stats == tmp_path / "s.json"
