@@ -81,21 +81,32 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--only", choices=["before", "after"], default=None)
     p.add_argument("--redo", action="store_true")
+    p.add_argument("--faces-from", default=None,
+                   help="a face cache folder (…/faces) copied into every run's cache first: the runs then "
+                        "detect nothing, and 'after cold' is 'after, faces cached' (ξ's trunk features still cold)")
     p.add_argument("--report-only", action="store_true", help="print the finished runs under --work, run nothing")
     a = p.parse_args()
     work = Path(a.work)
     for data in a.data:
         name = Path(data).name
         rows = []
+        seeded = a.faces_from is not None
+
+        def seed(cache: Path) -> None:
+            if seeded and not a.report_only and not (cache / "faces").exists():
+                shutil.copytree(a.faces_from, cache / "faces")
+
         if a.before and a.only != "after":
+            seed(work / "cache-before")
             rows.append(("before", run(Path(a.before), data, work / name / "before", work / "cache-before",
                                        a.threads, a.redo, a.report_only)))
         if a.only != "before":
             cache = work / f"cache-after-{name}"
             if not a.report_only and (a.redo or not (work / name / "after-cold" / "bench.json").is_file()):
                 shutil.rmtree(cache, ignore_errors=True)
-            rows.append(("after cold", run(REPO, data, work / name / "after-cold", cache, a.threads, a.redo,
-                                           a.report_only)))
+            seed(cache)
+            rows.append(("after, faces cached" if seeded else "after cold",
+                         run(REPO, data, work / name / "after-cold", cache, a.threads, a.redo, a.report_only)))
             rows.append(("after warm", run(REPO, data, work / name / "after-warm", cache, a.threads, a.redo,
                                            a.report_only)))
         rows = [(label, r) for label, r in rows if r is not None]

@@ -7,7 +7,6 @@ import math
 from typing import Iterable, Sequence
 
 import numpy as np
-from sklearn.metrics import roc_auc_score, roc_curve
 
 from fedfs_sdk.errors import InputError
 
@@ -33,6 +32,9 @@ def roc(genuine: Sequence[float] | np.ndarray, impostor: Sequence[float] | np.nd
 
     ``thresholds`` decrease; the first is ``+inf`` (accept nothing).
     """
+    from sklearn.metrics import roc_curve       # here, not at import: scikit-learn's import took 21 s of
+                                                # the CLI's start on the loaded 2-core machine (issue 31)
+
     g, i = _scores(genuine, "genuine"), _scores(impostor, "impostor")
     y = np.concatenate([np.ones(g.size), np.zeros(i.size)])
     fpr, tpr, thr = roc_curve(y, np.concatenate([g, i]), drop_intermediate=False)
@@ -41,6 +43,8 @@ def roc(genuine: Sequence[float] | np.ndarray, impostor: Sequence[float] | np.nd
 
 def auroc(genuine: Sequence[float] | np.ndarray, impostor: Sequence[float] | np.ndarray) -> float:
     """Area under the ROC (probability a genuine score beats an impostor one, ties ½)."""
+    from sklearn.metrics import roc_auc_score
+
     g, i = _scores(genuine, "genuine"), _scores(impostor, "impostor")
     y = np.concatenate([np.ones(g.size), np.zeros(i.size)])
     return float(roc_auc_score(y, np.concatenate([g, i])))

@@ -36,6 +36,10 @@ class FederationStats:
     total: StatSum
     own: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     features: dict[int, np.ndarray] = field(default_factory=dict)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
+    """What the do-no-harm checks derive from this round alone (a client's impostor draws, ξ's
+    check): computed by the first method that needs it, reused by the others of the run
+    (:class:`~.selection.SimSelection`; issue 31)."""
 
     def contribution(self, client: int) -> dict[str, np.ndarray] | None:
         """Client ``client``'s own contribution (None: it was not in the round). The feature
@@ -100,4 +104,23 @@ def client_statistics(net: torch.nn.Module, weights: dict, data: Any, clients: S
     return out
 
 
-__all__ = ["FederationStats", "client_statistics", "EMBEDDING", "FEATURES"]
+_SHARED: list = []      # [(key objects, key values, stats)]: the run's one statistics round
+
+
+def shared_round(objects: tuple, values: tuple, compute) -> FederationStats:
+    """The statistics round of ``compute()``, once per run: every method of a run that asks for
+    the same round (the same ξ object, data source, clients and settings: ``objects`` compared by
+    identity, ``values`` by equality) gets the same :class:`FederationStats` — the round is a
+    function of ξ's frozen weights and the clients' photos only, so each method recomputing it
+    (and the checks derived from it, :attr:`FederationStats.memo`) was redundant work (issue 31).
+    One round is kept: a run's methods ask one after another."""
+    if _SHARED:
+        objs, vals, stats = _SHARED[0]
+        if len(objs) == len(objects) and all(a is b for a, b in zip(objs, objects)) and vals == values:
+            return stats
+    stats = compute()
+    _SHARED[:] = [(objects, values, stats)]
+    return stats
+
+
+__all__ = ["FederationStats", "client_statistics", "shared_round", "EMBEDDING", "FEATURES"]

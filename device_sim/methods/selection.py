@@ -32,8 +32,9 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.runtime.capture_match import match_capture
 from fedfs_sdk.nn.model import DualVerifierNet, VerifierNet
 from fedfs_sdk.training.scope import EmbeddingTop
-from fedfs_sdk.stats import (DRAWS, check_contribution, impostor_features, moments_of, standard_draws,
+from fedfs_sdk.stats import (DRAWS, check_contribution, moments_of, standard_draws,
                              sum_contributions, threshold_at_far, verdict_from_sum)
+from fedfs_sdk.stats.impostor_model import gaussian_factor
 from fedfs_sdk.training.selection import CHECK_IMPOSTORS, DEFAULT_HOLDOUT, check_candidate, choose, holdout_split
 
 from .base import VerifierSpec
@@ -144,6 +145,23 @@ def _top_embed(spec: VerifierSpec, features: torch.Tensor, dev: torch.device, ba
     return torch.cat(outs).numpy()
 
 
+def draws_from_factor(mu: np.ndarray, factor: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """:func:`~fedfs_sdk.stats.impostor_features` from its Gaussian factor ``L`` (``gaussian_factor(C)``)
+    instead of ``C``: the same float32 expression, so the same draws bit for bit (tested) — the
+    factor is what a run keeps per client, the draws are recomputed."""
+    return (z @ factor.astype(np.float32) + np.asarray(mu, dtype=np.float64).astype(np.float32)).astype(np.float32)
+
+
+def _fingerprint(spec: VerifierSpec) -> tuple:
+    """What a split spec's embedding output depends on: its top's layers and the tensors of its
+    weights (by identity and version: ξ's own parameters are the same tensors in every method)."""
+    if spec.top is None:
+        return ("unsplit", id(spec.net))
+    names = sorted(spec.top.state_dict())
+    return (repr(spec.top), tuple((k, spec.weights[k].data_ptr(), spec.weights[k]._version,
+                                   tuple(spec.weights[k].shape)) for k in names if k in spec.weights))
+
+
 def _to_u8(x: torch.Tensor) -> np.ndarray:
     return torch.round(x * 127.5 + 127.5).clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
 
@@ -222,14 +240,30 @@ class SimSelection:
         from .client_stats import FEATURES
 
         assert self.stats is not None
-        mu, cov, _ = moments_of(self.stats.others(client, FEATURES))
-        if getattr(self, "_z", None) is None or self._z.shape[1] != mu.size:
-            self._z = standard_draws(mu.size, DRAWS, seed=int(self.method.context.seed))
-        drawn = torch.from_numpy(impostor_features(mu, cov, z=self._z))
+        # Everything below that depends on the round and the client only — the draws, the other
+        # clients' real features, and ξ's own check — is the same for every method of the run
+        # that shares the round (client_stats.shared_round): kept in the round's memo
+        memo, seed = self.stats.memo, int(self.method.context.seed)
+        if ("factor", client) not in memo:      # the eigendecomposition, once per client and round
+            mu, cov, _ = moments_of(self.stats.others(client, FEATURES))
+            memo[("factor", client)] = (mu, gaussian_factor(cov))
+        mu, factor = memo[("factor", client)]
+        z = memo.get(("z", mu.size, seed))
+        if z is None:
+            z = memo[("z", mu.size, seed)] = standard_draws(mu.size, DRAWS, seed=seed)
+        # the 8192 draws themselves (8 MB a client) are redrawn, not kept: z @ L is milliseconds
+        drawn = torch.from_numpy(draws_from_factor(mu, factor, z))
         real = self._real_impostors(client)
         checks, diag = [], {}
         for name in self.candidates:
             spec = specs[name]
+            key = ("check", client, seed, _fingerprint(spec)) if spec.shared_key == "xi" else None
+            if key is not None and key in memo:
+                ck, d = memo[key]
+                checks.append(ck)
+                if d is not None:
+                    diag[name] = d
+                continue
             tr, ho = (embed(spec, x, dev)["embedding"].numpy() for x in (train_x, hold_x))
             im = _top_embed(spec, drawn, dev)
             ck = check_candidate(name, tr, ho, im, far=1e-3)
@@ -240,6 +274,8 @@ class SimSelection:
                 diag[name] = {f"{far:g}": {"tau": (tau := threshold_at_far(pred, far)),
                                            "measured_far": float((meas > tau).mean())} for far in DIAGNOSTIC_FARS}
                 diag[name]["n_real"] = int(meas.size)
+            if key is not None:
+                memo[key] = (ck, diag.get(name))
         self.diagnostics[client] = diag
         return checks
 
