@@ -23,6 +23,7 @@ Evaluation enrolls with all of a client's training photos, as a device does afte
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -155,8 +156,8 @@ def draws_from_factor(mu: np.ndarray, factor: np.ndarray, z: np.ndarray) -> np.n
 def _fingerprint(spec: VerifierSpec) -> tuple:
     """What a split spec's embedding output depends on: its top's layers and the tensors of its
     weights (by identity and version: ξ's own parameters are the same tensors in every method)."""
-    if spec.top is None:
-        return ("unsplit", id(spec.net))
+    if spec.top is None:        # never equal to another spec's (the check refuses unsplit specs anyway)
+        return ("unsplit", object())
     names = sorted(spec.top.state_dict())
     return (repr(spec.top), tuple((k, spec.weights[k].data_ptr(), spec.weights[k]._version,
                                    tuple(spec.weights[k].shape)) for k in names if k in spec.weights))
@@ -255,15 +256,24 @@ class SimSelection:
         drawn = torch.from_numpy(draws_from_factor(mu, factor, z))
         real = self._real_impostors(client)
         checks, diag = [], {}
+        done: dict[tuple, str] = {}     # this call's candidates by what they compute (FedUV: global = personalized)
         for name in self.candidates:
             spec = specs[name]
-            key = ("check", client, seed, _fingerprint(spec)) if spec.shared_key == "xi" else None
+            fp = _fingerprint(spec)
+            key = ("check", client, seed, fp) if spec.shared_key == "xi" else None
             if key is not None and key in memo:
                 ck, d = memo[key]
                 checks.append(ck)
                 if d is not None:
                     diag[name] = d
                 continue
+            if fp in done:              # the same verifier under another name: the same check
+                same = done[fp]
+                checks.append(replace(next(c for c in checks if c.name == same), name=name))
+                if same in diag:
+                    diag[name] = diag[same]
+                continue
+            done[fp] = name
             tr, ho = (embed(spec, x, dev)["embedding"].numpy() for x in (train_x, hold_x))
             im = _top_embed(spec, drawn, dev)
             ck = check_candidate(name, tr, ho, im, far=1e-3)
