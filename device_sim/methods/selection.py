@@ -107,9 +107,14 @@ class HoldoutView:
         """``(train, holdout)`` image indices of ``client`` (dataset indices of its identity)."""
         if client not in self._parts:
             idx = self.pop.splits.clients[client].train
-            tr, ho = holdout_split(len(idx), self.seed * 1_000_003 + client, self.fraction)
+            tr, ho = self._positions(client)
             self._parts[client] = (idx[tr], idx[ho])
         return self._parts[client]
+
+    def _positions(self, client: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(train, holdout)`` positions within ``client``'s training photos (seeded by ``(seed, c)``)."""
+        return holdout_split(len(self.pop.splits.clients[client].train), self.seed * 1_000_003 + client,
+                             self.fraction)
 
     def _load(self, client: int, idx: np.ndarray, device) -> torch.Tensor:
         u = self.pop.splits.clients[client]
@@ -118,6 +123,17 @@ class HoldoutView:
 
     def train_images(self, client: int, device: str | torch.device | None = None) -> torch.Tensor:
         return self._load(client, self.parts(client)[0], device)
+
+    def train_chunk(self, clients: np.ndarray | list[int], device: str | torch.device | None = None) -> list[torch.Tensor]:
+        """The training photos of a chunk of clients *less their hold-out* (what the round loop and
+        the statistics round read): without it the population's ``train_chunk`` answered, and the
+        clients trained on the very photos their check then called held out."""
+        cl = [int(c) for c in np.asarray(clients, dtype=np.int64).reshape(-1)]
+        store = getattr(self.pop, "store", None)
+        if store is None:
+            return [self.train_images(c, device) for c in cl]
+        u8, counts = store.images(cl, "train", positions=[self._positions(c)[0] for c in cl], device=device)
+        return list(torch.split(u8, counts))
 
     def holdout_images(self, client: int, device: str | torch.device | None = None) -> torch.Tensor:
         return self._load(client, self.parts(client)[1], device)
