@@ -293,9 +293,13 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
         if in_domain:
             candidates = CANDIDATES
             if has_norm:
-                self._norm_adapt = fold_standardization(
-                    backbone_weights(self.context.xi.state_dict()),
-                    *_torch_fold(norm_fold_from_sum(self.stats.total.sums[EMBEDDING], "standardize")))
+                # a function of ξ and the round only: one set of tensors for every method of the run, so
+                # the check of this candidate is shared too (selection's memo keys on the tensors)
+                if "norm-adapt" not in self.stats.memo:
+                    self.stats.memo["norm-adapt"] = fold_standardization(
+                        backbone_weights(self.context.xi.state_dict()),
+                        *_torch_fold(norm_fold_from_sum(self.stats.total.sums[EMBEDDING], "standardize")))
+                self._norm_adapt = self.stats.memo["norm-adapt"]
                 candidates = IN_DOMAIN_CANDIDATES
         if self.selection is not None:
             self.selection.bind(data, self.stats, candidates)

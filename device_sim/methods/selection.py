@@ -276,7 +276,9 @@ class SimSelection:
         for name in self.candidates:
             spec = specs[name]
             fp = _fingerprint(spec)
-            key = ("check", client, seed, fp) if spec.shared_key == "xi" else None
+            # ξ's and norm-adapt's tensors live as long as the run (ξ's own, the round's memo): their
+            # addresses in the key cannot be reused by another method's weights
+            key = ("check", client, seed, fp) if spec.shared_key in ("xi", "norm-adapt") else None
             if key is not None and key in memo:
                 ck, d = memo[key]
                 checks.append(ck)
