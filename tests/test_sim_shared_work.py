@@ -1,4 +1,5 @@
-"""The do-no-harm check's per-round work is shared by the methods of a run (issue 31)."""
+"""Work a simulation shares instead of redoing (issue 31): the do-no-harm check's per-round work across
+methods, the hold-out kept out of training, and what `fedfs simulate` loads and sets before it runs."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,3 +54,18 @@ def test_holdout_view_trains_without_the_holdout_with_and_without_the_image_stor
             x = normalize(x) if x.dtype == torch.uint8 else x
             assert x.shape[0] == view.num_train(c) < pop.train_images(c).shape[0]
             assert torch.allclose(x, view.train_images(c), atol=1e-6)         # the photos less the hold-out
+
+
+def test_simulate_starts_without_scikit_learn_and_with_sleeping_torch_threads():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; import fedfs_sdk.cli.main, device_sim.cli_simulate, os; "
+            "print('sklearn' in sys.modules, os.environ.get('OMP_WAIT_POLICY'))")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "PASSIVE"]      # scikit-learn is imported where a metric needs it
