@@ -260,8 +260,11 @@ def run_simulation(cfg: ExperimentConfig, title: str = "fedfs simulate",
     eval_cfg = EvalConfig(q=q, max_clients=cfg.evaluation.eval_clients, impostor_pool=cfg.evaluation.impostor_pool,
                           seed=t.seed)
     # ξ's trunk features kept between runs ($FEDFS_CACHE_DIR/trunk): a second run on the same photos
-    # runs ξ's trunk on none of them; written after each method, so a stopped run keeps what it did
-    trunk = persistent_trunk_cache(xi, cfg.xi.cache_dir, cfg.runtime.device) if main else None
+    # runs ξ's trunk on none of them; written after each method, so a stopped run keeps what it did.
+    # A folder of photos only: its size bounds the file; SynthFaces populations (10⁴ clients on a GPU,
+    # rendered again in seconds) would make it hundreds of MB, rewritten after every method
+    folder = cfg.data.data != "synth"
+    trunk = persistent_trunk_cache(xi, cfg.xi.cache_dir, cfg.runtime.device) if main and folder else None
     rows = []
     for spec in t.method:
         rows.append(run_method(spec, pop, xi, cfg, out, eval_cfg, keep))
