@@ -19,7 +19,10 @@ def test_draws_from_the_kept_factor_are_the_impostor_draws_bit_for_bit():
 
 
 def test_one_statistics_round_per_run_recomputed_when_its_inputs_change():
-    xi, pop, calls = object(), object(), []
+    class Obj:      # weak-referenceable, as ξ and a population are
+        pass
+
+    xi, pop, calls = Obj(), Obj(), []
 
     def compute():
         calls.append(1)
@@ -27,9 +30,17 @@ def test_one_statistics_round_per_run_recomputed_when_its_inputs_change():
 
     a = shared_round((xi, pop), ("cfg", 0), compute)
     assert shared_round((xi, pop), ("cfg", 0), compute) is a and len(calls) == 1
-    b = shared_round((object(), pop), ("cfg", 0), compute)       # another ξ (the same by value is not enough)
+    other = Obj()
+    b = shared_round((other, pop), ("cfg", 0), compute)          # another ξ (the same by value is not enough)
     c = shared_round((xi, pop), ("cfg", 1), compute)             # another seed
     assert len(calls) == 3 and b is not a and c is not b
+    import gc
+    import weakref
+
+    gone = weakref.ref(pop)
+    del xi, pop, other
+    gc.collect()
+    assert gone() is None           # the kept round does not keep a finished run's population alive
 
 
 def test_holdout_view_trains_without_the_holdout_with_and_without_the_image_store(tmp_path):

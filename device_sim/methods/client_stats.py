@@ -104,7 +104,7 @@ def client_statistics(net: torch.nn.Module, weights: dict, data: Any, clients: S
     return out
 
 
-_SHARED: list = []      # [(key objects, key values, stats)]: the run's one statistics round
+_SHARED: list = []      # [(weak refs to the key objects, key values, stats)]: the run's one statistics round
 
 
 def shared_round(objects: tuple, values: tuple, compute) -> FederationStats:
@@ -113,13 +113,20 @@ def shared_round(objects: tuple, values: tuple, compute) -> FederationStats:
     identity, ``values`` by equality) gets the same :class:`FederationStats` — the round is a
     function of ξ's frozen weights and the clients' photos only, so each method recomputing it
     (and the checks derived from it, :attr:`FederationStats.memo`) was redundant work (issue 31).
-    One round is kept: a run's methods ask one after another."""
+    One round is kept: a run's methods ask one after another. The key's objects are held weakly
+    (a finished run's population and ξ are not kept alive by it: the next seed's would sit next to
+    them, an image store on the GPU included)."""
+    import weakref
+
+    def ref(o):
+        return (lambda: None) if o is None else weakref.ref(o)
+
     if _SHARED:
-        objs, vals, stats = _SHARED[0]
-        if len(objs) == len(objects) and all(a is b for a, b in zip(objs, objects)) and vals == values:
+        refs, vals, stats = _SHARED[0]
+        if len(refs) == len(objects) and all(r() is o for r, o in zip(refs, objects)) and vals == values:
             return stats
     stats = compute()
-    _SHARED[:] = [(objects, values, stats)]
+    _SHARED[:] = [(tuple(ref(o) for o in objects), values, stats)]
     return stats
 
 
