@@ -97,6 +97,8 @@ def main() -> int:
     p.add_argument("--max-images", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--no-xi", action="store_true", help="skip the dlib-resnet AUROC")
+    p.add_argument("--only", action="append", choices=[n for n, _, _ in SEARCHES], default=None,
+                   help="run only these searches (the landmark Δ is then against the first one run)")
     a = p.parse_args()
     torch.set_num_threads(1)
     xi = None if a.no_xi else load_builtin("dlib-resnet")[0].eval()
@@ -108,7 +110,7 @@ def main() -> int:
               "| pair AUROC (acquired) | TAR@FAR=1e-3 over all pairs |")
         print("|---|---|---|---|---|---|---|")
         ref = None
-        for name, st, fb in SEARCHES:
+        for name, st, fb in [x for x in SEARCHES if a.only is None or x[0] in a.only]:
             with tempfile.TemporaryDirectory() as tmp:
                 t0 = time.perf_counter()
                 got = locate_faces(files, "dlib-chip", st, FaceCache(tmp), a.workers, fallback=fb)

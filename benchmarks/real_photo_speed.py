@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run(tree: Path, data: str, out: Path, cache: Path, threads: int | None, redo: bool,
-        report_only: bool = False) -> dict | None:
+        report_only: bool = False, extra: list[str] | None = None) -> dict | None:
     done = out / "bench.json"
     if done.is_file() and not redo:
         return json.loads(done.read_text())
@@ -48,7 +48,8 @@ def run(tree: Path, data: str, out: Path, cache: Path, threads: int | None, redo
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(tree), "FEDFS_CACHE_DIR": str(cache)}
     cmd = [sys.executable, "-c", "import sys; from fedfs_sdk.cli.main import main; sys.exit(main())",
-           "simulate", "--data", data, "--out", str(out / "run")] + (["--threads", str(threads)] if threads else [])
+           "simulate", "--data", data, "--out", str(out / "run")] + (["--threads", str(threads)] if threads else []) \
+        + list(extra or [])
     load = os.getloadavg()[0]
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -64,7 +65,7 @@ def run(tree: Path, data: str, out: Path, cache: Path, threads: int | None, redo
     skipped = (res.get("skipped") or {}).get("files") or []
     no_face = sum("no face" in s["reason"] for s in skipped)
     photos = sum(1 for d in Path(data).iterdir() if d.is_dir() for f in d.iterdir() if f.is_file())
-    rec = {"wall_s": wall, "cpu_s": cpu, "load_at_start": load, "photos": photos, "no_face": no_face,
+    rec = {"command": cmd[3:], "tree": str(tree), "wall_s": wall, "cpu_s": cpu, "load_at_start": load, "photos": photos, "no_face": no_face,
            "fta": no_face / photos if photos else 0.0,
            "auroc": {m["label"]: m["eval"]["verification"]["auroc"]["mean"] for m in res["methods"]},
            "timing": res.get("timing"), "faces": (res.get("faces") or {}).get("line"),
@@ -81,30 +82,46 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--only", choices=["before", "after"], default=None)
     p.add_argument("--redo", action="store_true")
+    p.add_argument("--after", default=str(REPO), help="the tree of the 'after' runs (default: this one)")
+    p.add_argument("--args", default="", help="more simulate flags for every run, e.g. '--clients 30 --rounds 3' "
+                                              "(a reduced run where the whole folder takes too long)")
+    p.add_argument("--faces-from", default=None,
+                   help="a face cache folder (…/faces) copied into every run's cache first: the runs then "
+                        "detect nothing, and 'after cold' is 'after, faces cached' (ξ's trunk features still cold)")
     p.add_argument("--report-only", action="store_true", help="print the finished runs under --work, run nothing")
     a = p.parse_args()
-    work = Path(a.work)
+    work, after, extra = Path(a.work), Path(a.after), a.args.split()
     for data in a.data:
         name = Path(data).name
         rows = []
+        seeded = a.faces_from is not None
+
+        def seed(cache: Path) -> None:
+            if seeded and not a.report_only and not (cache / "faces").exists():
+                shutil.copytree(a.faces_from, cache / "faces")
+
         if a.before and a.only != "after":
+            seed(work / "cache-before")
             rows.append(("before", run(Path(a.before), data, work / name / "before", work / "cache-before",
-                                       a.threads, a.redo, a.report_only)))
+                                       a.threads, a.redo, a.report_only, extra)))
         if a.only != "before":
             cache = work / f"cache-after-{name}"
             if not a.report_only and (a.redo or not (work / name / "after-cold" / "bench.json").is_file()):
                 shutil.rmtree(cache, ignore_errors=True)
-            rows.append(("after cold", run(REPO, data, work / name / "after-cold", cache, a.threads, a.redo,
-                                           a.report_only)))
-            rows.append(("after warm", run(REPO, data, work / name / "after-warm", cache, a.threads, a.redo,
-                                           a.report_only)))
+            seed(cache)
+            rows.append(("after, faces cached" if seeded else "after cold",
+                         run(after, data, work / name / "after-cold", cache, a.threads, a.redo, a.report_only,
+                             extra)))
+            rows.append(("after warm", run(after, data, work / name / "after-warm", cache, a.threads, a.redo,
+                                           a.report_only, extra)))
         rows = [(label, r) for label, r in rows if r is not None]
         if not rows:
             print(f"\n## {data}: no finished run under {work}")
             continue
         methods = list(rows[0][1]["auroc"])
         base = dict(rows).get("before")
-        print(f"\n## fedfs simulate --data {data} (no flag); {os.cpu_count()} cores, shared: timings are noisy")
+        flags = " ".join(extra) if extra else "(no flag)"
+        print(f"\n## fedfs simulate --data {data} {flags}; {os.cpu_count()} cores, shared: timings are noisy")
         print("| run | wall s | CPU s | load avg at start | no face / photos (FTA) | " + " | ".join(f"AUROC {m}" for m in methods) + " |")
         print("|---|---|---|---|---|" + "---|" * len(methods))
         for label, r in rows:

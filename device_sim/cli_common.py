@@ -122,14 +122,29 @@ def add_device_argument(p: argparse.ArgumentParser) -> None:
 
 
 def setup_device(runtime: RuntimeConfig) -> None:
-    """Check ``--device`` and apply ``--threads``."""
+    """Check ``--device``, apply ``--threads`` and keep NumPy's BLAS on one thread."""
     if runtime.device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device cuda was requested but no CUDA device is available")
     if runtime.threads:
         torch.set_num_threads(runtime.threads)
+    single_thread_blas()
 
 
-__all__ = ["add_data_arguments", "add_pretrain_arguments", "add_device_argument", "setup_device", "skipped_lines",
+def single_thread_blas() -> None:
+    """NumPy's BLAS (OpenBLAS) on one thread for the rest of the process. The simulator's NumPy
+    linear algebra is small (256-d covariances, their ``eigh``, [8192, 256] draws: the do-no-harm
+    check) and OpenBLAS's threads busy-wait: on the 2-core machine, loaded, a 256×256 ``eigh``
+    took 0.19–0.77 s on two threads and 0.03 s on one (issue 31). Torch's threads (OpenMP,
+    ``--threads``) are not OpenBLAS's and are left alone."""
+    try:
+        from threadpoolctl import threadpool_limits     # scikit-learn's dependency (the sim extra)
+    except ImportError:         # pragma: no cover — without it NumPy keeps its own default
+        return
+    threadpool_limits(limits=1, user_api="blas")
+
+
+__all__ = ["add_data_arguments", "add_pretrain_arguments", "add_device_argument", "setup_device", "single_thread_blas",
+           "skipped_lines",
            "experiment_from_args", "progress_bar", "DEFAULT_IMAGE_SIZE", "DEFAULT_BACKBONE",
            # the builders' old home (scripts import them from here)
            "build_data", "build_pretrain_data", "public_impostor_images", "SYNTH_UNIVERSE", "pretrain_config",

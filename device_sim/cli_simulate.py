@@ -41,6 +41,7 @@ from .image_store import plan_data_cache
 from .methods.selection import HoldoutView
 from .population import Population
 from .prefetch import PREFETCH_MODES
+from .trunk_cache import persistent_trunk_cache
 from .acquisition import acquisition, acquisition_line, run_timing, timing_line
 from .report import (combine_seeds, headroom_line, markdown_table, notes_lines, seeds_markdown_table, slug,
                      write_results)
@@ -258,7 +259,17 @@ def run_simulation(cfg: ExperimentConfig, title: str = "fedfs simulate",
         xi, xi_info = distributed.broadcast((xi, xi_info), dctx)
     eval_cfg = EvalConfig(q=q, max_clients=cfg.evaluation.eval_clients, impostor_pool=cfg.evaluation.impostor_pool,
                           seed=t.seed)
-    rows = [run_method(spec, pop, xi, cfg, out, eval_cfg, keep) for spec in t.method]
+    # ξ's trunk features kept between runs ($FEDFS_CACHE_DIR/trunk): a second run on the same photos
+    # runs ξ's trunk on none of them; written after each method, so a stopped run keeps what it did.
+    # A folder of photos only: its size bounds the file; SynthFaces populations (10⁴ clients on a GPU,
+    # rendered again in seconds) would make it hundreds of MB, rewritten after every method
+    folder = cfg.data.data != "synth"
+    trunk = persistent_trunk_cache(xi, cfg.xi.cache_dir, cfg.runtime.device) if main and folder else None
+    rows = []
+    for spec in t.method:
+        rows.append(run_method(spec, pop, xi, cfg, out, eval_cfg, keep))
+        if trunk is not None:
+            trunk.flush()
     if not main:
         return None
     results = {"title": title, "settings": cfg.to_settings(), "xi": xi_info, "eval_config": vars(eval_cfg),
@@ -268,6 +279,9 @@ def run_simulation(cfg: ExperimentConfig, title: str = "fedfs simulate",
                "data_cache": {**cache.to_dict(), **pop.store.stats()},
                "clients": _client_names(ds, splits),
                "wall_seconds": time.perf_counter() - t0, "methods": rows}
+    if trunk is not None:
+        results["trunk_cache"] = {"file": str(trunk.file), "read": trunk.loaded, "computed": trunk.misses,
+                                  "hits": trunk.hits}
     if faces is not None:
         results["faces"] = faces
         for r in rows:
@@ -359,6 +373,10 @@ def run_here(cfg: ExperimentConfig) -> int:
     if acq:
         print(acq)
     print(timing_line(results["timing"]))
+    if results.get("trunk_cache"):
+        tc = results["trunk_cache"]
+        print(f"ξ trunk features: {tc['read']} read from the trunk cache, {tc['computed']} computed "
+              f"({tc['file']})")
     print(f"wrote {', '.join(results['files'].values())} ({results['wall_seconds']:.0f} s)")
     return 0
 

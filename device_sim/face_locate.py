@@ -40,6 +40,10 @@ share of its photo's frame (LFW 250×250: ≈ 0.18; Yale 320×243: ≈ 0.15; a f
 MIN_PRIOR_FACES = 5
 """Detected photos needed before the folder's median box is trusted as a prior."""
 METHODS = ("dlib-hog", "dlib-hog-eq", "dlib-cnn", "crop-fallback")
+FALLBACK_VERSION = "fb2"
+"""In the crop fallback's cache key only: bumped when :func:`~fedfs_sdk.runtime.align.fallback_locate`
+changes (fb2: a global histogram equalization after CLAHE), so its few entries are redone and
+the detectors' entries stay."""
 
 
 @dataclass
@@ -205,7 +209,7 @@ def locate_faces(paths: Sequence[str | Path], kind: str = "dlib-chip", settings:
     s.crop_folder, s.prior = prior is not None, prior
     missing = [i for i, pl in enumerate(payloads) if pl is not None and pl["face"] is None]
     if prior is not None and fallback and missing:
-        fwhat = f"{what}|fallback {prior}"
+        fwhat = f"{what}|fallback {prior}|{FALLBACK_VERSION}"
         todo2 = []
         for i in missing:
             hit = cache.get(entry_key(digests[i], fwhat)) if cache is not None else None

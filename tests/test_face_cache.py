@@ -129,6 +129,31 @@ def test_the_crop_fallback_keeps_a_dark_tight_crop_and_refuses_a_blank(tmp_path)
     eyes_y, nose_y = found.points[:4, 1].mean(), found.points[4, 1]
     assert 0 < eyes_y < h * 0.6 and eyes_y < nose_y < h
     assert fallback_locate(np.full_like(crop, 90), prior) is None
+    rng = np.random.default_rng(0)          # nearly black blanks are refused too (the histogram pass)
+    assert fallback_locate(np.zeros_like(crop), prior) is None
+    assert fallback_locate(rng.integers(0, 12, crop.shape).astype(np.uint8), prior) is None
+
+
+LFW = SHARED / "data" / "lfw"
+
+
+@pytest.mark.skipif(not (LFW.is_dir() and chip_available()), reason="needs ../shared/data/lfw and fedfs[faces]")
+def test_the_crop_fallback_keeps_a_nearly_black_crop_clahe_cannot_lift():
+    from benchmarks.make_hard_faces import hard
+
+    # one of benchmarks/make_hard_faces.py's photos (grey levels 0–16): CLAHE's clip limit leaves
+    # HOG nothing; the global histogram pass finds the face inside the folder's prior box
+    src = LFW / "Arnold_Schwarzenegger" / "Arnold_Schwarzenegger_0003.jpg"
+    rgb = load_image(src)
+    l, t, r, b = align.locate(rgb, "dlib-chip", align.DetectSettings(equalize=False, cnn=False)).box
+    m = int(0.1 * (r - l))
+    l, t, r, b = max(0, l - m), max(0, t - m), min(rgb.shape[1], r + m), min(rgb.shape[0], b + m)
+    img = hard(cv2.resize(rgb[t:b, l:r], (92, 112), interpolation=cv2.INTER_AREA), f"lfw/{src.parent.name}/{src.name}")
+    assert img.max() <= 20
+    found = fallback_locate(img, (0.11, 0.15, 0.96, 0.86))       # the generated folder's median box
+    assert found is not None and found.method == "crop-fallback"
+    eyes_y, nose_y = found.points[:4, 1].mean(), found.points[4, 1]
+    assert 0 < eyes_y < nose_y < 112
 
 
 @needs_faces

@@ -212,3 +212,20 @@ def test_paired_delta_hand_numbers() -> None:
     assert none["n"] == 0 and math.isnan(none["mean"]) and math.isnan(none["se"])
     with pytest.raises(InputError, match="length"):
         M.paired_delta([1.0, 2.0], [1.0])
+
+
+def test_roc_and_auroc_are_scikit_learns_bit_for_bit() -> None:
+    # device_sim computes the curve itself (scikit-learn's per-call validation was the cost): the
+    # same sort, cumulative sums and dropped collinear points, so the very same floats
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(7)
+    for n_g, n_i, levels in ((3, 50, 0), (40, 400, 12), (1, 2, 3), (200, 2000, 0)):
+        g, i = rng.normal(1.0, 1.0, n_g), rng.normal(0.0, 1.0, n_i)
+        if levels:                                   # ties within and across the classes
+            g, i = np.round(g * levels) / levels, np.round(i * levels) / levels
+        y, s = np.r_[np.ones(n_g), np.zeros(n_i)], np.r_[g, i]
+        fpr, tpr, thr = M.roc(g, i)
+        ref = roc_curve(y, s, drop_intermediate=False)
+        assert all(np.array_equal(a, b) for a, b in zip((fpr, tpr, thr), ref))
+        assert M.auroc(g, i) == float(roc_auc_score(y, s))

@@ -25,3 +25,33 @@ def test_stem_features_fill_the_run_trunk_cache_that_evaluation_reads():
     assert cache.misses == 5 and cache.hits == 5          # evaluation runs the trunk on none of them
     assert torch.allclose(again, ref, atol=1e-5)
     assert torch.allclose(torch.cat([t.stem_features for t in tasks]), ref, atol=1e-5)
+
+
+def test_trunk_features_kept_between_runs_bit_for_bit_and_a_torn_file_is_rebuilt(tmp_path):
+    from device_sim.trunk_cache import TrunkCache
+
+    torch.manual_seed(1)
+    xi = FaceNet(ModelConfig("tiny")).eval()
+    x = torch.rand(6, 3, 32, 32) * 2 - 1
+    first = TrunkCache(xi.backbone)
+    path = first.persist(tmp_path)
+    assert first.loaded == 0 and not path.exists()
+    ref = first(x)
+    assert first.misses == 6 and first.flush() == 6 and path.is_file()
+
+    second = TrunkCache(xi.backbone)                 # the next run: a new cache of the same ξ
+    assert second.persist(tmp_path) == path and second.loaded == 6
+    calls = []
+    second.trunk.register_forward_hook(lambda *a: calls.append(1))
+    assert torch.equal(second(x), ref) and not calls and second.hits == 6      # the trunk ran on none
+    assert second.flush() == 0                                                   # nothing new to write
+
+    other = FaceNet(ModelConfig("tiny")).eval()      # other weights: another file, nothing read
+    assert TrunkCache(other.backbone).persist(tmp_path) != path
+
+    path.write_bytes(path.read_bytes()[:-40])        # a torn write
+    third = TrunkCache(xi.backbone)
+    third.persist(tmp_path)
+    assert third.loaded == 0
+    assert torch.equal(third(x), ref) and third.misses == 6 and third.flush() == 6
+    assert TrunkCache(xi.backbone).persist(tmp_path) == path and third.file == path

@@ -35,6 +35,10 @@ class FederationStats:
     total: StatSum
     own: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     features: dict[int, np.ndarray] = field(default_factory=dict)
+    memo: dict = field(default_factory=dict, repr=False, compare=False)
+    """What the do-no-harm checks derive from this round alone (a client's impostor draws, ξ's
+    check): computed by the first method that needs it, reused by the others of the run
+    (:class:`~.selection.SimSelection`; issue 31)."""
 
     def contribution(self, client: int) -> dict[str, np.ndarray] | None:
         """Client ``client``'s own contribution (None: it was not in the round). The feature
@@ -99,4 +103,30 @@ def client_statistics(net: torch.nn.Module, weights: dict, data: Any, clients: S
     return out
 
 
-__all__ = ["FederationStats", "client_statistics", "EMBEDDING", "FEATURES"]
+_SHARED: list = []      # [(weak refs to the key objects, key values, stats)]: the run's one statistics round
+
+
+def shared_round(objects: tuple, values: tuple, compute) -> FederationStats:
+    """The statistics round of ``compute()``, once per run: every method of a run that asks for
+    the same round (the same ξ object, data source, clients and settings: ``objects`` compared by
+    identity, ``values`` by equality) gets the same :class:`FederationStats` — the round is a
+    function of ξ's frozen weights and the clients' photos only, so each method recomputing it
+    (and the checks derived from it, :attr:`FederationStats.memo`) was redundant work (issue 31).
+    One round is kept: a run's methods ask one after another. The key's objects are held weakly
+    (a finished run's population and ξ are not kept alive by it: the next seed's would sit next to
+    them, an image store on the GPU included)."""
+    import weakref
+
+    def ref(o):
+        return (lambda: None) if o is None else weakref.ref(o)
+
+    if _SHARED:
+        refs, vals, stats = _SHARED[0]
+        if len(refs) == len(objects) and all(r() is o for r, o in zip(refs, objects)) and vals == values:
+            return stats
+    stats = compute()
+    _SHARED[:] = [(tuple(ref(o) for o in objects), values, stats)]
+    return stats
+
+
+__all__ = ["FederationStats", "client_statistics", "shared_round", "EMBEDDING", "FEATURES"]

@@ -31,7 +31,7 @@ from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, 
                    backbone_weights, frozen, verifier_net)
 from fedfs_sdk.stats import norm_fold_from_sum
 
-from .client_stats import EMBEDDING, FederationStats, client_statistics
+from .client_stats import EMBEDDING, FederationStats, client_statistics, shared_round
 from .reference import fold_standardization, stats_clients
 from .presets import PRESETS, base_vector  # noqa: F401 (re-exported: the presets, the simulated b_u)
 from .selection import CANDIDATES, IN_DOMAIN_CANDIDATES, HoldoutView, SimSelection, split_spec, top_verifier
@@ -293,9 +293,13 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
         if in_domain:
             candidates = CANDIDATES
             if has_norm:
-                self._norm_adapt = fold_standardization(
-                    backbone_weights(self.context.xi.state_dict()),
-                    *_torch_fold(norm_fold_from_sum(self.stats.total.sums[EMBEDDING], "standardize")))
+                # a function of ξ and the round only: one set of tensors for every method of the run, so
+                # the check of this candidate is shared too (selection's memo keys on the tensors)
+                if "norm-adapt" not in self.stats.memo:
+                    self.stats.memo["norm-adapt"] = fold_standardization(
+                        backbone_weights(self.context.xi.state_dict()),
+                        *_torch_fold(norm_fold_from_sum(self.stats.total.sums[EMBEDDING], "standardize")))
+                self._norm_adapt = self.stats.memo["norm-adapt"]
                 candidates = IN_DOMAIN_CANDIDATES
         if self.selection is not None:
             self.selection.bind(data, self.stats, candidates)
@@ -303,13 +307,23 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
     def _statistics_round(self, data: Any, features: bool) -> FederationStats:
         """Every sampled client's contribution (ξ's embedding moments, and with ``features`` its
         trunk-feature moments) and their sum (:func:`.client_stats.client_statistics`)."""
-        net = frozen(verifier_net(self.context.model_config.resolved(), with_head=False))
-        weights = backbone_weights(self.context.xi.state_dict())
-        clients = stats_clients(int(data.num_clients), self.context.seed)
-        if not features:
-            return client_statistics(net, weights, data, clients, self.context.device)
-        return client_statistics(net, weights, data, clients, self.context.device,
-                                 trunk=self._trunk, top=top_verifier(net))
+        ctx = self.context
+        clients = stats_clients(int(data.num_clients), ctx.seed)
+
+        def compute() -> FederationStats:
+            net = frozen(verifier_net(ctx.model_config.resolved(), with_head=False))
+            weights = backbone_weights(ctx.xi.state_dict())
+            if not features:
+                return client_statistics(net, weights, data, clients, ctx.device)
+            return client_statistics(net, weights, data, clients, ctx.device,
+                                     trunk=self._trunk, top=top_verifier(net))
+
+        # the same round for every method of the run (ξ's weights and the clients' photos only):
+        # keyed by the ξ object and the photos' source (a HoldoutView's population, fraction, seed)
+        source = getattr(data, "pop", data)
+        values = (repr(ctx.model_config.resolved()), str(ctx.device), int(ctx.seed), bool(features),
+                  clients.tobytes(), getattr(data, "fraction", None), getattr(data, "seed", None), type(data).__name__)
+        return shared_round((ctx.xi, source, self._trunk if features else None), values, compute)
 
     def init_global(self) -> Weights:
         ctx = self.context

@@ -23,6 +23,7 @@ Evaluation enrolls with all of a client's training photos, as a device does afte
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping
 
 import numpy as np
@@ -31,7 +32,8 @@ import torch
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.runtime.capture_match import match_capture
 from fedfs_sdk.stats import DRAWS, standard_draws, sum_contributions, threshold_at_far
-from fedfs_sdk.stats.in_domain import check_contributions, decide, in_domain_draws, top_verifier
+from fedfs_sdk.stats.impostor_model import draws_from_factor
+from fedfs_sdk.stats.in_domain import check_contributions, decide, in_domain_factor, top_verifier
 from fedfs_sdk.training.selection import CHECK_IMPOSTORS, DEFAULT_HOLDOUT, check_candidate, holdout_split
 
 from .base import VerifierSpec
@@ -148,6 +150,16 @@ def _top_embed(spec: VerifierSpec, features: torch.Tensor, dev: torch.device, ba
     return torch.cat(outs).numpy()
 
 
+def _fingerprint(spec: VerifierSpec) -> tuple:
+    """What a split spec's embedding output depends on: its top's layers and the tensors of its
+    weights (by identity and version: ξ's own parameters are the same tensors in every method)."""
+    if spec.top is None:        # never equal to another spec's (the check refuses unsplit specs anyway)
+        return ("unsplit", object())
+    names = sorted(spec.top.state_dict())
+    return (repr(spec.top), tuple((k, spec.weights[k].data_ptr(), spec.weights[k]._version,
+                                   tuple(spec.weights[k].shape)) for k in names if k in spec.weights))
+
+
 def _to_u8(x: torch.Tensor) -> np.ndarray:
     return torch.round(x * 127.5 + 127.5).clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
 
@@ -226,19 +238,43 @@ class SimSelection:
         from .client_stats import FEATURES
 
         assert self.stats is not None
-        total = self.stats.total.sums[FEATURES]
-        own = self.stats.contribution(client)
-        from fedfs_sdk.stats import feature_dim
-
-        dim = feature_dim(total.size)
-        if getattr(self, "_z", None) is None or self._z.shape[1] != dim:
-            self._z = standard_draws(dim, DRAWS, seed=int(self.method.context.seed))
-        # the device's function (fedfs_sdk.stats.in_domain): the published sum minus its own contribution
-        drawn = torch.from_numpy(in_domain_draws(total, None if own is None else own[FEATURES], z=self._z))
+        # Everything below that depends on the round and the client only — the draws, the other
+        # clients' real features, and ξ's own check — is the same for every method of the run
+        # that shares the round (client_stats.shared_round): kept in the round's memo
+        memo, seed = self.stats.memo, int(self.method.context.seed)
+        if ("factor", client) not in memo:      # the eigendecomposition, once per client and round
+            own = self.stats.contribution(client)
+            # the device's function (fedfs_sdk.stats.in_domain): the published sum minus its own contribution
+            memo[("factor", client)] = in_domain_factor(self.stats.total.sums[FEATURES],
+                                                        None if own is None else own[FEATURES])
+        mu, factor = memo[("factor", client)]
+        z = memo.get(("z", mu.size, seed))
+        if z is None:
+            z = memo[("z", mu.size, seed)] = standard_draws(mu.size, DRAWS, seed=seed)
+        # the 8192 draws themselves (8 MB a client) are redrawn, not kept: z @ L is milliseconds
+        drawn = torch.from_numpy(draws_from_factor(mu, factor, z))
         real = self._real_impostors(client)
         checks, diag = [], {}
+        done: dict[tuple, str] = {}     # this call's candidates by what they compute (FedUV: global = personalized)
         for name in self.candidates:
             spec = specs[name]
+            fp = _fingerprint(spec)
+            # ξ's and norm-adapt's tensors live as long as the run (ξ's own, the round's memo): their
+            # addresses in the key cannot be reused by another method's weights
+            key = ("check", client, seed, fp) if spec.shared_key in ("xi", "norm-adapt") else None
+            if key is not None and key in memo:
+                ck, d = memo[key]
+                checks.append(ck)
+                if d is not None:
+                    diag[name] = d
+                continue
+            if fp in done:              # the same verifier under another name: the same check
+                same = done[fp]
+                checks.append(replace(next(c for c in checks if c.name == same), name=name))
+                if same in diag:
+                    diag[name] = diag[same]
+                continue
+            done[fp] = name
             tr, ho = (embed(spec, x, dev)["embedding"].numpy() for x in (train_x, hold_x))
             im = _top_embed(spec, drawn, dev)
             ck = check_candidate(name, tr, ho, im, far=1e-3)
@@ -249,6 +285,8 @@ class SimSelection:
                 diag[name] = {f"{far:g}": {"tau": (tau := threshold_at_far(pred, far)),
                                            "measured_far": float((meas > tau).mean())} for far in DIAGNOSTIC_FARS}
                 diag[name]["n_real"] = int(meas.size)
+            if key is not None:
+                memo[key] = (ck, diag.get(name))
         self.diagnostics[client] = diag
         return checks
 

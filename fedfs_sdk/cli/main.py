@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+
+# Torch's CPU threads (libgomp) busy-wait between parallel regions by default: on a loaded 2-core
+# machine two threads then burned 3.5–4× the CPU time of one and ran 2–3× slower; with waiting
+# threads that sleep they cost what one thread costs and run as fast as the free cores allow
+# (issue 31, dlib-resnet forward, 32 chips). Read by libgomp when torch loads, so it is set before
+# any command imports torch; a value in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ..errors import FedFSError
 from ..extras import MissingExtraError, missing_extra

@@ -314,7 +314,13 @@ def fallback_locate(rgb: np.ndarray, prior: tuple[float, float, float, float], k
     ``min_score``, must score a window that overlaps the prior box by IoU ≥ ``min_iou``; the
     best such window is the box the shape predictor fits the points inside. A frame with no
     face-like window anywhere near where the folder's faces are is refused (a blank, a hand,
-    the back of a head), so the fallback does not turn a photo without a face into a chip."""
+    the back of a head), so the fallback does not turn a photo without a face into a chip.
+
+    Equalized is first CLAHE (:func:`equalized`), then — only where CLAHE gave no such window —
+    the grey photo's global histogram equalization: CLAHE's clip limit caps how far it lifts a
+    nearly black frame (grey levels 0–16 of 255: the darkest generated hard photos), a global
+    equalization spreads those few levels over the whole range. The same quality test applies
+    to both, and photos CLAHE served get the same chip as before (issue 31)."""
     import dlib
 
     img = np.ascontiguousarray(rgb)
@@ -322,19 +328,22 @@ def fallback_locate(rgb: np.ndarray, prior: tuple[float, float, float, float], k
     pl, pt, pr, pb = prior
     pbox = (pl * w, pt * h, pr * w, pb * h)
     pad = max(h, w) // 4
-    eq = equalized(img)
-    padded = cv2.copyMakeBorder(eq, pad, pad, pad, pad, cv2.BORDER_REPLICATE)
-    rects, scores, _ = _dlib()[0].run(padded, 1 if max(padded.shape[:2]) < 400 else 0, min_score)
-    best = None
-    for r, sc in zip(rects, scores):
-        b = (r.left() - pad, r.top() - pad, r.right() - pad, r.bottom() - pad)
-        if _iou(b, pbox) >= min_iou and (best is None or sc > best[1]):
-            best = (b, sc)
-    if best is None:
-        return None
-    b = best[0]
-    box = dlib.rectangle(int(b[0]), int(b[1]), int(b[2]), int(b[3]))
-    return FaceFind(kind, "crop-fallback", (box.left(), box.top(), box.right(), box.bottom()), _shape(eq, box, kind))
+    for eq in (equalized(img), None):
+        if eq is None:
+            eq = cv2.equalizeHist(cv2.cvtColor(img, cv2.COLOR_RGB2GRAY))
+        padded = cv2.copyMakeBorder(eq, pad, pad, pad, pad, cv2.BORDER_REPLICATE)
+        rects, scores, _ = _dlib()[0].run(padded, 1 if max(padded.shape[:2]) < 400 else 0, min_score)
+        best = None
+        for r, sc in zip(rects, scores):
+            b = (r.left() - pad, r.top() - pad, r.right() - pad, r.bottom() - pad)
+            if _iou(b, pbox) >= min_iou and (best is None or sc > best[1]):
+                best = (b, sc)
+        if best is not None:
+            b = best[0]
+            box = dlib.rectangle(int(b[0]), int(b[1]), int(b[2]), int(b[3]))
+            return FaceFind(kind, "crop-fallback", (box.left(), box.top(), box.right(), box.bottom()),
+                            _shape(eq, box, kind))
+    return None
 
 
 def _iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:

@@ -60,7 +60,14 @@ def impostor_features(mu: np.ndarray, cov: np.ndarray, draws: int = DRAWS, seed:
     if cov.shape != (mu.size, mu.size):
         raise InputError(f"covariance {list(cov.shape)} does not match a mean of {mu.size}")
     z = standard_draws(mu.size, draws, seed) if z is None else z
-    return (z @ gaussian_factor(cov).astype(np.float32) + mu.astype(np.float32)).astype(np.float32)
+    return draws_from_factor(mu, gaussian_factor(cov), z)
+
+
+def draws_from_factor(mu: np.ndarray, factor: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """:func:`impostor_features` from the Gaussian's factor ``L`` (:func:`gaussian_factor` of ``C``)
+    instead of ``C``: the factor is what a simulator keeps per client (one ``eigh``), the draws are
+    recomputed (``z @ L`` is milliseconds, the draws 8 MB a client)."""
+    return (z @ factor.astype(np.float32) + np.asarray(mu, dtype=np.float64).astype(np.float32)).astype(np.float32)
 
 
 def threshold_at_far(impostor_scores: np.ndarray, far: float) -> float:
@@ -84,4 +91,4 @@ def predicted_far(impostor_scores: np.ndarray, tau: float) -> float:
 
 
 __all__ = ["others_moments", "gaussian_factor", "standard_draws", "impostor_features", "threshold_at_far",
-           "predicted_far", "DRAWS", "SHRINK"]
+           "predicted_far", "DRAWS", "SHRINK", "draws_from_factor"]

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..errors import InputError
 from .contributions import check_contribution, norm_fold_from_sum, verdict_from_sum
-from .impostor_model import DRAWS, impostor_features, others_moments, standard_draws
+from .impostor_model import DRAWS, draws_from_factor, gaussian_factor, others_moments, standard_draws
 
 EMBEDDING = "xi.embedding"
 """ξ's embedding moments (:func:`~.contributions.embedding_moments`)."""
@@ -44,9 +44,16 @@ def in_domain_draws(total_features: np.ndarray, own_features: np.ndarray | None,
                     draws: int = DRAWS, z: np.ndarray | None = None) -> np.ndarray:
     """``[draws, F]`` float32 trunk features of impostors in the federation's conditions: the
     Gaussian of the published feature-moment sum minus this device's own contribution."""
-    mu, cov, _ = others_moments(total_features, own_features)
+    mu, factor = in_domain_factor(total_features, own_features)
     z = standard_draws(mu.size, draws, seed) if z is None else z
-    return impostor_features(mu, cov, z=z)
+    return draws_from_factor(mu, factor, z)
+
+
+def in_domain_factor(total_features: np.ndarray, own_features: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """``(μ, L)`` of the others' trunk features (``L Lᵀ`` = their covariance, shrunk): what
+    :func:`in_domain_draws` draws from — a simulator keeps it per client and redraws."""
+    mu, cov, _ = others_moments(total_features, own_features)
+    return mu, gaussian_factor(cov)
 
 
 def decide(checks: Sequence, check_sum: np.ndarray | None = None, candidates: Sequence[str] | None = None):
@@ -116,6 +123,6 @@ def top_verifier(net):
     raise InputError(f"scope='top' cannot split a {type(net).__name__} verifier")
 
 
-__all__ = ["EMBEDDING", "FEATURES", "CHECKS", "IN_DOMAIN_CANDIDATES", "candidate_names", "in_domain_draws", "decide",
+__all__ = ["EMBEDDING", "FEATURES", "CHECKS", "IN_DOMAIN_CANDIDATES", "candidate_names", "in_domain_draws", "in_domain_factor", "decide",
            "check_contributions", "embedding_norm_prefix", "fold_standardization", "torch_fold", "norm_adapt_weights",
            "top_verifier"]
