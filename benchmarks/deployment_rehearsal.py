@@ -1,0 +1,337 @@
+"""Deployment rehearsal: the clients of a ``fedfs simulate`` split as real devices of a real server,
+scored next to the simulator on the same clients (issue 29, item 5).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/deployment_rehearsal.py --out runs/rehearsal \\
+        --data synth --clients 12 --new-users 0 --rounds 2 --seed 0 --split-seed 0
+    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/deployment_rehearsal.py --out runs/reh-night \\
+        --sim-results /tmp/stats/runs/px-real-night/seed_0/results.json \\
+        --data /tmp/stats/lfw-112 --pretrained /tmp/stats-xi.safetensors --image-size 112 \\
+        --backbone mobilefacenet-affine --scenario real-night --method pretrained fedfs+feduv \\
+        --rounds 20 --seed 0 --split-seed 0 --threads 1
+
+Every argument the rehearsal does not know is a ``fedfs simulate`` argument: the split (data,
+scenario, sizes, ``--split-seed``), ξ, the methods, T, p, ``--seed``. What it does:
+
+1. **The simulator's split and data** (:func:`device_sim.experiment_data.build_data`, the same
+   resolved config): client ``c`` of the deployment is client ``c`` of the simulation. Its
+   training photos (as the simulator's devices see them: capture shift applied) are written as
+   PNG files into the device's own folder — a device holds only its owner's training photos.
+2. **An operator, a server, devices** (:mod:`benchmarks.rehearsal_fleet`): a CA in its own folder
+   (never the server's state), the server's TLS certificate, a signed revocation list; a real
+   ``fedfs serve`` process with HTTPS and ``fedfs-secagg/2`` serving ξ and the public impostor
+   set the simulator's devices ship with (its public identities as ξ saw them), running the
+   deployed method (default: the first trained method of ``--method``, i.e. the simulator's
+   default ``fedfs+feduv``) for T rounds at participation p, seed and local batch size as
+   simulated. Each client is a :class:`~fedfs_sdk.federation.agent.DeviceAgent` (its own state
+   folder, identity key, certificate and key file) run as ``fedfs device --enroll`` runs it, one
+   thread each (secure rounds need their sampled devices at once); every device enrolls.
+3. **Evaluation with the simulator's own code**: each device's enrollment — the verifier it chose
+   and the template it enrolled — is read from its state folder (**a test-bench privilege**: a
+   real device shows neither to anyone) and scored by :func:`device_sim.evaluate.evaluate` with
+   the simulator's evaluation settings: the same clients, test photos and impostor pool. ξ as the
+   server served it is scored too: it must reproduce the simulator's ``pretrained`` row per client
+   (the check that both sides score the same clients on the same photos).
+4. **The simulator** on the same arguments (in this process, ``OUT/simulate``), or its
+   ``results.json`` (``--sim-results``, refused unless it was run on the same split and clients).
+5. **Prints** per row the means and the paired per-client Δ vs ξ (mean ± SE) of template AUROC,
+   pairwise AUROC and TAR@FAR 1e-3 (template and pairwise), what each device chose, then the
+   paired per-client difference deployment − simulator for every simulator row; time (wall, CPU
+   of this process and of the server) and bytes per device. ``OUT/rehearsal.json`` holds it all,
+   with the per-client values.
+
+What the design guarantees, and what it does not: ξ served by the server equals the simulator's ξ
+and is scored on the same photos, so the "deployed ξ" row equals the ``pretrained`` row client by
+client (floating-point noise only). Trained models are not expected to agree client by client:
+the server samples devices with its own generator, a device holds out photos by a hash of their
+file names (the simulator by a seeded draw), trains with its own seeds, and — until the
+statistics round reaches devices — runs ``norm_init=none`` and checks candidates against the
+public impostor set (``check=public``), where the simulator's default uses the federation's
+statistics (``norm_init=standardize``, ``check=in-domain``). The comparison rows measure that gap.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from rehearsal_eval import (choice_counts, compare, device_spec, evaluate_specs, markdown, per_client,  # noqa: E402
+                            xi_spec, METRICS)
+from rehearsal_fleet import (Device, Operator, Server, ServerPlan, process_cpu_seconds, register,  # noqa: E402
+                             run_fleet, server_flags, start_rounds, write_photos)
+
+DEPLOYABLE = ("fedfs", "feduv", "fedfs+feduv")
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="every other argument is passed to `fedfs simulate`")
+    p.add_argument("--out", type=Path, default=Path("runs/rehearsal"), help="output folder (fleet, server, results)")
+    p.add_argument("--sim-results", type=Path, help="the simulator's results.json on the same arguments "
+                   "(default: run the simulator here, into OUT/simulate)")
+    p.add_argument("--deploy", default=None, choices=DEPLOYABLE,
+                   help="the method the server runs (default: the first trained method of --method)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="one more `fedfs serve` argument (repeat; e.g. --server-arg=--secagg-neighbours "
+                        "--server-arg=8)")
+    p.add_argument("--no-impostors", action="store_true",
+                   help="the server ships no public impostor set (devices then keep ξ, and say so)")
+    p.add_argument("--eval-device-template", action=argparse.BooleanOptionalAction, default=True,
+                   help="score each device's enrolled template (default); off: the simulator enrolls the "
+                        "device's verifier on all of the client's training photos itself")
+    p.add_argument("--outliers", choices=("none", "mad"), default="none",
+                   help="the devices' enrollment outlier rule: 'none' (default: the simulator's evaluation "
+                        "enrolls every training photo) or 'mad' (fedfs device's default; a device whose "
+                        "inliers fall below q's warm-up minimum then fails to enroll)")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_known_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def log(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"[rehearsal {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def to_u8(x) -> np.ndarray:
+    """Simulator images (float ``[N, 3, S, S]`` in [−1, 1]) as uint8 RGB ``[N, S, S, 3]``."""
+    return np.clip(np.rint(x.numpy() * 127.5 + 127.5), 0, 255).astype(np.uint8).transpose(0, 2, 3, 1).copy()
+
+
+def write_impostors(cfg, ds, splits, out: Path) -> Path:
+    """The simulator's public impostor set (:func:`~device_sim.experiment_data.public_impostor_images`)
+    as the ``fedfs impostors`` file the server ships (identities from the same public group)."""
+    from device_sim.experiment_data import build_pretrain_data, public_impostor_images
+    from fedfs_sdk.runtime.impostors import ImpostorSet, save_impostors
+
+    images = to_u8(public_impostor_images(cfg, ds, splits))
+    _, src_splits = build_pretrain_data(cfg, ds, splits)
+    ids = src_splits.pairs("public", "train")[0]
+    if ids.size > images.shape[0]:       # the same seeded sample public_impostor_images draws
+        keep = np.sort(np.random.default_rng([cfg.data.split_seed, 0x1A90]).choice(ids.size, images.shape[0],
+                                                                                    replace=False))
+        ids = ids[keep]
+    names = sorted({int(i) for i in ids})
+    pos = {n: k for k, n in enumerate(names)}
+    imp = ImpostorSet(images, np.array([pos[int(i)] for i in ids], dtype=np.int32), [f"public-{n}" for n in names],
+                      {"source": "fedfs simulate public identities", "input_size": int(images.shape[1]),
+                       "detect_face": str(cfg.data.detect_face)})
+    return save_impostors(out, imp)
+
+
+def train_settings(cfg, spec: str) -> dict[str, Any]:
+    """The round task's ``train`` object: the simulator's local SGD settings for ``spec``."""
+    from device_sim.methods import parse_method
+
+    t = cfg.train
+    opts = parse_method(spec).options()
+    out: dict[str, Any] = {"batch_size": t.batch_size, "seed": t.seed}
+    lr = t.lr if t.lr is not None else opts.get("lr")
+    if lr is not None:
+        out["lr"] = lr
+    if t.head_lr is not None:
+        out["head_lr"] = t.head_lr
+    epochs = t.local_epochs if t.local_epochs is not None else opts.get("epochs")
+    if epochs is not None:
+        out["local_epochs"] = epochs
+    if t.momentum:
+        out["momentum"] = t.momentum
+    if t.weight_decay:
+        out["weight_decay"] = t.weight_decay
+    if opts.get("scope") is not None:
+        out["scope"] = opts["scope"]
+    return out
+
+
+def sim_rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["label"]: r for r in results["methods"] if r.get("eval") is not None}
+
+
+def check_same_split(results: dict[str, Any], pop, ds, splits, eval_clients: list[int]) -> None:
+    """Refuse a results.json of another split: population sizes, client names, evaluated clients."""
+    from device_sim.cli_simulate import _client_names
+
+    want = {"clients": pop.num_clients, "public": len(splits.public), "image_size": pop.image_size}
+    got = {k: results["population"].get(k) for k in want}
+    if got != want:
+        raise SystemExit(f"--sim-results is of another split: {got} vs this run's {want}")
+    names = _client_names(ds, splits)
+    if results.get("clients") and names and list(results["clients"]) != list(names):
+        raise SystemExit("--sim-results names other clients (another --split-seed or folder?)")
+    for label, r in sim_rows(results).items():
+        if list(r["eval"]["clients"]) != list(eval_clients):
+            raise SystemExit(f"--sim-results row {label!r} evaluated other clients")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, sim_argv = parse(argv)
+    from device_sim.cli_simulate import experiment_from_argv, run_simulation
+    from device_sim.experiment_data import build_data
+    from device_sim.evaluate import EvalConfig
+    from device_sim.folder_split import auto_warmup_q
+    from device_sim.methods import parse_method
+    from device_sim.population import Population
+    from device_sim.xi_source import resolve_xi
+    import torch
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = experiment_from_argv(sim_argv + ["--out", str(out / "simulate")] + (["--quiet"] if args.quiet else []),
+                               command="simulate")
+    torch.set_num_threads(cfg.runtime.threads or 1)
+    t_start, cpu_start = time.perf_counter(), process_cpu_seconds()
+    timing: dict[str, float] = {}
+
+    # 1. the simulator's split, data and ξ
+    ds, splits = build_data(cfg)
+    pop = Population(ds, splits)
+    xi, xi_info = resolve_xi(cfg, ds, splits, quiet=True)
+    q = cfg.evaluation.q or (auto_warmup_q(splits)[0] if cfg.data.data != "synth" else 0.9)
+    eval_cfg = EvalConfig(q=q, max_clients=cfg.evaluation.eval_clients, impostor_pool=cfg.evaluation.impostor_pool,
+                          seed=cfg.train.seed)
+    trained = [s for s in cfg.train.method if parse_method(s).trains]
+    deploy_spec = next((s for s in trained if parse_method(s).name == args.deploy), None) if args.deploy else \
+        (trained[0] if trained else None)
+    method = args.deploy or (parse_method(deploy_spec).name if deploy_spec else None)
+    if method not in DEPLOYABLE:
+        raise SystemExit(f"nothing to deploy: --method {list(cfg.train.method)} has none of {DEPLOYABLE}")
+    xi_name = xi_info["builtin"] if "builtin" in xi_info else str(xi_info["path"])
+    impostors = None if args.no_impostors else write_impostors(cfg, ds, splits, out / "impostors.npz")
+    plan = ServerPlan(xi=xi_name, impostors=impostors, method=method, rounds=cfg.train.rounds,
+                      participation=cfg.train.participation, seed=cfg.train.seed,
+                      train=train_settings(cfg, deploy_spec or method), extra=tuple(args.server_arg))
+    timing["data_s"] = time.perf_counter() - t_start
+    log(f"{pop.num_clients} clients, q={q:g}, ξ {xi_name}; deploying {method} for {plan.rounds} rounds "
+        f"at p={plan.participation:g}, train {plan.train}", args.quiet)
+
+    # 2. operator, server, devices
+    operator = Operator(out / "operator")
+    state = out / "server"
+    state.mkdir(parents=True, exist_ok=True)
+    operator.revocation_list(state / "secagg_revocations.json")
+    port = free_port()
+    url = f"https://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("FEDFS_ADMIN_TOKEN", None)          # the server writes its own into its state
+    server = Server(server_flags(plan, operator, state, port), state, env, out / "server.log")
+    devices: list[Device] = []
+    try:
+        server.wait_healthy(url, operator.tls_cert)
+        t0 = time.perf_counter()
+        for c in range(pop.num_clients):
+            d = out / "fleet" / f"client_{c:05d}"
+            dev = Device(c, d, write_photos(d / "photos", to_u8(pop.train_images(c))), d / "identity.cert.json")
+            register(dev, url, operator)
+            devices.append(dev)
+        timing["register_s"] = time.perf_counter() - t0
+        start_rounds(url, state, operator.tls_cert, plan.rounds)
+        log(f"{len(devices)} devices registered and certified; rounds open", args.quiet)
+        done = {"n": 0}
+
+        def on_event(dev: Device, name: str, fields: dict[str, Any]) -> None:
+            if name == "enrolled":
+                done["n"] += 1
+                log(f"client {dev.client} enrolled ({fields.get('model_choice')}); {done['n']}/{len(devices)}",
+                    args.quiet)
+
+        t0, fleet_cpu0, server_cpu0 = time.perf_counter(), process_cpu_seconds(), server.cpu_seconds()
+        run_fleet(devices, url, operator, q, args.outliers, on_event)
+        timing["fleet_wall_s"] = time.perf_counter() - t0
+        timing["fleet_cpu_s"] = process_cpu_seconds() - fleet_cpu0
+        timing["server_cpu_s"] = server.cpu_seconds() - server_cpu0
+    finally:
+        server.stop()
+    failed = [(d.client, d.error) for d in devices if d.error]
+    if failed:
+        raise SystemExit(f"{len(failed)} device(s) failed, e.g. client {failed[0][0]}: {failed[0][1]} "
+                         f"(server log {out / 'server.log'})")
+
+    # 3. the deployed enrollments, scored by the simulator's evaluation
+    t0 = time.perf_counter()
+    specs, metas = {}, {}
+    for d in devices:
+        specs[d.client], metas[d.client] = device_spec(d.state_dir, (d.dir / "device.key").read_bytes(),
+                                                       args.eval_device_template)
+    deployed = evaluate_specs(specs, pop, eval_cfg, cfg.runtime.device)
+    served_xi = devices[0].state_dir / "xi.safetensors"
+    xi_eval = evaluate_specs({d.client: xi_spec(served_xi) for d in devices}, pop, eval_cfg, cfg.runtime.device)
+    timing["eval_s"] = time.perf_counter() - t0
+
+    # 4. the simulator on the same arguments
+    t0 = time.perf_counter()
+    if args.sim_results is not None:
+        results = json.loads(args.sim_results.read_text())
+        check_same_split(results, pop, ds, splits, deployed["clients"])
+    else:
+        log("running the simulator on the same arguments", args.quiet)
+        results = run_simulation(cfg)
+    timing["simulate_s"] = time.perf_counter() - t0
+    sims = sim_rows(results)
+    ref = next((r for r in sims.values() if r["method"] == "pretrained"), None)
+    if ref is None:
+        raise SystemExit("the simulator's rows have no 'pretrained' (ξ) row: add pretrained to --method")
+
+    # 5. the tables
+    clients = deployed["clients"]
+    dep_choices = [metas[c].get("model_choice") for c in clients]
+    rows = [{"name": f"simulator: {label}", "values": per_client(r["eval"]),
+             "vs_xi": None if r is ref else compare(r["eval"], ref["eval"]),
+             "choices": choice_counts(r["selection"]["per_client"]) if r.get("selection") else None,
+             "per_client_choice": (r.get("selection") or {}).get("per_client")} for label, r in sims.items()]
+    rows += [{"name": "deployment: ξ as served", "values": per_client(xi_eval), "vs_xi": compare(xi_eval, ref["eval"]),
+              "choices": None},
+             {"name": f"deployment: {method}", "values": per_client(deployed), "vs_xi": compare(deployed, ref["eval"]),
+              "choices": choice_counts(dep_choices), "per_client_choice": dep_choices}]
+    comparisons = [{"a": "deployed ξ", "b": ref["label"], "delta": compare(xi_eval, ref["eval"])}]
+    comparisons += [{"a": f"deployed {method}", "b": label, "delta": compare(deployed, r["eval"])}
+                    for label, r in sims.items() if r is not ref]
+    per_dev = {"sent_bytes": [d.sent for d in devices], "received_bytes": [d.received for d in devices],
+               "cpu_s": [d.cpu_seconds for d in devices], "wall_s": [d.seconds for d in devices],
+               "rounds": [len(d.report.rounds) for d in devices],
+               "lost_rounds": [len(d.report.lost_rounds) for d in devices]}
+    timing["total_wall_s"] = time.perf_counter() - t_start
+    timing["total_cpu_s"] = process_cpu_seconds() - cpu_start + timing.get("server_cpu_s", 0.0)
+    sim_time = {label: {"train_s": r.get("seconds"), "eval_s": r.get("eval_seconds")} for label, r in sims.items()}
+    table = markdown(rows, comparisons)
+    cost = (f"deployment: {len(devices)} devices, {plan.rounds} rounds; fleet wall {timing['fleet_wall_s']:.0f} s, "
+            f"CPU {timing['fleet_cpu_s']:.0f} s (devices, this process) + {timing['server_cpu_s']:.0f} s (server); "
+            f"per device sent {np.mean(per_dev['sent_bytes']) / 1e6:.2f} MB, received "
+            f"{np.mean(per_dev['received_bytes']) / 1e6:.2f} MB (mean), {np.mean(per_dev['rounds']):.1f} rounds; "
+            f"registration {timing['register_s']:.0f} s, evaluation {timing['eval_s']:.0f} s; simulator "
+            + ", ".join(f"{k}: train {v['train_s'] or 0:.0f} s" for k, v in sim_time.items()))
+    report = {"settings": {"simulate_argv": sim_argv, "server": plan.__dict__ | {"impostors": str(plan.impostors)},
+                           "server_flags": server_flags(plan, operator, state, port), "q": q,
+                           "eval_device_template": args.eval_device_template, "outliers": args.outliers,
+                           "sim_results": str(args.sim_results) if args.sim_results else None},
+              "clients": clients, "test_photos": [int(splits.clients[c].test.size) for c in clients],
+              "train_photos": [int(splits.clients[c].train.size) for c in clients],
+              "rows": rows, "comparisons": comparisons, "timing": timing, "per_device": per_dev,
+              "simulator_timing": sim_time, "table": table, "cost": cost,
+              "device_selection": [metas[c].get("selection") for c in clients]}
+    (out / "rehearsal.json").write_text(json.dumps(report, indent=1, default=float))
+    (out / "rehearsal.md").write_text(table + "\n\n" + cost + "\n")
+    if not args.quiet:
+        print(table)
+        print()
+        print(cost)
+    return report
+
+
+if __name__ == "__main__":
+    main()
