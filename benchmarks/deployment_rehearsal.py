@@ -264,13 +264,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 3. the deployed enrollments, scored by the simulator's evaluation
     t0 = time.perf_counter()
-    specs, metas = {}, {}
+    xi_backbone = getattr(xi, "backbone", xi)
+    specs, metas, on_xi_trunk = {}, {}, {}
     for d in devices:
-        specs[d.client], metas[d.client] = device_spec(d.state_dir, (d.dir / "device.key").read_bytes(),
-                                                       args.eval_device_template)
+        specs[d.client], metas[d.client], on_xi_trunk[d.client] = device_spec(
+            d.state_dir, (d.dir / "device.key").read_bytes(), xi_backbone, args.eval_device_template)
     deployed = evaluate_specs(specs, pop, eval_cfg, cfg.runtime.device)
     served_xi = devices[0].state_dir / "xi.safetensors"
-    xi_eval = evaluate_specs({d.client: xi_spec(served_xi) for d in devices}, pop, eval_cfg, cfg.runtime.device)
+    served = xi_spec(served_xi, xi_backbone)
+    xi_eval = evaluate_specs({d.client: served for d in devices}, pop, eval_cfg, cfg.runtime.device)
     timing["eval_s"] = time.perf_counter() - t0
 
     # 4. the simulator on the same arguments
@@ -323,7 +325,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "train_photos": [int(splits.clients[c].train.size) for c in clients],
               "rows": rows, "comparisons": comparisons, "timing": timing, "per_device": per_dev,
               "simulator_timing": sim_time, "table": table, "cost": cost,
-              "device_selection": [metas[c].get("selection") for c in clients]}
+              "device_selection": [metas[c].get("selection") for c in clients],
+              # scope=top: max |Δ| of each deployed verifier's trunk from ξ's (≤ TRUNK_ATOL: scored on ξ's trunk)
+              "verifier_trunk_deviation": [on_xi_trunk[c] for c in clients]}
     (out / "rehearsal.json").write_text(json.dumps(report, indent=1, default=float))
     (out / "rehearsal.md").write_text(table + "\n\n" + cost + "\n")
     if not args.quiet:

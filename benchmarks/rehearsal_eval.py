@@ -39,34 +39,79 @@ class TemplateOutput(nn.Module):
         return (first, out[self._pos["uv"]]) if len(self.output_names) == 2 else (first,)
 
 
-def device_spec(state_dir: Path, key: bytes, use_template: bool = True):
-    """``(VerifierSpec, enrollment meta)`` of one deployed device: its verifier and — with
-    ``use_template`` — its enrolled template as the fixed reference (else the simulator enrolls
-    the verifier on the client's training photos itself)."""
+TRUNK_ATOL = 1e-6
+"""Largest trunk deviation from ξ a verifier may have and still be scored on ξ's cached trunk
+features. ``scope=top`` freezes the trunk, but secure aggregation averages it in fixed point
+(2^-24 steps): the global model's trunk comes back within ~4e-9 of ξ's, not bit-equal (measured
+on the tiny backbone after 2 rounds); a verifier further off is scored whole."""
+
+
+def trunk_deviation(net: nn.Module, xi_backbone: nn.Module) -> float:
+    """Max |Δ| between every trunk tensor of the verifier ``net`` (all but ``scope="top"``'s
+    layers, in each of its backbones) and ξ's (inf where a tensor has no counterpart)."""
+    from fedfs_sdk.training.scope import is_top_key
+
+    xi_sd = xi_backbone.state_dict()
+    worst = 0.0
+    for k, v in net.state_dict().items():
+        if is_top_key(k) or not k.startswith(("backbone.", "global_backbone.")):
+            continue
+        ref = xi_sd.get(k.split(".", 1)[1])
+        if ref is None or ref.shape != v.shape:
+            return math.inf
+        if v.numel():
+            worst = max(worst, float((ref.double() - v.double()).abs().max()))
+    return worst
+
+
+def make_spec(net: nn.Module, output: str, xi_backbone: nn.Module | None, **kw):
+    """``(spec, trunk deviation)``: a :class:`~device_sim.methods.base.VerifierSpec` of ``net``
+    reading ``output`` as its template output. When its trunk is ξ's (within :data:`TRUNK_ATOL`,
+    tensor by tensor) it runs as its top on ξ's cached trunk features (:mod:`device_sim.trunk_cache`),
+    as the simulator evaluates ``scope=top`` models: each image's trunk is computed once for all
+    devices."""
     from device_sim.methods.base import VerifierSpec
+    from device_sim.methods.selection import top_verifier
+    from device_sim.trunk_cache import trunk_cache
+    from fedfs_sdk.errors import InputError
+
+    wrapped = TemplateOutput(net.eval(), output).eval()
+    weights = {k: v.detach() for k, v in wrapped.state_dict().items()}
+    trunk = top = None
+    dev = trunk_deviation(net, xi_backbone) if xi_backbone is not None else math.inf
+    if dev <= TRUNK_ATOL:
+        try:
+            top = TemplateOutput(top_verifier(net), output).eval()
+            trunk = trunk_cache(xi_backbone)
+        except InputError:          # a backbone without an embedding layer: run it whole
+            top = None
+    return VerifierSpec(wrapped, weights, trunk=trunk, top=top, **kw), dev
+
+
+def device_spec(state_dir: Path, key: bytes, xi_backbone: nn.Module | None = None, use_template: bool = True):
+    """``(VerifierSpec, enrollment meta, trunk deviation from ξ)`` of one deployed device: its verifier and —
+    with ``use_template`` — its enrolled template as the fixed reference (else the simulator
+    enrolls the verifier on the client's training photos itself)."""
     from fedfs_sdk.nn.checkpoint import load_verifier
     from fedfs_sdk.runtime.enrollment_store import load_enrollment
 
     enr = load_enrollment(state_dir / "enrollment.fedfs", key)
     net, model_id = load_verifier(state_dir / "verifier.safetensors")
-    wrapped = TemplateOutput(net.eval(), enr.template_output).eval()
-    weights = {k: v.detach() for k, v in wrapped.state_dict().items()}
     codeword = None if enr.mode != "codeword" else np.asarray(enr.codeword, dtype=np.float64)
     reference = (torch.as_tensor(enr.template, dtype=torch.float64)
                  if use_template and enr.mode == "template" else None)
     # the features depend on the weights alone (model id): devices with the same model embed the pool once
-    shared = f"{model_id}:{enr.template_output}"
-    return VerifierSpec(wrapped, weights, codeword=codeword, shared_key=shared, reference=reference), enr.meta
+    spec, dev = make_spec(net, enr.template_output, xi_backbone, codeword=codeword,
+                            shared_key=f"{model_id}:{enr.template_output}", reference=reference)
+    return spec, enr.meta, dev
 
 
-def xi_spec(path: Path):
+def xi_spec(path: Path, xi_backbone: nn.Module | None = None):
     """ξ as the server served it (a device's downloaded ``xi.safetensors``), a shared verifier."""
-    from device_sim.methods.base import VerifierSpec
     from fedfs_sdk.nn.checkpoint import load_verifier
 
     net, model_id = load_verifier(path)
-    wrapped = TemplateOutput(net.eval(), "embedding").eval()
-    return VerifierSpec(wrapped, {k: v.detach() for k, v in wrapped.state_dict().items()}, shared_key=f"xi:{model_id}")
+    return make_spec(net, "embedding", xi_backbone, shared_key=f"xi:{model_id}")[0]
 
 
 class _NoNewUsers:
@@ -171,5 +216,5 @@ def markdown(rows: Sequence[Mapping[str, Any]], comparisons: Sequence[Mapping[st
     return "\n".join(lines)
 
 
-__all__ = ["TemplateOutput", "device_spec", "xi_spec", "DeployedVerifiers", "evaluate_specs", "per_client",
+__all__ = ["TemplateOutput", "trunk_deviation", "TRUNK_ATOL", "make_spec", "device_spec", "xi_spec", "DeployedVerifiers", "evaluate_specs", "per_client",
            "compare", "choice_counts", "markdown", "METRICS"]
