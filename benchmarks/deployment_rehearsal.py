@@ -67,8 +67,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from rehearsal_eval import (choice_counts, compare, device_spec, evaluate_specs, markdown, per_client,  # noqa: E402
                             xi_spec, METRICS)
-from rehearsal_fleet import (Device, Operator, Server, ServerPlan, process_cpu_seconds, register,  # noqa: E402
-                             run_fleet, server_flags, start_rounds, write_photos)
+from rehearsal_fleet import (PHASES, Device, Operator, Server, ServerPlan, phase_times,  # noqa: E402
+                             process_cpu_seconds, register, run_fleet, server_flags, start_rounds, write_photos)
 
 DEPLOYABLE = ("fedfs", "feduv", "fedfs+feduv")
 
@@ -93,6 +93,11 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
                    help="the devices' enrollment outlier rule: 'none' (default: the simulator's evaluation "
                         "enrolls every training photo) or 'mad' (fedfs device's default; a device whose "
                         "inliers fall below q's warm-up minimum then fails to enroll)")
+    p.add_argument("--deploy-only", action="store_true",
+                   help="skip the simulator (e.g. to time a deployment of fewer rounds); Δ vs ξ as served")
+    p.add_argument("--rescore", action="store_true",
+                   help="do not deploy: score the fleet an earlier run left in OUT (OUT/deployment.json) again, "
+                        "e.g. against another --sim-results")
     p.add_argument("--quiet", action="store_true")
     return p.parse_known_args(argv)
 
@@ -162,9 +167,17 @@ def sim_rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["label"]: r for r in results["methods"] if r.get("eval") is not None}
 
 
-def check_same_split(results: dict[str, Any], pop, ds, splits, eval_clients: list[int]) -> None:
-    """Refuse a results.json of another split: population sizes, client names, evaluated clients."""
+def check_same_split(results: dict[str, Any], cfg, pop, ds, splits, eval_clients: list[int]) -> None:
+    """Refuse a results.json of another run: federation settings, population sizes, client names,
+    evaluated clients."""
     from device_sim.cli_simulate import _client_names
+
+    mine = cfg.to_settings()
+    keys = ("rounds", "participation", "seed", "split_seed", "scenario", "capture_shift", "batch_size", "lr",
+            "local_epochs")
+    differ = {k: (results["settings"].get(k), mine.get(k)) for k in keys if results["settings"].get(k) != mine.get(k)}
+    if differ:
+        raise SystemExit(f"--sim-results was run with other settings (theirs, this run's): {differ}")
 
     want = {"clients": pop.num_clients, "public": len(splits.public), "image_size": pop.image_size}
     got = {k: results["population"].get(k) for k in want}
@@ -178,48 +191,11 @@ def check_same_split(results: dict[str, Any], pop, ds, splits, eval_clients: lis
             raise SystemExit(f"--sim-results row {label!r} evaluated other clients")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args, sim_argv = parse(argv)
-    from device_sim.cli_simulate import experiment_from_argv, run_simulation
-    from device_sim.experiment_data import build_data
-    from device_sim.evaluate import EvalConfig
-    from device_sim.folder_split import auto_warmup_q
-    from device_sim.methods import parse_method
-    from device_sim.population import Population
-    from device_sim.xi_source import resolve_xi
-    import torch
-
-    out = args.out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = experiment_from_argv(sim_argv + ["--out", str(out / "simulate")] + (["--quiet"] if args.quiet else []),
-                               command="simulate")
-    torch.set_num_threads(cfg.runtime.threads or 1)
-    t_start, cpu_start = time.perf_counter(), process_cpu_seconds()
+def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float) -> dict[str, Any]:
+    """The operator, ``fedfs serve`` and one DeviceAgent per client, until every device enrolled.
+    Returns (and writes to ``OUT/deployment.json``) the plan, the server's flags, the timing and
+    each device's rounds, bytes, CPU and phases."""
     timing: dict[str, float] = {}
-
-    # 1. the simulator's split, data and ξ
-    ds, splits = build_data(cfg)
-    pop = Population(ds, splits)
-    xi, xi_info = resolve_xi(cfg, ds, splits, quiet=True)
-    q = cfg.evaluation.q or (auto_warmup_q(splits)[0] if cfg.data.data != "synth" else 0.9)
-    eval_cfg = EvalConfig(q=q, max_clients=cfg.evaluation.eval_clients, impostor_pool=cfg.evaluation.impostor_pool,
-                          seed=cfg.train.seed)
-    trained = [s for s in cfg.train.method if parse_method(s).trains]
-    deploy_spec = next((s for s in trained if parse_method(s).name == args.deploy), None) if args.deploy else \
-        (trained[0] if trained else None)
-    method = args.deploy or (parse_method(deploy_spec).name if deploy_spec else None)
-    if method not in DEPLOYABLE:
-        raise SystemExit(f"nothing to deploy: --method {list(cfg.train.method)} has none of {DEPLOYABLE}")
-    xi_name = xi_info["builtin"] if "builtin" in xi_info else str(xi_info["path"])
-    impostors = None if args.no_impostors else write_impostors(cfg, ds, splits, out / "impostors.npz")
-    plan = ServerPlan(xi=xi_name, impostors=impostors, method=method, rounds=cfg.train.rounds,
-                      participation=cfg.train.participation, seed=cfg.train.seed,
-                      train=train_settings(cfg, deploy_spec or method), extra=tuple(args.server_arg))
-    timing["data_s"] = time.perf_counter() - t_start
-    log(f"{pop.num_clients} clients, q={q:g}, ξ {xi_name}; deploying {method} for {plan.rounds} rounds "
-        f"at p={plan.participation:g}, train {plan.train}", args.quiet)
-
-    # 2. operator, server, devices
     operator = Operator(out / "operator")
     state = out / "server"
     state.mkdir(parents=True, exist_ok=True)
@@ -261,6 +237,77 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if failed:
         raise SystemExit(f"{len(failed)} device(s) failed, e.g. client {failed[0][0]}: {failed[0][1]} "
                          f"(server log {out / 'server.log'})")
+    per_dev = {"sent_bytes": [d.sent for d in devices], "received_bytes": [d.received for d in devices],
+               "cpu_s": [d.cpu_seconds for d in devices], "wall_s": [d.seconds for d in devices],
+               "rounds": [len(d.report.rounds) for d in devices],
+               "lost_rounds": [len(d.report.lost_rounds) for d in devices],
+               "phases": [phase_times(d) for d in devices]}
+    record = {"plan": {**plan.__dict__, "impostors": str(plan.impostors)},
+              "server_flags": server_flags(plan, operator, state, port), "timing": timing, "per_device": per_dev}
+    (out / "deployment.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def read_deployment(out: Path) -> dict[str, Any]:
+    """What :func:`deploy` recorded (``OUT/deployment.json``; an older run's ``rehearsal.json``)."""
+    if (out / "deployment.json").is_file():
+        return json.loads((out / "deployment.json").read_text())
+    old = json.loads((out / "rehearsal.json").read_text())
+    timing = {k: v for k, v in old["timing"].items() if k in ("register_s", "fleet_wall_s", "fleet_cpu_s", "server_cpu_s")}
+    per_dev = {**old["per_device"], "phases": old["per_device"].get("phases") or
+               [phase_times(Device(0, out, [], Path()))] * len(old["clients"])}
+    return {"plan": old["settings"]["server"], "server_flags": old["settings"]["server_flags"], "timing": timing,
+            "per_device": per_dev}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, sim_argv = parse(argv)
+    from device_sim.cli_simulate import experiment_from_argv, run_simulation
+    from device_sim.experiment_data import build_data
+    from device_sim.evaluate import EvalConfig
+    from device_sim.folder_split import auto_warmup_q
+    from device_sim.methods import parse_method
+    from device_sim.population import Population
+    from device_sim.xi_source import resolve_xi
+    import torch
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = experiment_from_argv(sim_argv + ["--out", str(out / "simulate")] + (["--quiet"] if args.quiet else []),
+                               command="simulate")
+    torch.set_num_threads(cfg.runtime.threads or 1)
+    t_start, cpu_start = time.perf_counter(), process_cpu_seconds()
+    timing: dict[str, float] = {}
+
+    # 1. the simulator's split, data and ξ
+    ds, splits = build_data(cfg)
+    pop = Population(ds, splits)
+    xi, xi_info = resolve_xi(cfg, ds, splits, quiet=True)
+    q = cfg.evaluation.q or (auto_warmup_q(splits)[0] if cfg.data.data != "synth" else 0.9)
+    eval_cfg = EvalConfig(q=q, max_clients=cfg.evaluation.eval_clients, impostor_pool=cfg.evaluation.impostor_pool,
+                          seed=cfg.train.seed)
+    trained = [s for s in cfg.train.method if parse_method(s).trains]
+    deploy_spec = next((s for s in trained if parse_method(s).name == args.deploy), None) if args.deploy else \
+        (trained[0] if trained else None)
+    method = args.deploy or (parse_method(deploy_spec).name if deploy_spec else None)
+    if method not in DEPLOYABLE:
+        raise SystemExit(f"nothing to deploy: --method {list(cfg.train.method)} has none of {DEPLOYABLE}")
+    xi_name = xi_info["builtin"] if "builtin" in xi_info else str(xi_info["path"])
+    impostors = None if args.no_impostors else write_impostors(cfg, ds, splits, out / "impostors.npz")
+    plan = ServerPlan(xi=xi_name, impostors=impostors, method=method, rounds=cfg.train.rounds,
+                      participation=cfg.train.participation, seed=cfg.train.seed,
+                      train=train_settings(cfg, deploy_spec or method), extra=tuple(args.server_arg),
+                      # each waiting device polls at this hint: quick for a handful, 2 s (the default) for many
+                      poll_interval=0.5 if pop.num_clients <= 20 else 2.0)
+    timing["data_s"] = time.perf_counter() - t_start
+    log(f"{pop.num_clients} clients, q={q:g}, ξ {xi_name}; deploying {method} for {plan.rounds} rounds "
+        f"at p={plan.participation:g}, train {plan.train}", args.quiet)
+
+    # 2. operator, server, devices (or, with --rescore, the fleet an earlier run left)
+    record = read_deployment(out) if args.rescore else deploy(args, out, pop, plan, q)
+    devices = [Device(c, out / "fleet" / f"client_{c:05d}", [], Path()) for c in range(pop.num_clients)]
+    timing.update(record["timing"])
+    per_dev = record["per_device"]
 
     # 3. the deployed enrollments, scored by the simulator's evaluation
     t0 = time.perf_counter()
@@ -277,16 +324,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 4. the simulator on the same arguments
     t0 = time.perf_counter()
-    if args.sim_results is not None:
+    if args.deploy_only:
+        results = {"methods": []}
+    elif args.sim_results is not None:
         results = json.loads(args.sim_results.read_text())
-        check_same_split(results, pop, ds, splits, deployed["clients"])
+        check_same_split(results, cfg, pop, ds, splits, deployed["clients"])
     else:
         log("running the simulator on the same arguments", args.quiet)
         results = run_simulation(cfg)
     timing["simulate_s"] = time.perf_counter() - t0
     sims = sim_rows(results)
     ref = next((r for r in sims.values() if r["method"] == "pretrained"), None)
-    if ref is None:
+    if args.deploy_only:        # no simulator: Δ vs ξ as served
+        ref = {"label": "ξ as served", "eval": xi_eval}
+    elif ref is None:
         raise SystemExit("the simulator's rows have no 'pretrained' (ξ) row: add pretrained to --method")
 
     # 5. the tables
@@ -300,13 +351,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "choices": None},
              {"name": f"deployment: {method}", "values": per_client(deployed), "vs_xi": compare(deployed, ref["eval"]),
               "choices": choice_counts(dep_choices), "per_client_choice": dep_choices}]
-    comparisons = [{"a": "deployed ξ", "b": ref["label"], "delta": compare(xi_eval, ref["eval"])}]
+    comparisons = [] if args.deploy_only else [{"a": "deployed ξ", "b": ref["label"],
+                                                 "delta": compare(xi_eval, ref["eval"])}]
     comparisons += [{"a": f"deployed {method}", "b": label, "delta": compare(deployed, r["eval"])}
                     for label, r in sims.items() if r is not ref]
-    per_dev = {"sent_bytes": [d.sent for d in devices], "received_bytes": [d.received for d in devices],
-               "cpu_s": [d.cpu_seconds for d in devices], "wall_s": [d.seconds for d in devices],
-               "rounds": [len(d.report.rounds) for d in devices],
-               "lost_rounds": [len(d.report.lost_rounds) for d in devices]}
+    phases = {name: {k: float(sum(p[name][k] for p in per_dev["phases"])) for k in ("wall_s", "cpu_s")}
+              for name, _, _ in PHASES}
     timing["total_wall_s"] = time.perf_counter() - t_start
     timing["total_cpu_s"] = process_cpu_seconds() - cpu_start + timing.get("server_cpu_s", 0.0)
     sim_time = {label: {"train_s": r.get("seconds"), "eval_s": r.get("eval_seconds")} for label, r in sims.items()}
@@ -315,15 +365,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"CPU {timing['fleet_cpu_s']:.0f} s (devices, this process) + {timing['server_cpu_s']:.0f} s (server); "
             f"per device sent {np.mean(per_dev['sent_bytes']) / 1e6:.2f} MB, received "
             f"{np.mean(per_dev['received_bytes']) / 1e6:.2f} MB (mean), {np.mean(per_dev['rounds']):.1f} rounds; "
-            f"registration {timing['register_s']:.0f} s, evaluation {timing['eval_s']:.0f} s; simulator "
+            f"registration {timing['register_s']:.0f} s, evaluation {timing['eval_s']:.0f} s; device CPU by phase "
+            + ", ".join(f"{k} {v['cpu_s']:.0f} s" for k, v in phases.items()) + "; simulator "
             + ", ".join(f"{k}: train {v['train_s'] or 0:.0f} s" for k, v in sim_time.items()))
-    report = {"settings": {"simulate_argv": sim_argv, "server": plan.__dict__ | {"impostors": str(plan.impostors)},
-                           "server_flags": server_flags(plan, operator, state, port), "q": q,
+    report = {"settings": {"simulate_argv": sim_argv, "server": record["plan"], "server_flags": record["server_flags"],
+                           "q": q,
                            "eval_device_template": args.eval_device_template, "outliers": args.outliers,
                            "sim_results": str(args.sim_results) if args.sim_results else None},
               "clients": clients, "test_photos": [int(splits.clients[c].test.size) for c in clients],
               "train_photos": [int(splits.clients[c].train.size) for c in clients],
               "rows": rows, "comparisons": comparisons, "timing": timing, "per_device": per_dev,
+              "phases_total": phases,
               "simulator_timing": sim_time, "table": table, "cost": cost,
               "device_selection": [metas[c].get("selection") for c in clients],
               # scope=top: max |Δ| of each deployed verifier's trunk from ξ's (≤ TRUNK_ATOL: scored on ξ's trunk)

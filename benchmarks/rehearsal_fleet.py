@@ -44,6 +44,7 @@ class ServerPlan:
     seed: int
     train: dict[str, Any]         # the round task's ``train`` object (TRAIN_KEYS)
     extra: tuple[str, ...] = ()   # more `fedfs serve` flags (--server-arg)
+    poll_interval: float = 2.0    # the server's retry_after hint: every waiting device polls this often
 
 
 def server_flags(plan: ServerPlan, operator: "Operator", state: Path, port: int) -> list[str]:
@@ -60,7 +61,7 @@ def server_flags(plan: ServerPlan, operator: "Operator", state: Path, port: int)
              "--rounds", "0", "--participation", str(plan.participation), "--seed", str(plan.seed),
              # many devices on a shared 2-core machine: generous deadlines, every registered device eligible
              "--round-timeout", "7200", "--secagg-phase-timeout", "1800", "--device-ttl", "0",
-             "--poll-interval", "0.5", "--log-level", "warning"]
+             "--poll-interval", str(plan.poll_interval), "--log-level", "warning"]
     if plan.impostors is not None:
         flags += ["--impostors", str(plan.impostors)]
     return flags + list(plan.extra)
@@ -182,7 +183,7 @@ class Device:
     cpu_seconds: float = 0.0
     sent: int = 0
     received: int = 0
-    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    events: list[tuple[str, float, float]] = field(default_factory=list)   # (name, wall s, thread CPU s)
 
     @property
     def state_dir(self) -> Path:
@@ -246,7 +247,7 @@ def run_device(dev: Device, url: str, operator: Operator, q: float, outliers: st
     transport = CountingTransport(operator.tls_cert)
 
     def event(name: str, fields: dict[str, Any]) -> None:
-        dev.events.append((name, {k: v for k, v in fields.items() if isinstance(v, (int, float, str, bool))}))
+        dev.events.append((name, time.perf_counter(), time.thread_time()))
         if on_event is not None:
             on_event(dev, name, fields)
 
@@ -260,6 +261,29 @@ def run_device(dev: Device, url: str, operator: Operator, q: float, outliers: st
     finally:
         dev.seconds, dev.cpu_seconds = time.perf_counter() - t0, time.thread_time() - c0
         dev.sent, dev.received = transport.sent, transport.received
+
+
+PHASES = (("train", "round_started", "trained"), ("secure round", "trained", "secure_round_done"),
+          ("check + enroll", "server_done", "enrolled"))
+"""Where a device's time goes, between two of the agent's events: local training; the secure
+round after it (key exchange, masked upload, consistency, unmasking — waiting for the other
+devices included); after the server's last round, waiting for it to close, the do-no-harm check
+of every candidate and the enrollment."""
+
+
+def phase_times(dev: Device) -> dict[str, dict[str, float]]:
+    """``{phase: {"wall_s", "cpu_s"}}`` summed over the device's rounds (:data:`PHASES`)."""
+    out = {name: {"wall_s": 0.0, "cpu_s": 0.0} for name, _, _ in PHASES}
+    for name, start, end in PHASES:
+        opened = None
+        for ev, wall, cpu in dev.events:
+            if ev == start:
+                opened = (wall, cpu)
+            elif ev == end and opened is not None:
+                out[name]["wall_s"] += wall - opened[0]
+                out[name]["cpu_s"] += cpu - opened[1]
+                opened = None
+    return out
 
 
 def run_fleet(devices: Sequence[Device], url: str, operator: Operator, q: float, outliers: str = "mad",
@@ -279,5 +303,5 @@ def process_cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-__all__ = ["ServerPlan", "server_flags", "Operator", "Server", "Device", "write_photos", "register", "run_fleet",
+__all__ = ["PHASES", "phase_times", "ServerPlan", "server_flags", "Operator", "Server", "Device", "write_photos", "register", "run_fleet",
            "start_rounds", "admin", "process_cpu_seconds", "CountingTransport"]
