@@ -67,8 +67,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from rehearsal_eval import (choice_counts, compare, device_spec, evaluate_specs, markdown, per_client,  # noqa: E402
                             xi_spec, METRICS)
-from rehearsal_fleet import (PHASES, Device, Operator, Server, ServerPlan, phase_times,  # noqa: E402
-                             process_cpu_seconds, register, run_fleet, server_flags, start_rounds, write_photos)
+from rehearsal_fleet import (PHASES, Device, Operator, Server, ServerPlan, check_inputs, device_q,  # noqa: E402
+                             phase_times, process_cpu_seconds, register, run_fleet, server_flags, start_rounds,
+                             write_photos)
 
 DEPLOYABLE = ("fedfs", "feduv", "fedfs+feduv")
 
@@ -212,7 +213,13 @@ def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float)
         t0 = time.perf_counter()
         for c in range(pop.num_clients):
             d = out / "fleet" / f"client_{c:05d}"
-            dev = Device(c, d, write_photos(d / "photos", to_u8(pop.train_images(c))), d / "identity.cert.json")
+            photos = write_photos(d / "photos", to_u8(pop.train_images(c)))
+            # fedfs+feduv's own default score, said explicitly: a device the server never sampled guesses
+            # the method 'feduv' from the model's head and would need a codeword it never made (the agent's
+            # fallback in device_enrollment; reported) — with the score named it enrolls ξ or the global model
+            dev = Device(c, d, photos, d / "identity.cert.json", q=device_q(q, len(photos)),
+                         score="head-template" if plan.method == "fedfs+feduv" else None)
+            check_inputs(dev, operator, args.outliers)          # before it registers, as fedfs device does
             register(dev, url, operator)
             devices.append(dev)
         timing["register_s"] = time.perf_counter() - t0
@@ -227,7 +234,7 @@ def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float)
                     args.quiet)
 
         t0, fleet_cpu0, server_cpu0 = time.perf_counter(), process_cpu_seconds(), server.cpu_seconds()
-        run_fleet(devices, url, operator, q, args.outliers, on_event)
+        run_fleet(devices, url, operator, args.outliers, on_event)
         timing["fleet_wall_s"] = time.perf_counter() - t0
         timing["fleet_cpu_s"] = process_cpu_seconds() - fleet_cpu0
         timing["server_cpu_s"] = server.cpu_seconds() - server_cpu0
@@ -241,7 +248,7 @@ def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float)
                "cpu_s": [d.cpu_seconds for d in devices], "wall_s": [d.seconds for d in devices],
                "rounds": [len(d.report.rounds) for d in devices],
                "lost_rounds": [len(d.report.lost_rounds) for d in devices],
-               "phases": [phase_times(d) for d in devices]}
+               "phases": [phase_times(d) for d in devices], "q": [d.q for d in devices]}
     record = {"plan": {**plan.__dict__, "impostors": str(plan.impostors)},
               "server_flags": server_flags(plan, operator, state, port), "timing": timing, "per_device": per_dev}
     (out / "deployment.json").write_text(json.dumps(record, indent=1))

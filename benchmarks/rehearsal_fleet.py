@@ -14,6 +14,7 @@ The server's flags live in one place, :func:`server_flags` (e.g. to open statist
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import ssl
@@ -177,6 +178,9 @@ class Device:
     dir: Path
     photos: list[str]
     cert: Path
+    q: float = 0.9                # the enrollment's target TPR (lowered where the photos are too few for it)
+    batches: Any = None           # check_local_inputs' preprocessed photos
+    score: str | None = None      # DeviceConfig.score (None: the method's default)
     report: Any = None
     error: str | None = None
     seconds: float = 0.0
@@ -203,6 +207,26 @@ def write_photos(folder: Path, images_u8: np.ndarray) -> list[str]:
     return out
 
 
+def device_q(q: float, n_photos: int) -> float:
+    """``q``, or the largest q (in steps of 0.001) that ``n_photos`` warm-up photos allow
+    (``⌈1/(1−q)⌉ ≤ n``): a device refuses ``--enroll`` with too few photos for its q, while the
+    simulator's evaluation only flags such clients (``n_insufficient``)."""
+    from fedfs_sdk.runtime.enrollment import min_warmup_images
+
+    while min_warmup_images(q) > n_photos and q > 0.5:
+        q = math.floor(min(q, 1 - 1 / n_photos) * 1000 - 1e-9) / 1000
+    return q
+
+
+def check_inputs(dev: Device, operator: Operator, outliers: str) -> None:
+    """What ``fedfs device`` checks before it registers (photos decode, enough for q): a device
+    that would refuse to run must never be registered — the server would sample it and a secure
+    round would wait for it until its phase deadline."""
+    from fedfs_sdk.federation.device_config import check_local_inputs
+
+    dev.batches = check_local_inputs(dev.photos, device_config(dev, operator, dev.q, outliers, score=dev.score))
+
+
 def register(dev: Device, url: str, operator: Operator) -> None:
     """``fedfs ca request --server`` (register, identity key, request) and ``fedfs ca sign``."""
     from fedfs_sdk.federation.device_identity import identity_request
@@ -220,7 +244,7 @@ def register(dev: Device, url: str, operator: Operator) -> None:
 
 
 def device_config(dev: Device, operator: Operator, q: float, outliers: str = "mad",
-                  revocation_max_age: float = 172800.0):
+                  revocation_max_age: float = 172800.0, score: str | None = None):
     """What ``fedfs device --enroll --rounds 0 --secagg-ca … --identity-cert … --key-file …
     --secagg-revocation-max-age … --outliers …`` builds (defaults for everything else: the do-no-harm
     check on the server's impostors, the method's verification)."""
@@ -232,10 +256,10 @@ def device_config(dev: Device, operator: Operator, q: float, outliers: str = "ma
     key = read_key(str(dev.dir / "device.key"), create=True)
     policy = DevicePolicy(ca=CaPublicKey.load(operator.ca_pub), max_revocation_age_s=revocation_max_age)
     return DeviceConfig(rounds=0, enroll=True, q=q, enrollment_key=key, secagg=policy, identity_certificate=dev.cert,
-                        outliers=outliers, wait_timeout_s=7200.0)
+                        outliers=outliers, score=score, wait_timeout_s=7200.0)
 
 
-def run_device(dev: Device, url: str, operator: Operator, q: float, outliers: str = "mad", on_event=None) -> None:
+def run_device(dev: Device, url: str, operator: Operator, outliers: str = "mad", on_event=None) -> None:
     """One device's whole life, as ``fedfs device`` runs it (check inputs, rounds until the server
     is done, enroll); errors are kept on ``dev`` (one device's failure must not hide the others')."""
     from fedfs_sdk.federation.agent import DeviceAgent
@@ -252,8 +276,9 @@ def run_device(dev: Device, url: str, operator: Operator, q: float, outliers: st
             on_event(dev, name, fields)
 
     try:
-        config = device_config(dev, operator, q, outliers)
-        batches = check_local_inputs(dev.photos, config)
+        config = device_config(dev, operator, dev.q, outliers, score=dev.score)
+        batches = dev.batches if dev.batches is not None else check_local_inputs(dev.photos, config)
+        dev.batches = None          # the agent keeps its own copy
         with DeviceState(dev.state_dir) as state, ServerClient(url, timeout=600.0, transport=transport) as client:
             dev.report = DeviceAgent(client, state, dev.photos, config, on_event=event, batches=batches).run()
     except Exception as e:      # noqa: BLE001 — reported per device, the rehearsal goes on
@@ -263,12 +288,13 @@ def run_device(dev: Device, url: str, operator: Operator, q: float, outliers: st
         dev.sent, dev.received = transport.sent, transport.received
 
 
-PHASES = (("train", "round_started", "trained"), ("secure round", "trained", "secure_round_done"),
-          ("check + enroll", "server_done", "enrolled"))
-"""Where a device's time goes, between two of the agent's events: local training; the secure
-round after it (key exchange, masked upload, consistency, unmasking — waiting for the other
-devices included); after the server's last round, waiting for it to close, the do-no-harm check
-of every candidate and the enrollment."""
+PHASES = (("keys + train", "round_started", "trained"), ("masked upload", "trained", "uploaded"),
+          ("unmask", "uploaded", "secure_round_done"), ("check + enroll", "server_done", "enrolled"))
+"""Where a device's time goes, between two of the agent's events: advertising and sharing keys
+(waiting for every sampled device), downloading the model and local training; the masked upload;
+the consistency check and unmasking (waiting for the others again); after the server's last
+round, waiting for it to close, the do-no-harm check of every candidate and the enrollment. Its
+thread's CPU time is what the device itself spent."""
 
 
 def phase_times(dev: Device) -> dict[str, dict[str, float]]:
@@ -286,11 +312,11 @@ def phase_times(dev: Device) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_fleet(devices: Sequence[Device], url: str, operator: Operator, q: float, outliers: str = "mad",
+def run_fleet(devices: Sequence[Device], url: str, operator: Operator, outliers: str = "mad",
               on_event=None) -> None:
     """Every device in its own thread of this process: a secure round needs all its sampled
     devices at once (key exchange, masked inputs, unmasking), so they cannot take turns."""
-    threads = [threading.Thread(target=run_device, args=(d, url, operator, q, outliers, on_event), name=f"device-{d.client}",
+    threads = [threading.Thread(target=run_device, args=(d, url, operator, outliers, on_event), name=f"device-{d.client}",
                                 daemon=True) for d in devices]
     for t in threads:
         t.start()
@@ -303,5 +329,5 @@ def process_cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-__all__ = ["PHASES", "phase_times", "ServerPlan", "server_flags", "Operator", "Server", "Device", "write_photos", "register", "run_fleet",
+__all__ = ["PHASES", "phase_times", "device_q", "check_inputs", "ServerPlan", "server_flags", "Operator", "Server", "Device", "write_photos", "register", "run_fleet",
            "start_rounds", "admin", "process_cpu_seconds", "CountingTransport"]
