@@ -68,8 +68,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from rehearsal_eval import (choice_counts, compare, device_spec, evaluate_specs, markdown, per_client,  # noqa: E402
                             xi_spec, METRICS)
 from rehearsal_fleet import (PHASES, Device, Operator, Server, ServerPlan, check_inputs, device_q,  # noqa: E402
-                             phase_times, process_cpu_seconds, register, run_fleet, server_flags, start_rounds,
-                             write_photos)
+                             phase_times, process_cpu_seconds, register, round_times, run_fleet, server_flags,
+                             set_enroll_concurrency, start_rounds, write_photos)
 
 DEPLOYABLE = ("fedfs", "feduv", "fedfs+feduv")
 
@@ -99,6 +99,14 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
     p.add_argument("--rescore", action="store_true",
                    help="do not deploy: score the fleet an earlier run left in OUT (OUT/deployment.json) again, "
                         "e.g. against another --sim-results")
+    p.add_argument("--resume", action="store_true",
+                   help="an earlier run in OUT stopped (its devices' states and the server's remain): start the "
+                        "server again on its state and port and run every device again — they finish their "
+                        "rounds and enroll, as `fedfs device` re-run does")
+    p.add_argument("--enroll-concurrency", type=int, default=8,
+                   help="devices enrolling at once (each check holds ~150 MB with a MobileFaceNet; default 8)")
+    p.add_argument("--partial", action="store_true",
+                   help="with --rescore: compare on the clients whose device enrolled (a run stopped before all did)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_known_args(argv)
 
@@ -196,34 +204,44 @@ def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float)
     """The operator, ``fedfs serve`` and one DeviceAgent per client, until every device enrolled.
     Returns (and writes to ``OUT/deployment.json``) the plan, the server's flags, the timing and
     each device's rounds, bytes, CPU and phases."""
-    timing: dict[str, float] = {}
-    operator = Operator(out / "operator")
+    timing: dict[str, Any] = {}
     state = out / "server"
-    state.mkdir(parents=True, exist_ok=True)
-    operator.revocation_list(state / "secagg_revocations.json")
-    port = free_port()
-    url = f"https://127.0.0.1:{port}"
+    resume = args.resume and (out / "fleet").is_dir()
+    if resume:              # the operator, server state and devices of an earlier run that stopped
+        operator = Operator(out / "operator", existing=True)
+        first = json.loads((out / "fleet" / "client_00000" / "state" / "device.json").read_text())["server"]
+        url, port = first.rstrip("/"), int(first.rstrip("/").rsplit(":", 1)[1])
+    else:
+        operator = Operator(out / "operator")
+        state.mkdir(parents=True, exist_ok=True)
+        operator.revocation_list(state / "secagg_revocations.json")
+        port = free_port()
+        url = f"https://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": "1"}
     env.pop("FEDFS_ADMIN_TOKEN", None)          # the server writes its own into its state
-    server = Server(server_flags(plan, operator, state, port), state, env, out / "server.log")
+    server = Server(server_flags(plan, operator, state, port, rounds=plan.rounds if resume else 0), state, env,
+                    out / ("server-resumed.log" if resume else "server.log"))
     devices: list[Device] = []
     try:
         server.wait_healthy(url, operator.tls_cert)
         t0 = time.perf_counter()
         for c in range(pop.num_clients):
             d = out / "fleet" / f"client_{c:05d}"
-            photos = write_photos(d / "photos", to_u8(pop.train_images(c)))
+            photos = (sorted(str(f) for f in (d / "photos").iterdir()) if resume
+                      else write_photos(d / "photos", to_u8(pop.train_images(c))))
             # fedfs+feduv's own default score, said explicitly: a device the server never sampled guesses
             # the method 'feduv' from the model's head and would need a codeword it never made (the agent's
             # fallback in device_enrollment; reported) — with the score named it enrolls ξ or the global model
             dev = Device(c, d, photos, d / "identity.cert.json", q=device_q(q, len(photos)),
                          score="head-template" if plan.method == "fedfs+feduv" else None)
             check_inputs(dev, operator, args.outliers)          # before it registers, as fedfs device does
-            register(dev, url, operator)
+            if not resume:
+                register(dev, url, operator)
             devices.append(dev)
         timing["register_s"] = time.perf_counter() - t0
-        start_rounds(url, state, operator.tls_cert, plan.rounds)
+        if not resume:
+            start_rounds(url, state, operator.tls_cert, plan.rounds)
         log(f"{len(devices)} devices registered and certified; rounds open", args.quiet)
         done = {"n": 0}
 
@@ -240,6 +258,8 @@ def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float)
         timing["server_cpu_s"] = server.cpu_seconds() - server_cpu0
     finally:
         server.stop()
+    timing["rounds_s"] = round_times(state)
+    timing["resumed"] = bool(resume)
     failed = [(d.client, d.error) for d in devices if d.error]
     if failed:
         raise SystemExit(f"{len(failed)} device(s) failed, e.g. client {failed[0][0]}: {failed[0][1]} "
@@ -283,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = experiment_from_argv(sim_argv + ["--out", str(out / "simulate")] + (["--quiet"] if args.quiet else []),
                                command="simulate")
     torch.set_num_threads(cfg.runtime.threads or 1)
+    set_enroll_concurrency(args.enroll_concurrency)
     t_start, cpu_start = time.perf_counter(), process_cpu_seconds()
     timing: dict[str, float] = {}
 
@@ -320,12 +341,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     xi_backbone = getattr(xi, "backbone", xi)
     specs, metas, on_xi_trunk = {}, {}, {}
+    served = xi_spec(devices[0].state_dir / "xi.safetensors", xi_backbone)
+    enrolled = {d.client: (d.state_dir / "enrollment.fedfs").is_file() for d in devices}
+    if not all(enrolled.values()) and not args.partial:
+        raise SystemExit(f"{sum(not e for e in enrolled.values())} device(s) have no enrollment: --resume the run, "
+                         "or --rescore --partial to compare on the enrolled clients only")
     for d in devices:
+        if not enrolled[d.client]:      # --partial: a placeholder, left out of every row below
+            specs[d.client], metas[d.client], on_xi_trunk[d.client] = served, {"model_choice": None}, 0.0
+            continue
         specs[d.client], metas[d.client], on_xi_trunk[d.client] = device_spec(
             d.state_dir, (d.dir / "device.key").read_bytes(), xi_backbone, args.eval_device_template)
     deployed = evaluate_specs(specs, pop, eval_cfg, cfg.runtime.device)
-    served_xi = devices[0].state_dir / "xi.safetensors"
-    served = xi_spec(served_xi, xi_backbone)
     xi_eval = evaluate_specs({d.client: served for d in devices}, pop, eval_cfg, cfg.runtime.device)
     timing["eval_s"] = time.perf_counter() - t0
 
@@ -349,18 +376,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     # 5. the tables
     clients = deployed["clients"]
-    dep_choices = [metas[c].get("model_choice") for c in clients]
-    rows = [{"name": f"simulator: {label}", "values": per_client(r["eval"]),
-             "vs_xi": None if r is ref else compare(r["eval"], ref["eval"]),
-             "choices": choice_counts(r["selection"]["per_client"]) if r.get("selection") else None,
-             "per_client_choice": (r.get("selection") or {}).get("per_client")} for label, r in sims.items()]
-    rows += [{"name": "deployment: ξ as served", "values": per_client(xi_eval), "vs_xi": compare(xi_eval, ref["eval"]),
-              "choices": None},
-             {"name": f"deployment: {method}", "values": per_client(deployed), "vs_xi": compare(deployed, ref["eval"]),
+    keep = [enrolled[c] for c in clients]       # every client, unless --partial
+    dep_choices = [metas[c].get("model_choice") for c, k in zip(clients, keep) if k]
+    def sim_choices(r: dict[str, Any]) -> list | None:
+        per = (r.get("selection") or {}).get("per_client")
+        return None if per is None else [x for x, k in zip(per, keep) if k]
+
+    rows = [{"name": f"simulator: {label}", "values": per_client(r["eval"], keep),
+             "vs_xi": None if r is ref else compare(r["eval"], ref["eval"], keep),
+             "choices": choice_counts(sim_choices(r)) if r.get("selection") else None,
+             "per_client_choice": sim_choices(r)} for label, r in sims.items()]
+    rows += [{"name": "deployment: ξ as served", "values": per_client(xi_eval, keep),
+              "vs_xi": compare(xi_eval, ref["eval"], keep), "choices": None},
+             {"name": f"deployment: {method}", "values": per_client(deployed, keep),
+              "vs_xi": compare(deployed, ref["eval"], keep),
               "choices": choice_counts(dep_choices), "per_client_choice": dep_choices}]
     comparisons = [] if args.deploy_only else [{"a": "deployed ξ", "b": ref["label"],
-                                                 "delta": compare(xi_eval, ref["eval"])}]
-    comparisons += [{"a": f"deployed {method}", "b": label, "delta": compare(deployed, r["eval"])}
+                                                 "delta": compare(xi_eval, ref["eval"], keep)}]
+    comparisons += [{"a": f"deployed {method}", "b": label, "delta": compare(deployed, r["eval"], keep)}
                     for label, r in sims.items() if r is not ref]
     phases = {name: {k: float(sum(p[name][k] for p in per_dev["phases"])) for k in ("wall_s", "cpu_s")}
               for name, _, _ in PHASES}
@@ -368,7 +401,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timing["total_cpu_s"] = process_cpu_seconds() - cpu_start + timing.get("server_cpu_s", 0.0)
     sim_time = {label: {"train_s": r.get("seconds"), "eval_s": r.get("eval_seconds")} for label, r in sims.items()}
     table = markdown(rows, comparisons)
-    cost = (f"deployment: {len(devices)} devices, {plan.rounds} rounds; fleet wall {timing['fleet_wall_s']:.0f} s, "
+    cost = (f"deployment: {len(devices)} devices, {plan.rounds} rounds"
+            + (f" (rounds took {' / '.join(f'{r:.0f}' for r in timing['rounds_s'])} s)" if timing.get("rounds_s") else "")
+            + (" — resumed after a stop: fleet figures are the resumed run's" if timing.get("resumed") else "")
+            + (f"; compared on the {sum(keep)} of {len(keep)} clients whose device enrolled" if not all(keep) else "")
+            + f"; fleet wall {timing['fleet_wall_s']:.0f} s, "
             f"CPU {timing['fleet_cpu_s']:.0f} s (devices, this process) + {timing['server_cpu_s']:.0f} s (server); "
             f"per device sent {np.mean(per_dev['sent_bytes']) / 1e6:.2f} MB, received "
             f"{np.mean(per_dev['received_bytes']) / 1e6:.2f} MB (mean), {np.mean(per_dev['rounds']):.1f} rounds; "
@@ -379,7 +416,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                            "q": q,
                            "eval_device_template": args.eval_device_template, "outliers": args.outliers,
                            "sim_results": str(args.sim_results) if args.sim_results else None},
-              "clients": clients, "test_photos": [int(splits.clients[c].test.size) for c in clients],
+              "clients": clients, "compared": keep, "test_photos": [int(splits.clients[c].test.size) for c in clients],
               "train_photos": [int(splits.clients[c].train.size) for c in clients],
               "rows": rows, "comparisons": comparisons, "timing": timing, "per_device": per_dev,
               "phases_total": phases,

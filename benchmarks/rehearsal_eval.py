@@ -156,12 +156,16 @@ def evaluate_specs(specs: Mapping[int, Any], pop: Any, eval_cfg: Any, device: st
                     client_state=lambda c: int(c))
 
 
-def per_client(ev: Mapping[str, Any]) -> dict[str, list[float]]:
-    """The compared per-client columns of one evaluation (``results.json``'s ``eval``)."""
-    return {"template_auroc": list(ev["verification"]["per_client_auroc"]),
+def per_client(ev: Mapping[str, Any], keep: Sequence[bool] | None = None) -> dict[str, list[float]]:
+    """The compared per-client columns of one evaluation (``results.json``'s ``eval``); ``keep``:
+    only the clients marked True (in the evaluation's client order)."""
+    cols = {"template_auroc": list(ev["verification"]["per_client_auroc"]),
             "pairwise_auroc": list(ev["pairwise"]["per_client_auroc"]),
             "template_tar": list(ev["verification"]["per_client_tar_at_far"]["0.001"]),
             "pairwise_tar": list(ev["pairwise"]["per_client_tar_at_far"]["0.001"])}
+    if keep is None:
+        return cols
+    return {k: [x for x, ok in zip(v, keep) if ok] for k, v in cols.items()}
 
 
 def mean(xs: Sequence[float]) -> float:
@@ -170,14 +174,14 @@ def mean(xs: Sequence[float]) -> float:
     return float(a.mean()) if a.size else math.nan
 
 
-def compare(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+def compare(a: Mapping[str, Any], b: Mapping[str, Any], keep: Sequence[bool] | None = None) -> dict[str, Any]:
     """Paired per-client ``a − b`` (mean ± SE) of every compared column; ``a`` and ``b`` are
-    evaluations of the same clients (refused otherwise)."""
+    evaluations of the same clients (refused otherwise); ``keep``: only those clients."""
     from device_sim.client_metrics import paired_delta
 
     if list(a["clients"]) != list(b["clients"]):
         raise RuntimeError("the two evaluations are not of the same clients in the same order")
-    pa, pb = per_client(a), per_client(b)
+    pa, pb = per_client(a, keep), per_client(b, keep)
     return {k: paired_delta(pa[k], pb[k]) for _, k in METRICS}
 
 

@@ -48,9 +48,9 @@ class ServerPlan:
     poll_interval: float = 2.0    # the server's retry_after hint: every waiting device polls this often
 
 
-def server_flags(plan: ServerPlan, operator: "Operator", state: Path, port: int) -> list[str]:
+def server_flags(plan: ServerPlan, operator: "Operator", state: Path, port: int, rounds: int = 0) -> list[str]:
     """Every ``fedfs serve`` flag of the rehearsal, in one place. Rounds are not opened here
-    (``--rounds 0``): :func:`start_rounds` sets ``rounds``/``min_participants`` once every device
+    (``rounds=0``): :func:`start_rounds` sets ``rounds``/``min_participants`` once every device
     has registered, so round 1 samples from all of them, as the simulator's does."""
     flags = ["--host", "127.0.0.1", "--port", str(port), "--state", str(state),
              # TLS with the operator's certificate; fedfs-secagg/2 authenticated by the CA (kept in operator.dir)
@@ -59,7 +59,7 @@ def server_flags(plan: ServerPlan, operator: "Operator", state: Path, port: int)
              # the model and the method: ξ (the global model starts from it) and the shipped impostors
              "--xi", plan.xi, "--method", plan.method, "--train", json.dumps(plan.train),
              # the federation: the simulator's T, p and seed
-             "--rounds", "0", "--participation", str(plan.participation), "--seed", str(plan.seed),
+             "--rounds", str(rounds), "--participation", str(plan.participation), "--seed", str(plan.seed),
              # many devices on a shared 2-core machine: generous deadlines, every registered device eligible
              "--round-timeout", "7200", "--secagg-phase-timeout", "1800", "--device-ttl", "0",
              "--poll-interval", str(plan.poll_interval), "--log-level", "warning"]
@@ -72,11 +72,15 @@ class Operator:
     """The operator's CA (its own directory, never the server's state), the server's TLS
     certificate, and the signed revocation list the devices require (``fedfs ca …``)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, existing: bool = False) -> None:
         from fedfs_sdk.federation.secagg.identity import CertificateAuthority
         from fedfs_sdk.federation.tls_cert import write_server_certificate
 
         self.dir = directory
+        if existing:        # the operator of an earlier run (--resume)
+            self.ca, self.ca_pub = CertificateAuthority.load(directory), directory / "ca.pub"
+            self.tls_cert, self.tls_key = directory / "tls" / "server.pem", directory / "tls" / "server.key"
+            return
         self.ca = CertificateAuthority.generate()
         _, self.ca_pub = self.ca.save(directory)
         self.tls_cert, self.tls_key = write_server_certificate(directory / "tls", [])
@@ -132,6 +136,18 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+
+
+def round_times(state: Path) -> list[float]:
+    """Seconds from opening to closing of each closed round (the server's database)."""
+    import sqlite3
+
+    db = sqlite3.connect(f"file:{state / 'server.db'}?mode=ro", uri=True)
+    try:
+        return [float(c - o) for o, c in db.execute(
+            "SELECT opened_at, closed_at FROM rounds WHERE state = 'closed' ORDER BY id")]
+    finally:
+        db.close()
 
 
 def admin(url: str, state: Path, pem: Path, method: str, path: str, body: Any = None) -> Any:
@@ -259,10 +275,34 @@ def device_config(dev: Device, operator: Operator, q: float, outliers: str = "ma
                         outliers=outliers, score=score, wait_timeout_s=7200.0)
 
 
+ENROLL_GATE = threading.Semaphore(8)
+"""Devices enrolling at once. Every device's check scores its candidates (ξ, the global model,
+its dual verifier) on 100 impostors and its photos: ~150 MB each with a MobileFaceNet, and 102 of
+them at once ran this machine out of memory (15 GB). Phones enroll on their own hardware; here
+they take turns (the gate sets the pace, not what runs; :func:`set_enroll_concurrency`)."""
+
+
+def set_enroll_concurrency(n: int) -> None:
+    global ENROLL_GATE
+    ENROLL_GATE = threading.Semaphore(max(1, int(n)))
+
+
+def gated_agent():
+    """:class:`DeviceAgent` whose :meth:`enroll` waits for :data:`ENROLL_GATE` — the same code,
+    only the number of devices in it at once is bounded."""
+    from fedfs_sdk.federation.agent import DeviceAgent
+
+    class GatedAgent(DeviceAgent):
+        def enroll(self, after_round=None):
+            with ENROLL_GATE:     # read at call time: set_enroll_concurrency may have replaced it
+                return super().enroll(after_round)
+
+    return GatedAgent
+
+
 def run_device(dev: Device, url: str, operator: Operator, outliers: str = "mad", on_event=None) -> None:
     """One device's whole life, as ``fedfs device`` runs it (check inputs, rounds until the server
     is done, enroll); errors are kept on ``dev`` (one device's failure must not hide the others')."""
-    from fedfs_sdk.federation.agent import DeviceAgent
     from fedfs_sdk.federation.device_config import check_local_inputs
     from fedfs_sdk.federation.device_state import DeviceState
     from fedfs_sdk.federation.server_client import ServerClient
@@ -280,7 +320,7 @@ def run_device(dev: Device, url: str, operator: Operator, outliers: str = "mad",
         batches = dev.batches if dev.batches is not None else check_local_inputs(dev.photos, config)
         dev.batches = None          # the agent keeps its own copy
         with DeviceState(dev.state_dir) as state, ServerClient(url, timeout=600.0, transport=transport) as client:
-            dev.report = DeviceAgent(client, state, dev.photos, config, on_event=event, batches=batches).run()
+            dev.report = gated_agent()(client, state, dev.photos, config, on_event=event, batches=batches).run()
     except Exception as e:      # noqa: BLE001 — reported per device, the rehearsal goes on
         dev.error = f"{type(e).__name__}: {e}"
     finally:
@@ -329,5 +369,5 @@ def process_cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-__all__ = ["PHASES", "phase_times", "device_q", "check_inputs", "ServerPlan", "server_flags", "Operator", "Server", "Device", "write_photos", "register", "run_fleet",
+__all__ = ["round_times", "gated_agent", "ENROLL_GATE", "set_enroll_concurrency", "PHASES", "phase_times", "device_q", "check_inputs", "ServerPlan", "server_flags", "Operator", "Server", "Device", "write_photos", "register", "run_fleet",
            "start_rounds", "admin", "process_cpu_seconds", "CountingTransport"]
