@@ -1,0 +1,437 @@
+"""Deployment rehearsal: the clients of a ``fedfs simulate`` split as real devices of a real server,
+scored next to the simulator on the same clients (issue 29, item 5).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/deployment_rehearsal.py --out runs/rehearsal \\
+        --data synth --clients 12 --new-users 0 --rounds 2 --seed 0 --split-seed 0
+    PYTHONPATH=. nice -n 10 .venv/bin/python benchmarks/deployment_rehearsal.py --out runs/reh-night \\
+        --sim-results /tmp/stats/runs/px-real-night/seed_0/results.json \\
+        --data /tmp/stats/lfw-112 --pretrained /tmp/stats-xi.safetensors --image-size 112 \\
+        --backbone mobilefacenet-affine --scenario real-night --method pretrained fedfs+feduv \\
+        --rounds 20 --seed 0 --split-seed 0 --threads 1
+
+Every argument the rehearsal does not know is a ``fedfs simulate`` argument: the split (data,
+scenario, sizes, ``--split-seed``), ξ, the methods, T, p, ``--seed``. What it does:
+
+1. **The simulator's split and data** (:func:`device_sim.experiment_data.build_data`, the same
+   resolved config): client ``c`` of the deployment is client ``c`` of the simulation. Its
+   training photos (as the simulator's devices see them: capture shift applied) are written as
+   PNG files into the device's own folder — a device holds only its owner's training photos.
+2. **An operator, a server, devices** (:mod:`benchmarks.rehearsal_fleet`): a CA in its own folder
+   (never the server's state), the server's TLS certificate, a signed revocation list; a real
+   ``fedfs serve`` process with HTTPS and ``fedfs-secagg/2`` serving ξ and the public impostor
+   set the simulator's devices ship with (its public identities as ξ saw them), running the
+   deployed method (default: the first trained method of ``--method``, i.e. the simulator's
+   default ``fedfs+feduv``) for T rounds at participation p, seed and local batch size as
+   simulated. Each client is a :class:`~fedfs_sdk.federation.agent.DeviceAgent` (its own state
+   folder, identity key, certificate and key file) run as ``fedfs device --enroll`` runs it, one
+   thread each (secure rounds need their sampled devices at once); every device enrolls.
+3. **Evaluation with the simulator's own code**: each device's enrollment — the verifier it chose
+   and the template it enrolled — is read from its state folder (**a test-bench privilege**: a
+   real device shows neither to anyone) and scored by :func:`device_sim.evaluate.evaluate` with
+   the simulator's evaluation settings: the same clients, test photos and impostor pool. ξ as the
+   server served it is scored too: it must reproduce the simulator's ``pretrained`` row per client
+   (the check that both sides score the same clients on the same photos).
+4. **The simulator** on the same arguments (in this process, ``OUT/simulate``), or its
+   ``results.json`` (``--sim-results``, refused unless it was run on the same split and clients).
+5. **Prints** per row the means and the paired per-client Δ vs ξ (mean ± SE) of template AUROC,
+   pairwise AUROC and TAR@FAR 1e-3 (template and pairwise), what each device chose, then the
+   paired per-client difference deployment − simulator for every simulator row; time (wall, CPU
+   of this process and of the server) and bytes per device. ``OUT/rehearsal.json`` holds it all,
+   with the per-client values.
+
+What the design guarantees, and what it does not: ξ served by the server equals the simulator's ξ
+and is scored on the same photos, so the "deployed ξ" row equals the ``pretrained`` row client by
+client (floating-point noise only). Trained models are not expected to agree client by client:
+the server samples devices with its own generator, a device holds out photos by a hash of their
+file names (the simulator by a seeded draw), trains with its own seeds, and — until the
+statistics round reaches devices — runs ``norm_init=none`` and checks candidates against the
+public impostor set (``check=public``), where the simulator's default uses the federation's
+statistics (``norm_init=standardize``, ``check=in-domain``). The comparison rows measure that gap.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from rehearsal_eval import (choice_counts, compare, device_spec, evaluate_specs, markdown, per_client,  # noqa: E402
+                            xi_spec, METRICS)
+from rehearsal_fleet import (PHASES, Device, Operator, Server, ServerPlan, check_inputs, device_q,  # noqa: E402
+                             phase_times, process_cpu_seconds, register, round_times, run_fleet, server_flags,
+                             set_enroll_concurrency, start_rounds, write_photos)
+
+DEPLOYABLE = ("fedfs", "feduv", "fedfs+feduv")
+
+
+def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="every other argument is passed to `fedfs simulate`")
+    p.add_argument("--out", type=Path, default=Path("runs/rehearsal"), help="output folder (fleet, server, results)")
+    p.add_argument("--sim-results", type=Path, help="the simulator's results.json on the same arguments "
+                   "(default: run the simulator here, into OUT/simulate)")
+    p.add_argument("--deploy", default=None, choices=DEPLOYABLE,
+                   help="the method the server runs (default: the first trained method of --method)")
+    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
+                   help="one more `fedfs serve` argument (repeat; e.g. --server-arg=--secagg-neighbours "
+                        "--server-arg=8)")
+    p.add_argument("--no-impostors", action="store_true",
+                   help="the server ships no public impostor set (devices then keep ξ, and say so)")
+    p.add_argument("--eval-device-template", action=argparse.BooleanOptionalAction, default=True,
+                   help="score each device's enrolled template (default); off: the simulator enrolls the "
+                        "device's verifier on all of the client's training photos itself")
+    p.add_argument("--outliers", choices=("none", "mad"), default="none",
+                   help="the devices' enrollment outlier rule: 'none' (default: the simulator's evaluation "
+                        "enrolls every training photo) or 'mad' (fedfs device's default; a device whose "
+                        "inliers fall below q's warm-up minimum then fails to enroll)")
+    p.add_argument("--deploy-only", action="store_true",
+                   help="skip the simulator (e.g. to time a deployment of fewer rounds); Δ vs ξ as served")
+    p.add_argument("--rescore", action="store_true",
+                   help="do not deploy: score the fleet an earlier run left in OUT (OUT/deployment.json) again, "
+                        "e.g. against another --sim-results")
+    p.add_argument("--resume", action="store_true",
+                   help="an earlier run in OUT stopped (its devices' states and the server's remain): start the "
+                        "server again on its state and port and run every device again — they finish their "
+                        "rounds and enroll, as `fedfs device` re-run does")
+    p.add_argument("--enroll-concurrency", type=int, default=8,
+                   help="devices enrolling at once (each check holds ~150 MB with a MobileFaceNet; default 8)")
+    p.add_argument("--partial", action="store_true",
+                   help="with --rescore: compare on the clients whose device enrolled (a run stopped before all did)")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_known_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def log(msg: str, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"[rehearsal {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def to_u8(x) -> np.ndarray:
+    """Simulator images (float ``[N, 3, S, S]`` in [−1, 1]) as uint8 RGB ``[N, S, S, 3]``."""
+    return np.clip(np.rint(x.numpy() * 127.5 + 127.5), 0, 255).astype(np.uint8).transpose(0, 2, 3, 1).copy()
+
+
+def write_impostors(cfg, ds, splits, out: Path) -> Path:
+    """The simulator's public impostor set (:func:`~device_sim.experiment_data.public_impostor_images`)
+    as the ``fedfs impostors`` file the server ships (identities from the same public group)."""
+    from device_sim.experiment_data import build_pretrain_data, public_impostor_images
+    from fedfs_sdk.runtime.impostors import ImpostorSet, save_impostors
+
+    images = to_u8(public_impostor_images(cfg, ds, splits))
+    _, src_splits = build_pretrain_data(cfg, ds, splits)
+    ids = src_splits.pairs("public", "train")[0]
+    if ids.size > images.shape[0]:       # the same seeded sample public_impostor_images draws
+        keep = np.sort(np.random.default_rng([cfg.data.split_seed, 0x1A90]).choice(ids.size, images.shape[0],
+                                                                                    replace=False))
+        ids = ids[keep]
+    names = sorted({int(i) for i in ids})
+    pos = {n: k for k, n in enumerate(names)}
+    imp = ImpostorSet(images, np.array([pos[int(i)] for i in ids], dtype=np.int32), [f"public-{n}" for n in names],
+                      {"source": "fedfs simulate public identities", "input_size": int(images.shape[1]),
+                       "detect_face": str(cfg.data.detect_face)})
+    return save_impostors(out, imp)
+
+
+def train_settings(cfg, spec: str) -> dict[str, Any]:
+    """The round task's ``train`` object: the simulator's local SGD settings for ``spec``."""
+    from device_sim.methods import parse_method
+
+    t = cfg.train
+    opts = parse_method(spec).options()
+    out: dict[str, Any] = {"batch_size": t.batch_size, "seed": t.seed}
+    lr = t.lr if t.lr is not None else opts.get("lr")
+    if lr is not None:
+        out["lr"] = lr
+    if t.head_lr is not None:
+        out["head_lr"] = t.head_lr
+    epochs = t.local_epochs if t.local_epochs is not None else opts.get("epochs")
+    if epochs is not None:
+        out["local_epochs"] = epochs
+    if t.momentum:
+        out["momentum"] = t.momentum
+    if t.weight_decay:
+        out["weight_decay"] = t.weight_decay
+    if opts.get("scope") is not None:
+        out["scope"] = opts["scope"]
+    return out
+
+
+def sim_rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["label"]: r for r in results["methods"] if r.get("eval") is not None}
+
+
+def check_same_split(results: dict[str, Any], cfg, pop, ds, splits, eval_clients: list[int]) -> None:
+    """Refuse a results.json of another run: federation settings, population sizes, client names,
+    evaluated clients."""
+    from device_sim.cli_simulate import _client_names
+
+    mine = cfg.to_settings()
+    keys = ("rounds", "participation", "seed", "split_seed", "scenario", "capture_shift", "batch_size", "lr",
+            "local_epochs")
+    differ = {k: (results["settings"].get(k), mine.get(k)) for k in keys if results["settings"].get(k) != mine.get(k)}
+    if differ:
+        raise SystemExit(f"--sim-results was run with other settings (theirs, this run's): {differ}")
+
+    want = {"clients": pop.num_clients, "public": len(splits.public), "image_size": pop.image_size}
+    got = {k: results["population"].get(k) for k in want}
+    if got != want:
+        raise SystemExit(f"--sim-results is of another split: {got} vs this run's {want}")
+    names = _client_names(ds, splits)
+    if results.get("clients") and names and list(results["clients"]) != list(names):
+        raise SystemExit("--sim-results names other clients (another --split-seed or folder?)")
+    for label, r in sim_rows(results).items():
+        if list(r["eval"]["clients"]) != list(eval_clients):
+            raise SystemExit(f"--sim-results row {label!r} evaluated other clients")
+
+
+def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float) -> dict[str, Any]:
+    """The operator, ``fedfs serve`` and one DeviceAgent per client, until every device enrolled.
+    Returns (and writes to ``OUT/deployment.json``) the plan, the server's flags, the timing and
+    each device's rounds, bytes, CPU and phases."""
+    timing: dict[str, Any] = {}
+    state = out / "server"
+    resume = args.resume and (out / "fleet").is_dir()
+    if resume:              # the operator, server state and devices of an earlier run that stopped
+        operator = Operator(out / "operator", existing=True)
+        first = json.loads((out / "fleet" / "client_00000" / "state" / "device.json").read_text())["server"]
+        url, port = first.rstrip("/"), int(first.rstrip("/").rsplit(":", 1)[1])
+    else:
+        operator = Operator(out / "operator")
+        state.mkdir(parents=True, exist_ok=True)
+        operator.revocation_list(state / "secagg_revocations.json")
+        port = free_port()
+        url = f"https://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": "1"}
+    env.pop("FEDFS_ADMIN_TOKEN", None)          # the server writes its own into its state
+    server = Server(server_flags(plan, operator, state, port, rounds=plan.rounds if resume else 0), state, env,
+                    out / ("server-resumed.log" if resume else "server.log"))
+    devices: list[Device] = []
+    try:
+        server.wait_healthy(url, operator.tls_cert)
+        t0 = time.perf_counter()
+        for c in range(pop.num_clients):
+            d = out / "fleet" / f"client_{c:05d}"
+            photos = (sorted(str(f) for f in (d / "photos").iterdir()) if resume
+                      else write_photos(d / "photos", to_u8(pop.train_images(c))))
+            # fedfs+feduv's own default score, said explicitly: a device the server never sampled guesses
+            # the method 'feduv' from the model's head and would need a codeword it never made (the agent's
+            # fallback in device_enrollment; reported) — with the score named it enrolls ξ or the global model
+            dev = Device(c, d, photos, d / "identity.cert.json", q=device_q(q, len(photos)),
+                         score="head-template" if plan.method == "fedfs+feduv" else None)
+            check_inputs(dev, operator, args.outliers)          # before it registers, as fedfs device does
+            if not resume:
+                register(dev, url, operator)
+            devices.append(dev)
+        timing["register_s"] = time.perf_counter() - t0
+        if not resume:
+            start_rounds(url, state, operator.tls_cert, plan.rounds)
+        log(f"{len(devices)} devices registered and certified; rounds open", args.quiet)
+        done = {"n": 0}
+
+        def on_event(dev: Device, name: str, fields: dict[str, Any]) -> None:
+            if name == "enrolled":
+                done["n"] += 1
+                log(f"client {dev.client} enrolled ({fields.get('model_choice')}); {done['n']}/{len(devices)}",
+                    args.quiet)
+
+        t0, fleet_cpu0, server_cpu0 = time.perf_counter(), process_cpu_seconds(), server.cpu_seconds()
+        run_fleet(devices, url, operator, args.outliers, on_event)
+        timing["fleet_wall_s"] = time.perf_counter() - t0
+        timing["fleet_cpu_s"] = process_cpu_seconds() - fleet_cpu0
+        timing["server_cpu_s"] = server.cpu_seconds() - server_cpu0
+    finally:
+        server.stop()
+    timing["rounds_s"] = round_times(state)
+    timing["resumed"] = bool(resume)
+    failed = [(d.client, d.error) for d in devices if d.error]
+    if failed:
+        raise SystemExit(f"{len(failed)} device(s) failed, e.g. client {failed[0][0]}: {failed[0][1]} "
+                         f"(server log {out / 'server.log'})")
+    per_dev = {"sent_bytes": [d.sent for d in devices], "received_bytes": [d.received for d in devices],
+               "cpu_s": [d.cpu_seconds for d in devices], "wall_s": [d.seconds for d in devices],
+               "rounds": [len(d.report.rounds) for d in devices],
+               "lost_rounds": [len(d.report.lost_rounds) for d in devices],
+               "phases": [phase_times(d) for d in devices], "q": [d.q for d in devices]}
+    record = {"plan": {**plan.__dict__, "impostors": str(plan.impostors)},
+              "server_flags": server_flags(plan, operator, state, port), "timing": timing, "per_device": per_dev}
+    (out / "deployment.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def read_deployment(out: Path) -> dict[str, Any]:
+    """What :func:`deploy` recorded (``OUT/deployment.json``; an older run's ``rehearsal.json``)."""
+    if (out / "deployment.json").is_file():
+        return json.loads((out / "deployment.json").read_text())
+    old = json.loads((out / "rehearsal.json").read_text())
+    timing = {k: v for k, v in old["timing"].items() if k in ("register_s", "fleet_wall_s", "fleet_cpu_s", "server_cpu_s")}
+    per_dev = {**old["per_device"], "phases": old["per_device"].get("phases") or
+               [phase_times(Device(0, out, [], Path()))] * len(old["clients"])}
+    return {"plan": old["settings"]["server"], "server_flags": old["settings"]["server_flags"], "timing": timing,
+            "per_device": per_dev}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args, sim_argv = parse(argv)
+    from device_sim.cli_simulate import experiment_from_argv, run_simulation
+    from device_sim.experiment_data import build_data
+    from device_sim.evaluate import EvalConfig
+    from device_sim.folder_split import auto_warmup_q
+    from device_sim.methods import parse_method
+    from device_sim.population import Population
+    from device_sim.xi_source import resolve_xi
+    import torch
+
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = experiment_from_argv(sim_argv + ["--out", str(out / "simulate")] + (["--quiet"] if args.quiet else []),
+                               command="simulate")
+    torch.set_num_threads(cfg.runtime.threads or 1)
+    set_enroll_concurrency(args.enroll_concurrency)
+    t_start, cpu_start = time.perf_counter(), process_cpu_seconds()
+    timing: dict[str, float] = {}
+
+    # 1. the simulator's split, data and ξ
+    ds, splits = build_data(cfg)
+    pop = Population(ds, splits)
+    xi, xi_info = resolve_xi(cfg, ds, splits, quiet=True)
+    q = cfg.evaluation.q or (auto_warmup_q(splits)[0] if cfg.data.data != "synth" else 0.9)
+    eval_cfg = EvalConfig(q=q, max_clients=cfg.evaluation.eval_clients, impostor_pool=cfg.evaluation.impostor_pool,
+                          seed=cfg.train.seed)
+    trained = [s for s in cfg.train.method if parse_method(s).trains]
+    deploy_spec = next((s for s in trained if parse_method(s).name == args.deploy), None) if args.deploy else \
+        (trained[0] if trained else None)
+    method = args.deploy or (parse_method(deploy_spec).name if deploy_spec else None)
+    if method not in DEPLOYABLE:
+        raise SystemExit(f"nothing to deploy: --method {list(cfg.train.method)} has none of {DEPLOYABLE}")
+    xi_name = xi_info["builtin"] if "builtin" in xi_info else str(xi_info["path"])
+    impostors = None if args.no_impostors else write_impostors(cfg, ds, splits, out / "impostors.npz")
+    plan = ServerPlan(xi=xi_name, impostors=impostors, method=method, rounds=cfg.train.rounds,
+                      participation=cfg.train.participation, seed=cfg.train.seed,
+                      train=train_settings(cfg, deploy_spec or method), extra=tuple(args.server_arg),
+                      # each waiting device polls at this hint: quick for a handful, 2 s (the default) for many
+                      poll_interval=0.5 if pop.num_clients <= 20 else 2.0)
+    timing["data_s"] = time.perf_counter() - t_start
+    log(f"{pop.num_clients} clients, q={q:g}, ξ {xi_name}; deploying {method} for {plan.rounds} rounds "
+        f"at p={plan.participation:g}, train {plan.train}", args.quiet)
+
+    # 2. operator, server, devices (or, with --rescore, the fleet an earlier run left)
+    record = read_deployment(out) if args.rescore else deploy(args, out, pop, plan, q)
+    devices = [Device(c, out / "fleet" / f"client_{c:05d}", [], Path()) for c in range(pop.num_clients)]
+    timing.update(record["timing"])
+    per_dev = record["per_device"]
+
+    # 3. the deployed enrollments, scored by the simulator's evaluation
+    t0 = time.perf_counter()
+    xi_backbone = getattr(xi, "backbone", xi)
+    specs, metas, on_xi_trunk = {}, {}, {}
+    served = xi_spec(devices[0].state_dir / "xi.safetensors", xi_backbone)
+    enrolled = {d.client: (d.state_dir / "enrollment.fedfs").is_file() for d in devices}
+    if not all(enrolled.values()) and not args.partial:
+        raise SystemExit(f"{sum(not e for e in enrolled.values())} device(s) have no enrollment: --resume the run, "
+                         "or --rescore --partial to compare on the enrolled clients only")
+    for d in devices:
+        if not enrolled[d.client]:      # --partial: a placeholder, left out of every row below
+            specs[d.client], metas[d.client], on_xi_trunk[d.client] = served, {"model_choice": None}, 0.0
+            continue
+        specs[d.client], metas[d.client], on_xi_trunk[d.client] = device_spec(
+            d.state_dir, (d.dir / "device.key").read_bytes(), xi_backbone, args.eval_device_template)
+    deployed = evaluate_specs(specs, pop, eval_cfg, cfg.runtime.device)
+    xi_eval = evaluate_specs({d.client: served for d in devices}, pop, eval_cfg, cfg.runtime.device)
+    timing["eval_s"] = time.perf_counter() - t0
+
+    # 4. the simulator on the same arguments
+    t0 = time.perf_counter()
+    if args.deploy_only:
+        results = {"methods": []}
+    elif args.sim_results is not None:
+        results = json.loads(args.sim_results.read_text())
+        check_same_split(results, cfg, pop, ds, splits, deployed["clients"])
+    else:
+        log("running the simulator on the same arguments", args.quiet)
+        results = run_simulation(cfg)
+    timing["simulate_s"] = time.perf_counter() - t0
+    sims = sim_rows(results)
+    ref = next((r for r in sims.values() if r["method"] == "pretrained"), None)
+    if args.deploy_only:        # no simulator: Δ vs ξ as served
+        ref = {"label": "ξ as served", "eval": xi_eval}
+    elif ref is None:
+        raise SystemExit("the simulator's rows have no 'pretrained' (ξ) row: add pretrained to --method")
+
+    # 5. the tables
+    clients = deployed["clients"]
+    keep = [enrolled[c] for c in clients]       # every client, unless --partial
+    dep_choices = [metas[c].get("model_choice") for c, k in zip(clients, keep) if k]
+    def sim_choices(r: dict[str, Any]) -> list | None:
+        per = (r.get("selection") or {}).get("per_client")
+        return None if per is None else [x for x, k in zip(per, keep) if k]
+
+    rows = [{"name": f"simulator: {label}", "values": per_client(r["eval"], keep),
+             "vs_xi": None if r is ref else compare(r["eval"], ref["eval"], keep),
+             "choices": choice_counts(sim_choices(r)) if r.get("selection") else None,
+             "per_client_choice": sim_choices(r)} for label, r in sims.items()]
+    rows += [{"name": "deployment: ξ as served", "values": per_client(xi_eval, keep),
+              "vs_xi": compare(xi_eval, ref["eval"], keep), "choices": None},
+             {"name": f"deployment: {method}", "values": per_client(deployed, keep),
+              "vs_xi": compare(deployed, ref["eval"], keep),
+              "choices": choice_counts(dep_choices), "per_client_choice": dep_choices}]
+    comparisons = [] if args.deploy_only else [{"a": "deployed ξ", "b": ref["label"],
+                                                 "delta": compare(xi_eval, ref["eval"], keep)}]
+    comparisons += [{"a": f"deployed {method}", "b": label, "delta": compare(deployed, r["eval"], keep)}
+                    for label, r in sims.items() if r is not ref]
+    phases = {name: {k: float(sum(p[name][k] for p in per_dev["phases"])) for k in ("wall_s", "cpu_s")}
+              for name, _, _ in PHASES}
+    timing["total_wall_s"] = time.perf_counter() - t_start
+    timing["total_cpu_s"] = process_cpu_seconds() - cpu_start + timing.get("server_cpu_s", 0.0)
+    sim_time = {label: {"train_s": r.get("seconds"), "eval_s": r.get("eval_seconds")} for label, r in sims.items()}
+    table = markdown(rows, comparisons)
+    cost = (f"deployment: {len(devices)} devices, {plan.rounds} rounds"
+            + (f" (rounds took {' / '.join(f'{r:.0f}' for r in timing['rounds_s'])} s)" if timing.get("rounds_s") else "")
+            + (" — resumed after a stop: fleet figures are the resumed run's" if timing.get("resumed") else "")
+            + (f"; compared on the {sum(keep)} of {len(keep)} clients whose device enrolled" if not all(keep) else "")
+            + f"; fleet wall {timing['fleet_wall_s']:.0f} s, "
+            f"CPU {timing['fleet_cpu_s']:.0f} s (devices, this process) + {timing['server_cpu_s']:.0f} s (server); "
+            f"per device sent {np.mean(per_dev['sent_bytes']) / 1e6:.2f} MB, received "
+            f"{np.mean(per_dev['received_bytes']) / 1e6:.2f} MB (mean), {np.mean(per_dev['rounds']):.1f} rounds; "
+            f"registration {timing['register_s']:.0f} s, evaluation {timing['eval_s']:.0f} s; device CPU by phase "
+            + ", ".join(f"{k} {v['cpu_s']:.0f} s" for k, v in phases.items()) + "; simulator "
+            + ", ".join(f"{k}: train {v['train_s'] or 0:.0f} s" for k, v in sim_time.items()))
+    report = {"settings": {"simulate_argv": sim_argv, "server": record["plan"], "server_flags": record["server_flags"],
+                           "q": q,
+                           "eval_device_template": args.eval_device_template, "outliers": args.outliers,
+                           "sim_results": str(args.sim_results) if args.sim_results else None},
+              "clients": clients, "compared": keep, "test_photos": [int(splits.clients[c].test.size) for c in clients],
+              "train_photos": [int(splits.clients[c].train.size) for c in clients],
+              "rows": rows, "comparisons": comparisons, "timing": timing, "per_device": per_dev,
+              "phases_total": phases,
+              "simulator_timing": sim_time, "table": table, "cost": cost,
+              "device_selection": [metas[c].get("selection") for c in clients],
+              # scope=top: max |Δ| of each deployed verifier's trunk from ξ's (≤ TRUNK_ATOL: scored on ξ's trunk)
+              "verifier_trunk_deviation": [on_xi_trunk[c] for c in clients]}
+    (out / "rehearsal.json").write_text(json.dumps(report, indent=1, default=float))
+    (out / "rehearsal.md").write_text(table + "\n\n" + cost + "\n")
+    if not args.quiet:
+        print(table)
+        print()
+        print(cost)
+    return report
+
+
+if __name__ == "__main__":
+    main()
