@@ -47,10 +47,15 @@ def test_folded_and_vmap_equal_sequential(spec: str, xi, data) -> None:
     vm_ex = BatchedExecutor("cpu", fold="off")
     vm = vm_ex.train(m, plan, tasks, cfg)
     assert vm_ex.path == "vmap"
-    assert max_diff(seq.params, folded.params) < 1e-5
-    assert max_diff(seq.params, vm.params) < 1e-5
     start = {g: {k: torch.stack([t.params[g][k] for t in tasks]) for k in w} for g, w in tasks[0].params.items()}
-    assert max_diff(seq.params, start) > 1e-4                # the weights moved: the equality is not trivial
+    moved = max_diff(seq.params, start)
+    assert moved > 1e-4                                      # the weights moved: the equality is not trivial
+    # The paths sum the same float32 terms in other orders (and torch's thread count changes the
+    # order again: one thread per xdist worker in CI): the bound is float rounding relative to
+    # the update, not a fixed 1e-5 (fedfs+feduv, one thread: vmap 1.05e-5 off on an update of 4.56).
+    bound = max(1e-5, 1e-4 * moved)
+    assert max_diff(seq.params, folded.params) < bound, (moved, bound)
+    assert max_diff(seq.params, vm.params) < bound, (moved, bound)
     assert torch.equal(folded.client_steps, seq.client_steps)
     for k in seq.metrics:
         assert torch.allclose(seq.metrics[k], folded.metrics[k], atol=1e-5), k
