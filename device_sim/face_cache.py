@@ -22,9 +22,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from fedfs_sdk.fileio import atomic_write_bytes
 
 __all__ = ["FaceCache", "FACE_CODE_VERSION", "default_face_cache_dir", "entry_key", "file_digest"]
 
@@ -96,16 +97,4 @@ class FaceCache:
         body = json.dumps(payload, sort_keys=True, separators=(",", ":"))
         doc = json.dumps({"key": key, "sha256": hashlib.sha256(body.encode()).hexdigest(), "payload": payload},
                          sort_keys=True, separators=(",", ":")).encode()
-        p = self.path(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(doc)
-            os.replace(tmp, p)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        atomic_write_bytes(self.path(key), doc, durable=False)    # a lost entry is redone

@@ -20,8 +20,8 @@ are the trunk's outputs for those photos, bit for bit (a warm run's table is the
 from __future__ import annotations
 
 import hashlib
+import io
 import os
-import tempfile
 import weakref
 import zipfile
 from collections import OrderedDict
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedfs_sdk.fileio import atomic_write_bytes
 from fedfs_sdk.training.scope import Trunk
 
 _CACHES: "weakref.WeakKeyDictionary[torch.nn.Module, TrunkCache]" = weakref.WeakKeyDictionary()
@@ -150,18 +151,9 @@ def _read(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _write(path: Path, keys: np.ndarray, feats: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, keys=keys, features=feats, sha256=_checksum(keys, feats))
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    buf = io.BytesIO()
+    np.savez(buf, keys=keys, features=feats, sha256=_checksum(keys, feats))
+    atomic_write_bytes(path, buf.getvalue(), durable=False)        # a lost or torn file is rebuilt
 
 
 _BY_TRUNK: "weakref.WeakKeyDictionary[torch.nn.Module, TrunkCache]" = weakref.WeakKeyDictionary()

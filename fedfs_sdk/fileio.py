@@ -7,10 +7,13 @@ import tempfile
 from pathlib import Path
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int | None = None) -> None:
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int | None = None,
+                       durable: bool = True) -> None:
     """Write ``data`` to ``path`` so that readers see the old or the new file, never half.
 
     ``mode`` (e.g. ``0o600`` for secrets) is applied before the file becomes visible.
+    ``durable=False`` skips the fsyncs: for caches that are rebuilt when lost (thousands of small
+    entries, where a sync each would dominate), still atomic for concurrent readers.
     """
     path = Path(path)
     blocking = next((a for a in (path.parent, *path.parent.parents) if a.exists() and not a.is_dir()), None)
@@ -21,15 +24,17 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, mode: int | No
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    fsync_directory(path.parent)
+    if durable:
+        fsync_directory(path.parent)
 
 
 def fsync_file(path: str | os.PathLike[str]) -> None:
