@@ -345,11 +345,14 @@ def _keys(d: Mapping[float, Any]) -> dict[str, Any]:
 def _evaluate_new_users(method: FederatedMethod, global_weights: Weights, pop: Population, probes: _Probes,
                         cfg: EvalConfig, dev: torch.device) -> dict[str, Any]:
     """FedUV's third evaluation set: users who never trained enroll with the shipped model."""
-    outs = []
+    outs, chose = [], {}
     cache: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
     for j in range(pop.num_new_users):
         state = method.client_state_init(pop.num_clients + j)   # a fresh, never-trained identity/codeword
-        spec = method.new_user_verifier(state, global_weights)
+        enroll_x = probes.new[torch.from_numpy(np.flatnonzero((probes.new_owner == j) & ~probes.new_is_test))]
+        spec, name = method.new_user_choice(state, global_weights, enroll_x)
+        if name is not None:
+            chose[name] = chose.get(name, 0) + 1
         key = spec.shared_key
         if key is not None and key in cache:
             f = cache[key]
@@ -365,7 +368,7 @@ def _evaluate_new_users(method: FederatedMethod, global_weights: Weights, pop: P
     w = M.per_user_warmup(outs, cfg.q)
     v = M.per_client_verification([(g, i) for _, g, i in outs], cfg.fars)
     return {"users": pop.num_new_users, "tpr": w["tpr"], "fpr": w["fpr"], "n_insufficient": w["n_insufficient"],
-            "auroc": v["auroc"]}
+            "auroc": v["auroc"], **({"chose": chose} if chose else {})}
 
 
 __all__ = ["EvalConfig", "evaluate", "embed", "embed_stacked"]

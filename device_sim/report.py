@@ -272,14 +272,19 @@ def _dp_cell(dp: Mapping[str, Any] | None) -> str:
 SELECTION_HEAD = "chose ξ / global / personalized"
 
 
-def selection_cell(sel: Mapping[str, Any] | None) -> str:
+def selection_cell(sel: Mapping[str, Any] | None, new_users: Mapping[str, int] | None = None) -> str:
     """``12 / 3 / 87``: clients whose do-no-harm check (``select=on``) kept ξ, the global model,
-    their personalized model; ``–`` for a method without the check."""
+    their personalized model; ``–`` for a method without the check. ``new_users``: what the users
+    who never trained chose (ξ / global, norm-adapt), appended as ``; new users 10 / 0 (norm-adapt 6)``."""
     if not sel:
         return "–"
     c = sel.get("counts") or {}
     cell = " / ".join(str(c.get(k, 0)) for k in ("xi", "global", "personalized"))
-    return cell + (f" (norm-adapt {c['norm-adapt']})" if "norm-adapt" in c else "")   # check=in-domain's 4th candidate
+    cell += f" (norm-adapt {c['norm-adapt']})" if "norm-adapt" in c else ""   # check=in-domain's 4th candidate
+    if new_users:
+        cell += f"; new users {new_users.get('xi', 0)} / {new_users.get('global', 0)}" + \
+            (f" (norm-adapt {new_users['norm-adapt']})" if "norm-adapt" in new_users else "")
+    return cell
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,
@@ -302,7 +307,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], title: str | None = None,
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["label"], *([_dp_cell(r.get("dp"))] if dp else []), *(_cell(r, src, ref_label) for _, src in COLUMNS),
-                 *([selection_cell(r.get("selection"))] if sel else []),
+                 *([selection_cell(r.get("selection"), ((r.get("eval") or {}).get("new_users") or {}).get("chose"))]
+                   if sel else []),
                  str(r.get("rounds", 0)), f"{r.get('seconds', 0.0):.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     foot = notes_lines(rows)

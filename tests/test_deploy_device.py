@@ -110,3 +110,37 @@ def test_verification_applies_the_enrollments_preprocessing(tmp_path):
         score(backend, e, photos[6:], detect_face=False)
     e.meta.pop("preprocessing")                                           # an enrollment from before
     assert not np.allclose(recorded, score(backend, e, photos[6:], detect_face=False))
+
+
+def test_a_device_the_server_never_sampled_enrolls_under_feduv(tmp_path):
+    """FedUV's new user on a device: registered, never in a round, it enrolls with the shipped model's
+    scoring — a codeword made now (FedUV Alg. 2) — after the same do-no-harm check over ξ and the
+    global model. It used to fail: "holds no codeword yet: the device has not trained a FedUV round"."""
+    from fedfs_sdk.federation.agent import DeviceAgent
+    from fedfs_sdk.federation.device_config import DeviceConfig
+    from fedfs_sdk.federation.device_state import DeviceState
+    from fedfs_sdk.federation.server_client import ServerClient
+    from fedfs_sdk.runtime.impostors import ImpostorSet, save_impostors
+
+    torch.manual_seed(0)
+    save_checkpoint(tmp_path / "xi.safetensors", FaceNet(ModelConfig("tiny")), ModelConfig("tiny"))
+    rng = np.random.default_rng(0)
+    save_impostors(tmp_path / "imp.npz", ImpostorSet(rng.integers(0, 255, (30, 32, 32, 3), dtype=np.uint8),
+                                                     np.arange(30) // 3, [f"p{i}" for i in range(10)]))
+    srv = start_server(tmp_path / "server", "--xi", str(tmp_path / "xi.safetensors"), "--method", "feduv",
+                       "--rounds", "1", "--min-participants", "2", "--impostors", str(tmp_path / "imp.npz"))
+    try:
+        images = [str(p) for p in write_images(tmp_path / "me", 10, seed=4)]
+        with DeviceState(tmp_path / "dev") as state, ServerClient(srv.url) as client:
+            agent = DeviceAgent(client, state, images, DeviceConfig(q=0.8, stats=False))
+            agent.ensure_registered()
+            assert not state.info.rounds                         # never sampled, never trained
+            enrollment = agent.enroll()
+            meta = enrollment.meta
+            assert meta["method"] == "feduv" and enrollment.mode in ("codeword", "template")
+            assert [c["name"] for c in meta["selection"]["checks"]] == ["xi", "global"]
+            if meta["model_choice"] == "global":
+                assert enrollment.mode == "codeword"
+            assert state.load_codeword().shape == (127,)         # made at enrollment, kept encrypted
+    finally:
+        srv.stop()

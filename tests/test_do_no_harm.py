@@ -317,3 +317,43 @@ def test_trunk_cache_and_split_verifiers_give_the_full_models_embeddings() -> No
 def replace_trunk(spec):
     from dataclasses import replace
     return replace(spec, trunk=None, top=None)
+
+
+@pytest.mark.parametrize("check", ["in-domain", "public"])
+def test_simulated_new_users_check_the_shipped_model_too(check, tmp_path) -> None:
+    """A user who never trained runs the device's rule over ξ, norm-adapt and the global model
+    (issue 29 item 4: ``feduv``'s new users accepted 71 % of strangers with the unchecked global
+    model on LFW): a scrambled global model is never what a new user enrolls with."""
+    from device_sim.cli_simulate import experiment_from_argv, public_impostors
+    from device_sim.evaluate import EvalConfig, evaluate
+    from device_sim.experiment_data import build_data
+    from device_sim.methods import parse_method
+    from device_sim.methods.base import SimContext
+    from device_sim.methods.selection import HoldoutView
+    from device_sim.population import Population
+    from device_sim.pretrain import PretrainConfig, train_xi
+
+    cfg = experiment_from_argv(["--clients", "6", "--new-users", "3", "--public", "12", "--out", str(tmp_path)])
+    ds, splits = build_data(cfg)
+    pop = Population(ds, splits)
+    ids, idx, lab = splits.pairs("public", "train")
+    xi = train_xi(ds, ids, idx, lab, PretrainConfig(backbone="tiny", epochs=6, seed=0))[0].eval()
+    m = parse_method(f"feduv:select=on,check={check}")
+    m.setup(SimContext(ModelConfig("tiny"), xi, num_clients=pop.num_clients))
+    m.prepare(HoldoutView(pop, public_impostors(cfg, pop), seed=0))
+    g = m.init_global()
+    torch.manual_seed(0)
+    bad = {k: (v + 2.0 * torch.randn_like(v) if k.startswith("backbone.") and v.dim() > 1 else v)
+           for k, v in g.items()}                              # planted: the shipped model scrambled
+    out = evaluate(m, bad, lambda c: None, pop, EvalConfig(fars=(1e-2,)))
+    chose = out["new_users"]["chose"]
+    assert sum(chose.values()) == 3 and chose.get("global", 0) == 0, chose
+    assert set(m.selection.new_user_details) == {6, 7, 8}
+    for d in m.selection.new_user_details.values():
+        assert [c["name"] for c in d["checks"]][-1] == "global"        # checked, not trusted
+    # select=off (the papers' behaviour): the new users get the scrambled model, unchecked
+    off = parse_method("feduv:select=off")
+    off.setup(SimContext(ModelConfig("tiny"), xi, num_clients=pop.num_clients))
+    paper = evaluate(off, bad, lambda c: None, pop, EvalConfig(fars=(1e-2,)))["new_users"]
+    assert "chose" not in paper
+    assert out["new_users"]["auroc"]["mean"] > paper["auroc"]["mean"] + 0.05

@@ -287,6 +287,12 @@ class FederatedMethod(ABC):
         """How a user who never took part verifies with the model the server ships."""
         return self.verifier(state, global_weights, None)
 
+    def new_user_choice(self, state: ClientState, global_weights: Weights, enroll_x: torch.Tensor
+                        ) -> tuple[VerifierSpec, str | None]:
+        """The verifier a new user enrolls with and which candidate it is (None: the method has no
+        choice, the shipped model). Methods with do no harm override it."""
+        return self.new_user_verifier(state, global_weights), None
+
 
 def backbone_weights(weights: Mapping[str, torch.Tensor], prefix: str = "backbone.") -> Weights:
     """``backbone.*`` entries of a FaceNet state dict, with the prefix kept."""

@@ -53,6 +53,17 @@ class SDKVerifiers:
             self.selection.prepare(clients, lambda c: self._candidates(self.client_state_init(c), global_weights,
                                                                         private(c)))
 
+    def new_user_choice(self, state: ClientState, global_weights: Weights, enroll_x) -> tuple[VerifierSpec, str | None]:
+        """What a user who never trained verifies with: the shipped model (:meth:`new_user_verifier`);
+        with do no harm on, the device's rule over ξ, norm-adapt and the global model on its own
+        enrollment photos (:meth:`.selection.SimSelection.choose_new_user`) — the deployed default
+        never enrolls an unchecked global model, so neither does the simulator's new user."""
+        if not self._selecting():
+            return self.new_user_verifier(state, global_weights), None
+        specs = self._candidates(state, global_weights, None)
+        specs.pop("personalized")       # no θ_c: it never trained
+        return self.selection.choose_new_user(state.client, specs, enroll_x)
+
     def xi_verifier(self) -> VerifierSpec:
         """ξ as it is, with a cosine template (what the device had before any training)."""
         return VerifierSpec(self._personal_vnet, backbone_weights(self.context.xi.state_dict()), None, shared_key="xi")

@@ -181,6 +181,7 @@ class SimSelection:
         self.data: HoldoutView | None = None
         self.choices: dict[int, str] = {}
         self.details: dict[int, dict] = {}
+        self.new_user_details: dict[int, dict] = {}     # by the identity's index after the clients'
         self.verdicts: dict = {}
         self._checks: dict[int, list | None] = {}
         self._unmatched: dict[int, list] = {}
@@ -205,30 +206,61 @@ class SimSelection:
     def check(self, client: int, specs: Mapping[str, VerifierSpec]) -> list | None:
         """Client ``client``'s check of every candidate (hold-out vs its capture-matched public
         impostors); None when it has no hold-out (too few photos)."""
-        from ..evaluate import embed
-
         if self.data is None:
             raise RuntimeError("SimSelection used before bind()")
-        dev = torch.device(self.method.context.device)
         train_x = self.data.train_images(client)
         hold_x = self.data.holdout_images(client)
         if hold_x.shape[0] == 0:
             return None
+        checks, diag = self._check_photos(client, specs, self.candidates, train_x, hold_x)
+        if diag is not None:
+            self.diagnostics[client] = diag
+        return checks
+
+    def choose_new_user(self, key: int, specs: Mapping[str, VerifierSpec], enroll_x: torch.Tensor) -> tuple[VerifierSpec, str]:
+        """A user who never trained (FedUV's new users; a device the server never sampled), by the
+        device's rule: it holds out some of its enrollment photos (seeded by ``key``, the identity's
+        index after the clients'), checks the candidates it has — ξ, norm-adapt, the global model;
+        no θ_c — and decides with the federation's published verdicts (it contributed no check of
+        its own). Returns the chosen spec and its name; ``select=audit`` ships the global model."""
+        if self.data is None:
+            raise RuntimeError("SimSelection used before bind()")
+        names = tuple(n for n in self.candidates if n in specs)
+        tr, ho = holdout_split(int(enroll_x.shape[0]), self.data.seed * 1_000_003 + int(key), self.data.fraction)
+        if ho.size == 0 or len(names) < 2:
+            sel_name, detail = names[0], {"chosen": names[0], "reason": "no hold-out photos (too few photos)"}
+        else:
+            checks, diag = self._check_photos(key, specs, names, enroll_x[torch.from_numpy(tr)],
+                                              enroll_x[torch.from_numpy(ho)])
+            sel = decide(checks, self._check_sum, self.candidates) if self._check_sum_ready() else decide(checks)
+            sel_name, detail = sel.chosen, {**sel.to_dict(), **({"in_domain_far": diag} if diag else {})}
+        self.new_user_details[int(key)] = detail
+        if self.audit:
+            return specs["global"], "global"
+        return specs[sel_name], sel_name
+
+    def _check_photos(self, key: int, specs: Mapping[str, VerifierSpec], names: tuple[str, ...],
+                      train_x: torch.Tensor, hold_x: torch.Tensor) -> tuple[list, dict | None]:
+        """The candidates ``names`` checked on these photos (template from ``train_x``, genuine =
+        ``hold_x``); with the in-domain diagnostics (None for ``check=public``)."""
+        from ..evaluate import embed
+
+        dev = torch.device(self.method.context.device)
         if self.mode == "in-domain":
-            return self._check_in_domain(client, specs, train_x, hold_x, dev)
+            return self._check_in_domain(key, specs, names, train_x, hold_x, dev)
         imp = self.data.public_impostors[:CHECK_IMPOSTORS]
-        matched = _from_u8(match_capture(_to_u8(imp), _to_u8(train_x), seed=client))
+        matched = _from_u8(match_capture(_to_u8(imp), _to_u8(train_x), seed=key))
         checks, raw = [], []
-        for name in self.candidates:
+        for name in names:
             spec = specs[name]
             tr, ho, im, mi = (embed(spec, x, dev)["embedding"].numpy() for x in (train_x, hold_x, imp, matched))
             checks.append(check_candidate(name, tr, ho, mi, far=1e-3))
             raw.append(check_candidate(name, tr, ho, im, far=1e-3))
-        self._unmatched[client] = [c.to_dict() for c in raw]
-        return checks
+        self._unmatched[key] = [c.to_dict() for c in raw]
+        return checks, None
 
-    def _check_in_domain(self, client: int, specs: Mapping[str, VerifierSpec], train_x: torch.Tensor,
-                         hold_x: torch.Tensor, dev: torch.device) -> list:
+    def _check_in_domain(self, client: int, specs: Mapping[str, VerifierSpec], names: tuple[str, ...],
+                         train_x: torch.Tensor, hold_x: torch.Tensor, dev: torch.device) -> tuple[list, dict]:
         """Each candidate: template from the training photos, genuine = the hold-out, impostors =
         :data:`~fedfs_sdk.stats.DRAWS` trunk features drawn from the *other* clients' summed
         moments (the round's sum minus this client's own contribution) through the candidate's top
@@ -256,7 +288,7 @@ class SimSelection:
         real = self._real_impostors(client)
         checks, diag = [], {}
         done: dict[tuple, str] = {}     # this call's candidates by what they compute (FedUV: global = personalized)
-        for name in self.candidates:
+        for name in names:
             spec = specs[name]
             fp = _fingerprint(spec)
             # ξ's and norm-adapt's tensors live as long as the run (ξ's own, the round's memo): their
@@ -287,8 +319,7 @@ class SimSelection:
                 diag[name]["n_real"] = int(meas.size)
             if key is not None:
                 memo[key] = (ck, diag.get(name))
-        self.diagnostics[client] = diag
-        return checks
+        return checks, diag
 
     def _real_impostors(self, client: int) -> torch.Tensor | None:
         """Every other contributing client's real trunk features (the simulator's ground truth for

@@ -56,14 +56,15 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
                 fallback = f"no in-domain check: {e}"
                 self._emit("stats_unavailable", {"reason": str(e)[:300]})
         if selection is None and impostors is not None:
-            chosen, selection = choose_model(self, method, mbytes, version, score, model, impostors)
+            chosen, selection = choose_model(self, method, mbytes, version, score, model, impostors,
+                                             code_length=info["config"].get("code_length"))
         elif selection is None:
             chosen, selection = unchecked_choice(self)
         if fallback is not None:
             selection = {**selection, "fallback": fallback}
     backend = self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen)
     mode, template_output = candidate_mode(method, score, model, chosen)
-    codeword = self.state.load_codeword() if mode == "codeword" else None
+    codeword = device_codeword(self, info["config"].get("code_length")) if mode == "codeword" else None
     in_domain = None
     if self.config.far is not None and self.config.far_stats is not None:
         from ..stats.evidence import evidence_for_backend, xi_verifier     # the federation's conditions (issue 29)
@@ -90,7 +91,7 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
 
 
 def choose_model(self, method: str, model: bytes, version: int, score: str, verify: str,  # self: the DeviceAgent
-                 impostors) -> tuple[str, dict]:
+                 impostors, code_length: int | None = None) -> tuple[str, dict]:
     """Do no harm (:mod:`fedfs_sdk.training.selection`): score the hold-out photos (never trained
     on) and the public impostors with ξ, the global model and the personalized one; keep the
     best, ties to the earlier (ξ first)."""
@@ -113,7 +114,7 @@ def choose_model(self, method: str, model: bytes, version: int, score: str, veri
             matched[size] = _from_u8(match_capture(impostors.images[:CHECK_IMPOSTORS], _to_u8(x[train]),
                                                    seed=len(self.images)))
         mode, output = candidate_mode(method, score, verify, name)
-        codeword = self.state.load_codeword() if mode == "codeword" else None
+        codeword = device_codeword(self, code_length) if mode == "codeword" else None
         g, i = candidate_scores(backend, x[train], x[hold], matched[size], mode, output, codeword)
         checks.append(check_scores(name, g, i, self.config.far or 1e-3))
     verdicts = {n: Verdict(n, True, math.nan, math.nan, math.nan, 0) for n in self.config.helps}
@@ -163,6 +164,20 @@ def unchecked_choice(self) -> tuple[str, dict]:  # self: the DeviceAgent
 def has_xi(self) -> bool:
     """Whether the device has ξ to compare with (given with --xi, or downloaded to train)."""
     return self.config.xi_path is not None or self.state.file("xi.safetensors").is_file()
+
+
+def device_codeword(self, code_length: int | None) -> np.ndarray:  # self: the DeviceAgent
+    """The codeword the device enrolls with: the one it trained with, or — a device the server never
+    sampled, FedUV's new user — one made now from its base vector and fresh ``r_u`` (FedUV Alg. 2:
+    a new user picks its codeword at enrollment)."""
+    from .device_state import DeviceStateError
+
+    try:
+        return self.state.load_codeword()
+    except DeviceStateError:
+        if not code_length:
+            raise
+        return self.state.codeword(int(code_length))
 
 
 def _to_u8(x: np.ndarray) -> np.ndarray:
