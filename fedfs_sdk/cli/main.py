@@ -47,6 +47,9 @@ COMMAND_EXTRA: dict[str, str] = {"demo": "sim", "simulate": "sim", "pretrain": "
                                  "import-model": "train"}
 """The extra each command needs (``enroll``/``verify`` with an ONNX model need only the core)."""
 
+SIMULATOR_COMMANDS = frozenset({"demo", "simulate", "pretrain", "bench"})
+"""Commands that keep freed memory mapped (:mod:`fedfs_sdk.malloc_policy`); a device's do not."""
+
 SHOW_DEFAULTS = frozenset({"demo", "simulate", "pretrain", "bench", "serve", "export"})
 """Commands whose ``--help`` appends each option's default (see :class:`DefaultsHelpFormatter`)."""
 
@@ -106,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     module = _import_command(args.command)
+    if args.command in SIMULATOR_COMMANDS:
+        from ..malloc_policy import keep_freed_memory
+
+        keep_freed_memory()     # the kernel's page faults were a third of a real-folder run's CPU time
     try:
         return int(module.run(args) or 0)
     except ModuleNotFoundError as e:      # a lazily imported optional dependency
