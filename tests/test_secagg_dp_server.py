@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from conftest_server import new_device, read_safetensors, start_server, wait_open, wait_round
+from conftest_server import read_safetensors, start_server, wait_open, wait_round
 from fedfs_sdk.training.ort_device import encode_update
 from fedfs_sdk.federation.secagg import DevicePolicy, FixedPoint, from_json
 from fedfs_sdk.federation.secagg.http_device import DP_INPUT, SecAggRoundLost, SecAggSession
@@ -63,7 +63,7 @@ def _model(srv, version: int) -> tuple[bytes, dict[str, np.ndarray], dict[str, s
 
 class Dev:
     def __init__(self, url: str, i: int) -> None:
-        reg = new_device(url)
+        reg = httpx.post(url + "/v1/devices").json()
         self.i, self.token = i, reg["token"]
         self.client = ServerClient(url, self.token, retry=RetryPolicy(attempts=20, base_delay_s=0.2, max_delay_s=1.0))
         self.session: SecAggSession | None = None

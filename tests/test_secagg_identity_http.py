@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest_server import new_device, read_safetensors, self_signed_cert, start_server, wait_open, wait_round, write_images
+from conftest_server import read_safetensors, self_signed_cert, start_server, wait_open, wait_round, write_images
 from secagg_adversary import KeySwap
 from fedfs_sdk.cli.main import main as fedfs
 from fedfs_sdk.federation.secagg import CaPublicKey, Certificate, FixedPoint, from_json, to_json
@@ -96,7 +96,7 @@ class Dev:
         self.policy = DevicePolicy(ca=CaPublicKey.load(ca / "ca.pub"))
         self.sent: list[bytes] = []
         verify = srv.tls_cert if srv.url.startswith("https") else None
-        reg = new_device(srv.url, srv.verify)
+        reg = httpx.post(srv.url + "/v1/devices", verify=srv.verify).json()
         assert reg["secure_aggregation"] is True
         self.client = ServerClient(srv.url, reg["token"], tls_ca=verify, transport=transport,
                                    retry=RetryPolicy(attempts=20, base_delay_s=0.2, max_delay_s=1.0))
@@ -263,7 +263,7 @@ def test_on_path_attacker_recovers_the_update_over_plain_http_on_the_previous_pr
         mitm = OnPath()
         clients = []
         for i in range(N):
-            reg = new_device(srv.url)
+            reg = httpx.post(srv.url + "/v1/devices").json()
             clients.append(ServerClient(srv.url, reg["token"], transport=mitm if i == 0 else None,
                                         retry=RetryPolicy(attempts=20, base_delay_s=0.2, max_delay_s=1.0)))
         wait_open(srv, 1)

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from conftest_server import ADMIN, new_device, read_safetensors, start_server, wait_open, wait_round
+from conftest_server import ADMIN, read_safetensors, start_server, wait_open, wait_round
 from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient
 from fedfs_sdk.training.ort_device import encode_update
 from fedfs_sdk.federation.secagg import DevicePolicy, FixedPoint, from_json, to_json
@@ -41,7 +41,7 @@ class Dev:
     """One registered device: token, HTTP client, and its update for the current round."""
 
     def __init__(self, url: str) -> None:
-        reg = new_device(url)
+        reg = httpx.post(url + "/v1/devices").json()
         self.id, self.token = reg["device_id"], reg["token"]
         self.client = ServerClient(url, self.token, retry=RetryPolicy(attempts=20, base_delay_s=0.2, max_delay_s=1.0))
         self.session: SecAggSession | None = None
