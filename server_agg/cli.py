@@ -95,8 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-samples", type=int, help="largest |D_c| a device may claim")
     g.add_argument("--seed", type=int, help="seed of the participant sampling")
     g.add_argument("--device-ttl", type=float, metavar="SECONDS",
-                   help="sample only devices that contacted the server (any authenticated request) within this "
-                        "many seconds (stored default: 2 × round timeout; 0: every registered device)")
+                   help="sample only devices that polled the server (any authenticated request; registering is "
+                        "not one) within this many seconds (default: 10 × --poll-interval, at least 60 s; "
+                        "0: every registered device, even one that never polled)")
     g.add_argument("--dp-noise-multiplier", type=float, metavar="SIGMA",
                    help="user-level DP-FedAvg: Gaussian noise σ·C on each round's sum, C = --max-update-norm "
                         "(needs --dp-delta; rounds then use Poisson sampling at --participation)")

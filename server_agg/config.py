@@ -20,6 +20,12 @@ MAX_NUM_SAMPLES = 2**40
 """|D_c| · weights summed in float64 over many devices: keep the claim far from overflow."""
 MAX_SECONDS = 366 * 24 * 3600.0
 """Largest round timeout / liveness window (a year): beyond it a deadline means "never"."""
+DEVICE_TTL_POLLS = 10
+"""Default liveness window, in the server's poll intervals (``fedfs serve --poll-interval``): a
+waiting device asks for a task every interval, so ten missed polls mean it is gone."""
+MIN_DEVICE_TTL_S = 60.0
+"""… but at least this many seconds: a poll can be late by a slow TLS handshake on a loaded
+server or by the client's own retries, and a live device must not drop out of the sample for it."""
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,10 @@ class RoundPolicy:
         max_num_samples: largest ``|D_c|`` a device may claim (bounds one device's weight).
         seed: seeds the participant sampling (round ``t`` uses ``seed`` and ``t``).
         device_ttl_s: liveness: only devices whose last authenticated request (any, e.g.
-            ``GET /v1/task``) is at most this many seconds old are sampled. ``None``:
-            ``2 · round_timeout_s``; ``0``: every registered device is eligible.
+            ``GET /v1/task``) is at most this many seconds old are sampled; registering is not
+            such a request, so a device that registered and never polled is never sampled.
+            ``None``: :meth:`device_ttl` — ``DEVICE_TTL_POLLS`` poll intervals, at least
+            ``MIN_DEVICE_TTL_S``; ``0``: every registered device is eligible (liveness off).
         dp_noise_multiplier: user-level DP-FedAvg (McMahan et al. 2018; ``server_agg.dp``):
             the noise std ``σ`` in units of the clip norm ``C = max_update_norm`` (required
             then). ``None``: no DP. With DP, rounds sample devices by Poisson sampling at
@@ -227,10 +235,13 @@ class RoundPolicy:
         """How many of ``registered`` devices a round samples: ``max(min, ⌈fraction·N⌉)``, ≤ N."""
         return min(registered, max(self.min_participants, math.ceil(self.participation * registered)))
 
-    @property
-    def device_ttl(self) -> float:
-        """The liveness window in seconds (0: disabled)."""
-        return 2.0 * self.round_timeout_s if self.device_ttl_s is None else float(self.device_ttl_s)
+    def device_ttl(self, poll_interval_s: float) -> float:
+        """The liveness window in seconds (0: disabled) of a server that tells waiting devices
+        to poll every ``poll_interval_s``: ``device_ttl_s``, else
+        ``max(MIN_DEVICE_TTL_S, DEVICE_TTL_POLLS · poll_interval_s)``."""
+        if self.device_ttl_s is not None:
+            return float(self.device_ttl_s)
+        return max(MIN_DEVICE_TTL_S, DEVICE_TTL_POLLS * float(poll_interval_s))
 
     def quorum_count(self, sampled: int) -> int:
         return max(1, math.ceil(self.quorum * sampled))

@@ -1,5 +1,9 @@
 """Devices of the aggregation server: registration (id, bearer token, a unique FedUV base vector ``b_u``),
 authentication and liveness (``last_seen``). A mixin of :class:`server_agg.rounds.Coordinator`.
+
+Liveness counts authenticated requests only: registering is not one. A device registered ahead of
+its first run (``fedfs ca request --server``) that then never runs — e.g. ``fedfs device`` refuses
+its photos — is never sampled, so it cannot stall a secure round until the phase deadline.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from .round_state import BASE_BITS, SEEN_WRITE_INTERVAL_S, _event
 
 class DeviceRegistry:
     """A mixin of :class:`~server_agg.rounds.Coordinator` (it uses the coordinator's ``_lock``,
-    ``db``, ``layout``, ``policy``, ``model``, ``round`` and ``clock``)."""
+    ``db``, ``layout``, ``policy``, ``model``, ``round``, ``clock`` and ``poll_interval_s``)."""
 
     def register(self) -> dict[str, Any]:
         """A new device: id, bearer token (only its hash is stored) and a unique ``b_u``."""
@@ -26,11 +30,12 @@ class DeviceRegistry:
                 try:
                     with self.db.transaction() as c:
                         now = self.clock()
+                        # last_seen NULL: not seen until its first authenticated request (a poll)
                         c.execute("INSERT INTO devices(id, token_hash, base, created_at, last_seen)"
-                                  " VALUES (?, ?, ?, ?, ?)", (device_id, hash_token(token), base, now, now))
+                                  " VALUES (?, ?, ?, ?, NULL)", (device_id, hash_token(token), base, now))
                 except sqlite3.IntegrityError:
                     continue  # id or b_u already taken: draw again (b_u is never reissued)
-                self._seen[device_id] = self._seen_written[device_id] = now
+                self._seen[device_id] = self._seen_written[device_id] = float("-inf")
                 _event("device registered", device_id=device_id)
                 return {"device_id": device_id, "token": token, "base_vector": base, "base_bits": BASE_BITS,
                         "secure_aggregation": bool(self.policy.secure_aggregation)}
@@ -81,10 +86,16 @@ class DeviceRegistry:
         with self._lock:
             return int(self.db.scalar("SELECT COUNT(*) FROM devices"))
 
+    def device_ttl(self, policy: RoundPolicy | None = None) -> float:
+        """The liveness window in seconds under ``policy`` (default: the current one) and this
+        server's poll interval (:meth:`RoundPolicy.device_ttl`)."""
+        return (policy or self.policy).device_ttl(self.poll_interval_s)
+
     def eligible_devices(self, policy: RoundPolicy | None = None) -> list[str]:
         """Sorted ids of the devices a round may sample: all registered ones, or with a
-        liveness window (``policy.device_ttl`` > 0) those seen within it."""
-        ttl = (policy or self.policy).device_ttl
+        liveness window (:meth:`device_ttl` > 0) those whose last authenticated request is
+        within it — never one that only registered."""
+        ttl = self.device_ttl(policy)
         with self._lock:
             since = self.clock() - ttl
             return sorted(d for d, t in self._seen.items() if ttl <= 0 or t >= since)

@@ -167,8 +167,9 @@ class Coordinator(DeviceRegistry, ModelStore, UploadIntake, DpLedger, Recovery, 
             if len(devices) < policy.min_participants:
                 registered = self.device_count()
                 have = (f"{len(devices)} device(s) registered" if registered == len(devices) else
-                        f"{len(devices)} of {registered} registered device(s) contacted the server in the last "
-                        f"device_ttl_s = {policy.device_ttl:g} s")
+                        f"{len(devices)} of {registered} registered device(s) polled the server in the last "
+                        f"device_ttl_s = {self.device_ttl(policy):g} s (a device that only registered is not "
+                        "sampled until it asks for a task)")
                 raise Conflict(f"{have}; the policy needs {policy.min_participants}", code="too_few_devices")
             round_id = int(self.db.scalar("SELECT COALESCE(MAX(id), 0) FROM rounds")) + 1
             ledger, dp_params = self._dp_check_budget(policy, len(devices))

@@ -140,6 +140,15 @@ def start_server(state: Path, *args: str, port: int | None = None, timeout: floa
     raise RuntimeError(f"no free port for the server after 3 tries:\n{log.read_text()[-3000:]}")
 
 
+def new_device(url: str, verify: "ssl.SSLContext | bool" = True) -> dict:
+    """Register a device over HTTP and make its first poll (``GET /v1/task``), as ``fedfs device``
+    does: the server samples only devices that polled, never one that only registered."""
+    reg = httpx.post(url + "/v1/devices", verify=verify).json()
+    got = httpx.get(url + "/v1/task", headers={"Authorization": f"Bearer {reg['token']}"}, verify=verify)
+    assert got.status_code == 200, got.text
+    return reg
+
+
 def write_images(folder: Path, count: int, seed: int, size: int = 40) -> list[Path]:
     """Simple synthetic 'faces': a per-identity base pattern plus noise, saved as PNG with cv2."""
     import cv2

@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
-from conftest_server import read_safetensors, start_server
+from conftest_server import new_device, read_safetensors, start_server
 from fedfs_sdk.federation.wire import decode_weights, encode_update
 from server_agg.dp import epsilon
 
@@ -39,7 +39,7 @@ def test_dp_rounds_publish_epsilon_and_the_budget_stops_the_federation(tmp_path)
             "--dp-noise-multiplier", str(SIGMA), "--dp-delta", str(DELTA), "--dp-epsilon-budget", str(budget))
     srv = start_server(state, *args)
     try:
-        tokens = [httpx.post(srv.url + "/v1/devices").json()["token"] for _ in range(2)]
+        tokens = [new_device(srv.url)["token"] for _ in range(2)]
         with srv.admin() as a:
             st = a.get("/v1/rounds/current").json()
             assert st["dp"]["epsilon"] == 0.0 and st["dp"]["budget_exhausted"] is False

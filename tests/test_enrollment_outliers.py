@@ -108,26 +108,53 @@ def test_outliers_none_reproduces_the_old_tau(backend: TorchBackend) -> None:
         assert e.threshold == pytest.approx(_old_tau(backend, images) - WARMUP_TOLERANCE, abs=5e-7)
 
 
-def test_refuses_when_too_few_inliers_remain(backend: TorchBackend, tmp_path: Path) -> None:
+def _folder(tmp_path: Path, owner: int, strangers: dict[int, str], at: int = 4) -> list[str]:
+    """``owner`` photos of one person written as files, with the ``strangers`` (seed → file name:
+    another person's base image) planted from position ``at`` on."""
     files = []
-    for j, img in enumerate(_faces(9, 1)):
-        files.append(tmp_path / f"owner{j}.png")
-        cv2.imwrite(str(files[-1]), img)
-    cv2.imwrite(str(tmp_path / "stranger.png"), _faces(1, 3)[0])
-    paths = [str(f) for f in files[:4]] + [str(tmp_path / "stranger.png")] + [str(f) for f in files[4:]]
+    for j, img in enumerate(_faces(owner, 1)):
+        files.append(str(tmp_path / f"owner{j}.png"))
+        cv2.imwrite(files[-1], img)
+    planted = []
+    for seed, name in strangers.items():
+        planted.append(str(tmp_path / name))
+        cv2.imwrite(planted[-1], _faces(1, seed)[0])
+    return files[:at] + planted + files[at:]
+
+
+def test_exactly_the_minimum_with_a_stranger_enrolls_keeping_it_at_the_floor(backend: TorchBackend,
+                                                                              tmp_path: Path) -> None:
+    """Deployment bug 3: 10 photos at q = 0.9 (= ⌈1/(1−q)⌉) and the rule flags one — the enrollment
+    failed ("9 inliers remain"). Now the rule never drops below the warm-up minimum and says so."""
+    paths = _folder(tmp_path, 9, {3: "stranger.png"})
     assert len(paths) == min_warmup_images(0.9) == 10
-    with pytest.raises(InsufficientWarmupError) as ei:
-        enroll(backend, paths, q=0.9)
-    msg = str(ei.value)
-    for part in ("10 warm-up images given", "1 dropped as outliers (stranger.png", "9 inliers remain",
-                 "at least 10", "add more photos of the owner", "--outliers none"):
-        assert part in msg, msg
-    e = enroll(backend, paths, q=0.9, outliers="none")      # FedUV as written still enrolls
-    assert e.n_warmup == 10
-    # with one more owner photo it enrolls, and names the file it dropped
-    cv2.imwrite(str(tmp_path / "owner9.png"), _faces(10, 1)[9])
-    e = enroll(backend, paths + [str(tmp_path / "owner9.png")], q=0.9)
-    assert e.dropped == [4] and e.meta["dropped"][0]["file"] == "stranger.png" and e.n_warmup == 10
+    e = enroll(backend, paths, q=0.9)
+    assert e.n_warmup == 10 and e.dropped == [] and e.meta["n_given"] == 10 and e.meta["min_warmup"] == 10
+    assert e.meta["outliers_flagged"] == 1 and e.meta["outliers_kept_at_floor"] == 1     # flagged, kept
+    assert [(d["index"], d["file"]) for d in e.meta["kept_at_floor"]] == [(4, "stranger.png")]
+    # it is in the warm-up, so it sets τ (i = ⌊10·0.1⌋ = 1) exactly as without the rule
+    assert e.threshold == enroll(backend, paths, q=0.9, outliers="none").threshold
+    assert e.threshold == pytest.approx(e.meta["kept_at_floor"][0]["score"], abs=1e-5)
+
+
+def test_two_strangers_over_the_minimum_are_dropped(backend: TorchBackend, tmp_path: Path) -> None:
+    paths = _folder(tmp_path, 10, {3: "stranger_a.png", 9: "stranger_b.png"})   # 12 = minimum + 2
+    e = enroll(backend, paths, q=0.9)
+    assert e.dropped == [4, 5] and [d["file"] for d in e.meta["dropped"]] == ["stranger_a.png", "stranger_b.png"]
+    assert e.n_warmup == 10 and e.meta["outliers_flagged"] == 2 and e.meta["outliers_kept_at_floor"] == 0
+    assert e.meta["kept_at_floor"] == []
+    clean = enroll(backend, [p for p in paths if "owner" in p], q=0.9)
+    np.testing.assert_allclose(e.template, clean.template, atol=1e-6)          # the owner's alone
+    assert abs(e.threshold - clean.threshold) < 1e-5
+
+
+def test_the_floor_drops_the_most_outlying_first(backend: TorchBackend, tmp_path: Path) -> None:
+    paths = _folder(tmp_path, 9, {3: "stranger_a.png", 9: "stranger_b.png"})    # 11 = minimum + 1
+    e = enroll(backend, paths, q=0.9)
+    assert e.n_warmup == 10 and e.meta["outliers_flagged"] == 2 and e.meta["outliers_kept_at_floor"] == 1
+    gone, kept = e.meta["dropped"], e.meta["kept_at_floor"]
+    assert len(gone) == len(kept) == 1 and {gone[0]["index"], kept[0]["index"]} == {4, 5}
+    assert gone[0]["score"] < kept[0]["score"]                      # the lower score went
 
 
 def test_codeword_mode_drops_by_feduv_score() -> None:
@@ -141,8 +168,10 @@ def test_codeword_mode_drops_by_feduv_score() -> None:
             k = batch[:, 0, 0, 0].astype(np.int64)           # which row: planted in the pixel
             rng = np.random.default_rng(k[:, None] + np.arange(1))
             genuine = (v > 0).astype(np.float32) * 0.8 + 0.1
-            uv = np.stack([genuine + rng.normal(0, 0.05, v.size).astype(np.float32) if i != 99
-                           else np.full(v.size, 0.5, np.float32) for i in k])
+            half = genuine.copy()
+            half[:30] = 1 - half[:30]                        # 98: 30 of 127 bits wrong, a lesser outlier
+            uv = np.stack([np.full(v.size, 0.5, np.float32) if i == 99 else half if i == 98
+                           else genuine + rng.normal(0, 0.05, v.size).astype(np.float32) for i in k])
             return {"embedding": np.ones((len(k), 4), np.float32), "uv": uv}
 
     def batch(ids: list[int]) -> np.ndarray:
@@ -157,6 +186,13 @@ def test_codeword_mode_drops_by_feduv_score() -> None:
     assert str(OUTLIER_MARGIN["codeword"]) in planted.meta["outlier_rule"]
     assert enroll(Designed(), batch(list(range(6)) + [99] + list(range(6, 12))), q=0.9, codeword=v,
                   outliers="none").threshold < clean.threshold - 0.3
+    # the warm-up floor: exactly 10 keeps the planted row; 11 with two planted drops the lower one
+    at_min = enroll(Designed(), batch(list(range(4)) + [99] + list(range(4, 9))), q=0.9, codeword=v)
+    assert at_min.dropped == [] and at_min.n_warmup == 10 and at_min.meta["outliers_kept_at_floor"] == 1
+    assert at_min.meta["kept_at_floor"][0]["index"] == 4 and at_min.threshold < clean.threshold - 0.3
+    two = enroll(Designed(), batch(list(range(4)) + [98, 99] + list(range(4, 9))), q=0.9, codeword=v)
+    assert two.dropped == [5] and [d["index"] for d in two.meta["kept_at_floor"]] == [4]
+    assert two.meta["outliers_flagged"] == 2 and two.n_warmup == 10
 
 
 def test_bad_outlier_arguments(backend: TorchBackend) -> None:
@@ -230,11 +266,12 @@ def test_cli_enroll_prints_dropped_files_and_rule(tmp_path: Path, capsys: pytest
     assert main(args + ["--out", str(tmp_path / "b.enr"), "--outliers", "none"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "outlier rule: none (outlier rejection off)" and out[1].startswith("enrolled from 11 images")
-    (imgs / "09.png").unlink()                               # 10 given, 1 dropped: 9 < 10
-    assert main(args + ["--out", str(tmp_path / "c.enr")]) == 2
-    err = capsys.readouterr().err
-    assert "1 dropped as outliers (05_stranger.png" in err and "--outliers none" in err and "Traceback" not in err
-    assert not (tmp_path / "c.enr").exists()
+    (imgs / "09.png").unlink()                               # 10 given: the floor keeps the stranger
+    assert main(args + ["--out", str(tmp_path / "c.enr")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == ("kept 1 warm-up image(s) the rule flags as outliers, so that 10 remain for q (they may lower "
+                      "τ): 05_stranger.png — add photos of the owner, or remove these if they are not the owner")
+    assert out[2].startswith("enrolled from 10 images")
 
 
 def test_device_prints_the_outlier_lines(capsys: pytest.CaptureFixture[str]) -> None:
@@ -243,10 +280,15 @@ def test_device_prints_the_outlier_lines(capsys: pytest.CaptureFixture[str]) -> 
     _printer("enrollment_outliers", {"rule": "mad: …", "n_given": 13,
                                      "dropped": [{"index": 6, "file": "x.jpg", "score": 0.6}]})
     _printer("enrollment_outliers", {"rule": "mad: …", "n_given": 12, "dropped": []})
+    _printer("enrollment_outliers", {"rule": "mad: …", "n_given": 10, "dropped": [], "flagged": 1, "min_warmup": 10,
+                                     "kept_at_floor": [{"index": 3, "file": "y.jpg", "score": 0.5}]})
     assert capsys.readouterr().err.splitlines() == [
         "[device] enrollment outlier rule: mad: …",
         "[device] enrollment dropped 1 of 13 warm-up images as outliers (not the owner?): x.jpg",
-        "[device] enrollment outlier rule: mad: …"]
+        "[device] enrollment outlier rule: mad: …",
+        "[device] enrollment outlier rule: mad: …",
+        "[device] enrollment kept 1 warm-up image(s) the rule flags as outliers, so that 10 remain for q (they may "
+        "lower τ): y.jpg — add photos of the owner, or remove these if they are not the owner"]
 
 
 def test_device_config_outlier_rule_is_checked_and_passed_to_the_cli() -> None:

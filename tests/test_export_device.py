@@ -87,6 +87,8 @@ def test_artifact_only_devices_take_part_in_a_round() -> None:
         "method": "fedfs+feduv", "train": train, "min_participants": 2})
     coord.install_model(checkpoints()["global"].read_bytes())
     devices = [coord.register() for _ in range(2)]
+    for d in devices:
+        coord.authenticate(d["token"])                   # their first poll: only then are they sampled
     coord.open_round()
     tasks = [coord.task_for(d["device_id"]) for d in devices]
     assert all(t["action"] == "train" for t in tasks)

@@ -124,7 +124,7 @@ def test_server_refuses_a_round_every_default_device_would_refuse(tmp_path):
         "min_participants": 12, "secure_aggregation": True, "secagg_neighbours": 4, "secagg_ca": ca.public.to_json()})
     c.install_model(checkpoint_bytes(code_length=127))
     for _ in range(12):
-        c.register()
+        c.authenticate(c.register()["token"])            # registered and polled: eligible
     with pytest.raises(Conflict, match="default floors refuse it: .*not above 5") as e:
         c.open_round()
     assert e.value.code == "secagg_params"

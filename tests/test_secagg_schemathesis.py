@@ -11,7 +11,7 @@ import subprocess
 import httpx
 import pytest
 
-from conftest_server import start_server, subprocess_env
+from conftest_server import new_device, start_server, subprocess_env
 from test_server_schemathesis import st_command
 
 pytest.importorskip("schemathesis", reason="schemathesis is in the test extra: pip install -e '.[test]'")
@@ -35,7 +35,7 @@ def test_secagg_endpoints_fuzzed_without_5xx(tmp_path):
                        "--min-participants", "3", "--secure-aggregation", "--secagg-phase-timeout", "600",
                        "--round-timeout", "600")
     try:
-        tokens = [httpx.post(srv.url + "/v1/devices").json()["token"] for _ in range(3)]
+        tokens = [new_device(srv.url)["token"] for _ in range(3)]
         with srv.admin() as a:
             assert a.post("/v1/admin/rounds").json()["round_id"] == 1
         config = tmp_path / "schemathesis.toml"

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from conftest_server import ADMIN, start_server
+from conftest_server import ADMIN, new_device, start_server
 from fedfs_sdk.federation.wire import decode_weights, encode_update, encode_weights
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,7 +48,7 @@ def ctx(tmp_path_factory):
     srv = start_server(state, "--init-backbone", "tiny", "--code-length", "127", "--min-participants", "2",
                        "--quorum", "1.0", "--min-updates", "1")
     try:
-        tokens = [httpx.post(srv.url + "/v1/devices").json()["token"] for _ in range(2)]
+        tokens = [new_device(srv.url)["token"] for _ in range(2)]
         with srv.admin() as a:
             assert a.post("/v1/admin/rounds").status_code == 201
             w, _ = decode_weights(a.get("/v1/models/1").content)

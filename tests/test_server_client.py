@@ -552,6 +552,7 @@ def test_theta_c_advances_only_when_the_server_accepted_the_upload(fedfs_server,
     with st, cl:
         agent.check_inputs()
         agent.ensure_registered()
+        assert cl.task()["action"] == "wait"          # its first poll: only then is it sampled
         r1 = open_round()
         receipt = agent.run_round(cl.task())
         assert receipt["round_id"] == r1 and not receipt["duplicate"]

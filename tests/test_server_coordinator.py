@@ -40,6 +40,14 @@ def make(tmp_path, clock=None, model=True, **policy) -> Coordinator:
     return c
 
 
+def join(c: Coordinator) -> dict:
+    """Register a device and make its first poll (an authenticated request): only then is it
+    sampled (a device that only registered never is)."""
+    d = c.register()
+    c.authenticate(d["token"])
+    return d
+
+
 def body_for(c: Coordinator, round_id: int, n: int, delta: float = 0.01) -> bytes:
     w = {k: v + delta for k, v in c.model.weights.items()}
     return encode_update(w, round_id=round_id, model_version=c.model.version, num_samples=n)
@@ -63,7 +71,7 @@ def test_registration_issues_unique_bases_and_stores_only_token_hashes(tmp_path,
 
 def test_sampling_fraction_min_count_and_quorum(tmp_path):
     c = make(tmp_path, participation=0.3, min_participants=2, quorum=0.5)
-    devices = [c.register() for _ in range(10)]
+    devices = [join(c) for _ in range(10)]
     info = c.open_round()
     assert info["sampled"] == 3 and info["quorum"] == 2          # ⌈0.3·10⌉, ⌈0.5·3⌉
     sampled = c.round.participants
@@ -91,7 +99,7 @@ def test_sampling_is_reproducible_from_the_seed(tmp_path, monkeypatch):
         monkeypatch.setattr("server_agg.round_devices.new_device_id", lambda: next(ids))
         c = make(tmp_path / name, participation=0.4, seed=seed)
         for _ in range(20):
-            c.register()
+            join(c)
         c.open_round()
         return sorted(c.round.participants)
 
@@ -101,10 +109,10 @@ def test_sampling_is_reproducible_from_the_seed(tmp_path, monkeypatch):
 
 def test_too_few_devices_and_method_model_mismatch(tmp_path):
     c = make(tmp_path, min_participants=2)
-    c.register()
+    join(c)
     with pytest.raises(Conflict, match="needs 2"):
         c.open_round()
-    c.register()
+    join(c)
     with pytest.raises(Conflict, match="proj_dim") as e:          # refused when set, not when a round opens
         c.set_policy({"method": "fedfs"})
     assert e.value.code == "model_method_mismatch" and c.policy.method == "feduv"
@@ -141,40 +149,56 @@ def test_model_and_method_must_fit_each_other(tmp_path):
 def test_devices_not_seen_within_the_ttl_are_not_sampled(tmp_path):
     clock = Clock()
     c = make(tmp_path, clock, device_ttl_s=30.0)
-    alive, dead = c.register(), c.register()
+    alive, dead, silent = c.register(), c.register(), c.register()
+    c.authenticate(dead["token"])                                   # polled once, then went away
     clock.t += 20
     assert c.authenticate(alive["token"]) == alive["device_id"]    # e.g. GET /v1/task
-    clock.t += 15                                                   # dead: 35 s since registering
-    assert c.eligible_devices() == [alive["device_id"]]
-    assert c.status()["active_devices"] == 1 and c.status()["devices"] == 2
+    clock.t += 15                                                   # dead: last request 35 s ago
+    assert c.eligible_devices() == [alive["device_id"]]            # silent: registered, never polled
+    assert c.status()["active_devices"] == 1 and c.status()["devices"] == 3
     info = c.open_round()
     assert info["sampled"] == 1 and c.round.participants == {alive["device_id"]}
     assert c.task_for(dead["device_id"])["action"] == "wait"
     c.close_round(1)
     clock.t += 31                                                   # nobody seen for 31 s
     c.set_policy({"min_participants": 1})
-    with pytest.raises(Conflict, match="0 of 2 registered device"):
+    with pytest.raises(Conflict, match="0 of 3 registered device"):
         c.open_round()
     c.tick()                                                        # automatic rounds wait for live devices
     assert c.round is None
-    c.set_policy({"device_ttl_s": 0})                               # 0: liveness off
-    assert c.open_round()["sampled"] == 2
+    c.set_policy({"device_ttl_s": 0})                               # 0: liveness off, even the silent one
+    assert c.open_round()["sampled"] == 3
     with pytest.raises(Unprocessable, match="device_ttl_s"):
         c.set_policy({"device_ttl_s": -1})
 
 
-def test_default_ttl_is_twice_the_round_timeout_and_last_seen_survives_a_restart(tmp_path):
+def test_a_device_that_only_registered_is_not_sampled_even_after_a_restart(tmp_path):
+    clock = Clock()
+    c = make(tmp_path, clock, device_ttl_s=600.0)
+    polled, silent = c.register(), c.register()
+    c.authenticate(polled["token"])
+    assert c.eligible_devices() == [polled["device_id"]]            # the window is long; registering is no poll
+    c.close()
+    c2 = Coordinator(Layout(tmp_path / "state"), clock=clock)
+    assert c2.eligible_devices() == [polled["device_id"]]
+    assert c2.db.scalar("SELECT last_seen FROM devices WHERE id = ?", silent["device_id"]) is None
+
+
+def test_default_ttl_is_ten_poll_intervals_at_least_60_s_and_last_seen_survives_a_restart(tmp_path):
     clock = Clock()
     c = make(tmp_path, clock, round_timeout_s=10.0)
-    assert c.policy.device_ttl == 20.0
+    assert c.device_ttl() == 60.0                                   # 10 × 2 s < 60 s
+    assert Coordinator(Layout(tmp_path / "other"), clock=clock, poll_interval_s=10.0).device_ttl() == 100.0
     d = c.register()
     clock.t += 15
     c.authenticate(d["token"])
     c.close()
-    clock.t += 10                                                   # 25 s after registering, 10 s after the request
+    clock.t += 55                                                   # 70 s after registering, 55 s after the request
     c2 = Coordinator(Layout(tmp_path / "state"), clock=clock)
     assert c2.eligible_devices() == [d["device_id"]]
     assert c2.db.scalar("SELECT last_seen FROM devices") == 1015.0
+    clock.t += 6                                                    # 61 s after the request
+    assert c2.eligible_devices() == []
 
 
 def test_old_database_gets_the_last_seen_column(tmp_path):
@@ -198,7 +222,7 @@ def test_old_database_gets_the_last_seen_column(tmp_path):
 def test_deadline_fails_without_updates_and_aggregates_with_enough(tmp_path):
     clock = Clock()
     c = make(tmp_path, clock, round_timeout_s=10.0, min_updates=1)
-    a, b = c.register(), c.register()
+    a, b = join(c), join(c)
     c.open_round()
     clock.t += 11
     c.tick()
@@ -216,7 +240,7 @@ def test_deadline_fails_without_updates_and_aggregates_with_enough(tmp_path):
 def test_retry_into_a_failed_round_is_not_reported_as_counted(tmp_path):
     clock = Clock()
     c = make(tmp_path, clock, round_timeout_s=10.0, min_updates=2)
-    a, _ = c.register(), c.register()
+    a, _ = join(c), join(c)
     c.open_round()
     body = body_for(c, 1, 4)
     assert c.submit_update(a["device_id"], 1, body)["duplicate"] is False
@@ -244,6 +268,9 @@ def test_automatic_rounds_then_done(tmp_path):
     c.tick()
     assert c.round is None                                          # no device yet
     d = c.register()
+    c.tick()
+    assert c.round is None                                          # registered, never polled: not sampled
+    c.authenticate(d["token"])                                      # its first GET /v1/task
     for rnd in (1, 2):
         c.tick()
         task = c.task_for(d["device_id"])
@@ -255,7 +282,7 @@ def test_automatic_rounds_then_done(tmp_path):
 
 def test_update_norm_is_clipped_to_the_bound(tmp_path):
     c = make(tmp_path, max_update_norm=0.5)
-    d = c.register()
+    d = join(c)
     c.open_round()
     ref = {k: v.clone() for k, v in c.model.weights.items()}
     receipt = c.submit_update(d["device_id"], 1, body_for(c, 1, 3, delta=0.1))
@@ -265,7 +292,7 @@ def test_update_norm_is_clipped_to_the_bound(tmp_path):
 
 def test_install_model_refused_while_round_open(tmp_path):
     c = make(tmp_path)
-    c.register()
+    join(c)
     c.open_round()
     with pytest.raises(Conflict, match="round 1 is open"):
         c.install_model(checkpoint_bytes(code_length=127))
@@ -275,7 +302,7 @@ def test_crash_after_model_file_before_commit_is_repaired(tmp_path):
     """A version file written but never committed is discarded; the round, whose updates
     are all committed, closes again on start-up and publishes the same average."""
     c = make(tmp_path, quorum=1.0)
-    d = c.register()
+    d = join(c)
     c.open_round()
     body = body_for(c, 1, 4, delta=0.25)
     layout = c.layout
@@ -301,7 +328,7 @@ def test_crash_after_model_file_before_commit_is_repaired(tmp_path):
 
 def test_corrupt_update_file_stops_the_server(tmp_path):
     c = make(tmp_path, quorum=1.0)
-    a, _ = c.register(), c.register()
+    a, _ = join(c), join(c)
     c.open_round()
     c.submit_update(a["device_id"], 1, body_for(c, 1, 4))
     layout = c.layout
@@ -334,7 +361,7 @@ def test_admin_token_is_generated_once_with_mode_0600(tmp_path, monkeypatch):
 
 def test_restart_after_a_close_republishes_nothing(tmp_path):
     c = make(tmp_path, quorum=1.0)
-    d = c.register()
+    d = join(c)
     c.open_round()
     c.submit_update(d["device_id"], 1, body_for(c, 1, 2))
     sha = c.model.sha256

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from conftest_server import ADMIN, start_server
+from conftest_server import ADMIN, new_device, start_server
 from fedfs_sdk.federation.wire import decode_weights, encode_update, encode_weights
 
 pytestmark = pytest.mark.timeout(180)
@@ -52,7 +52,7 @@ def srv(tmp_path_factory):
                      "--participation", "0.5", "--header-timeout", str(HEADER_TIMEOUT),
                      "--body-timeout", str(BODY_TIMEOUT), "--keep-alive-timeout", "1")
     try:
-        tokens = [httpx.post(s.url + "/v1/devices").json()["token"] for _ in range(2)]
+        tokens = [new_device(s.url)["token"] for _ in range(2)]
         with s.admin() as a:
             a.post("/v1/admin/rounds")                        # round 1 fails: no updates
             assert a.post("/v1/admin/rounds/1/close").json()["state"] == "failed"
@@ -338,11 +338,17 @@ def test_last_seen_is_written_at_most_every_5_s(srv):
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as c:
             return c.execute("SELECT last_seen FROM devices WHERE id = ?", (device_id,)).fetchone()[0]
 
-    registered = stored()
+    assert stored() is None                           # registering is not a poll: never seen
     with httpx.Client(base_url=srv.srv.url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as c:
+        assert c.get("/v1/task").status_code == 200   # the first poll is written by the next tick
+        t0 = time.monotonic()
+        while stored() is None and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        first = stored()
+        assert first is not None
         t0 = time.monotonic()
         while time.monotonic() - t0 < 1.5:            # 15 polls, ~15 ticks of the 0.1 s tick interval
             assert c.get("/v1/task").status_code == 200
             time.sleep(0.1)
     time.sleep(0.3)
-    assert stored() == registered                     # the old server rewrote it every tick
+    assert stored() == first                          # the old server rewrote it every tick

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from conftest_server import start_server
+from conftest_server import new_device, start_server
 from fedfs_sdk.federation.wire import decode_weights, encode_update
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,7 +30,7 @@ def test_concurrent_uploads_cost_o_model_memory(tmp_path):
                        "--code-length", "511", "--min-participants", str(DEVICES), "--log-level", "warning")
     try:
         with httpx.Client(base_url=srv.url, timeout=60) as c:
-            tokens = [c.post("/v1/devices").json()["token"] for _ in range(DEVICES)]
+            tokens = [new_device(srv.url)["token"] for _ in range(DEVICES)]
         with srv.admin() as a:
             rid = a.post("/v1/admin/rounds").json()["round_id"]
             w, _ = decode_weights(a.get("/v1/models/1").content)

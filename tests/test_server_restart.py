@@ -34,6 +34,7 @@ def test_sigkill_mid_round_keeps_each_accepted_update_once(tmp_path):
         for _ in range(3):
             c = ServerClient(srv.url, retry=FAST)
             c.token = c.register()["token"]
+            c.task()                                    # its first poll: only then is it sampled
             clients.append(c)
         with srv.admin() as a:
             assert a.post("/v1/admin/rounds").status_code == 201

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest_server import ADMIN, ROOT, start_server, subprocess_env
+from conftest_server import ADMIN, ROOT, new_device, start_server, subprocess_env
 
 pytest.importorskip("schemathesis", reason="schemathesis is in the test extra: pip install -e '.[test]'")
 pytestmark = pytest.mark.timeout(300)
@@ -52,7 +52,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(tmp_path):
     srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--code-length", "127",
                        "--min-participants", "1")
     try:
-        token = httpx.post(srv.url + "/v1/devices").json()["token"]
+        token = new_device(srv.url)["token"]
         with srv.admin() as a:
             assert a.post("/v1/admin/rounds").json()["round_id"] == 1        # the device is sampled
         config = tmp_path / "schemathesis.toml"

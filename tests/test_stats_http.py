@@ -44,6 +44,7 @@ def _devices(srv, tmp_path, policy: StatsDevicePolicy, ca: CertificateAuthority 
     out = []
     for u in range(n):
         reg = ServerClient(srv.url).register()
+        ServerClient(srv.url, reg["token"]).task()         # its first poll: only then is it sampled
         ident = None
         if ca is not None:
             ident = DeviceIdentity.generate()

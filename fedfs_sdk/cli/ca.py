@@ -3,6 +3,7 @@ against an active server (``fedfs-secagg/2``; docs/privacy.md).
 
     fedfs ca init --dir ./ca                                    # operator, once: ca.key (0600), ca.pub
     fedfs ca request --state ./device --out req.json            # on the device: identity key + request
+    fedfs ca request ... --server URL --images ./me --enroll    # … registered only if `fedfs device` would run
     fedfs ca sign --ca ./ca --request req.json --out cert.json  # operator: checks, certifies
     fedfs device … --secagg-ca ./ca/ca.pub --identity-cert cert.json
     fedfs ca revoke --ca ./ca [--serial S | --cert cert.json]  # signed revocation list → ./ca/revocations.json
@@ -35,6 +36,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--tls-ca", type=Path, metavar="PEM", help="with --server: trust only this certificate")
     r.add_argument("--registration-token", default=os.environ.get("FEDFS_REGISTRATION_TOKEN"),
                    help="with --server: the server's registration token (else $FEDFS_REGISTRATION_TOKEN)")
+    r.add_argument("--images", type=Path, metavar="DIR",
+                   help="the device owner's photo folder, checked as `fedfs device` checks it (every photo decodes; "
+                        "with --enroll, enough photos for --q) before anything is registered or created: a device "
+                        "registered with --server that `fedfs device` then refuses would be registered for nothing")
+    r.add_argument("--enroll", action="store_true",
+                   help="with --images: the device will enroll (`fedfs device --enroll`): needs ⌈1/(1−q)⌉ photos")
+    r.add_argument("--q", type=float, default=None,
+                   help="with --images --enroll: the enrollment's target TPR, as `fedfs device --q` (default 0.9)")
+    r.add_argument("--detect-face", action="store_true",
+                   help="with --images: every photo must hold a face, as `fedfs device --detect-face`")
     s = sub.add_parser("sign", help="certify a device's request with the CA key")
     s.add_argument("--ca", required=True, type=Path, help="the CA folder (or its ca.key)")
     s.add_argument("--request", required=True, type=Path, help="the device's request (fedfs ca request)")
@@ -68,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         from ..federation.device_state import DeviceState
         from ..fileio import atomic_write_bytes
 
+        _check_device_inputs(args)       # before the state folder is created and the device registered
         with DeviceState(args.state) as state:
             if args.server is not None and state.info is None:
                 _register(state, args)
@@ -120,6 +132,27 @@ def _revoke(args: argparse.Namespace) -> int:
     print(f"revocation list number {crl.number}: {len(crl.revoked)} certificate(s) revoked → {path}"
           + (f" and {args.out}" if args.out is not None else ""))
     return 0
+
+
+def _check_device_inputs(args: argparse.Namespace) -> None:
+    """``fedfs device``'s own checks of its photos (:func:`~fedfs_sdk.federation.device_config.check_local_inputs`:
+    a readable folder, every photo decodes, with ``--enroll`` at least ``⌈1/(1−q)⌉`` of them): a
+    device that would refuse to run is never registered (deployment bug 2)."""
+    from ..errors import InputError
+    from ..federation.device_config import DeviceConfig, check_local_inputs
+    from ..runtime.preprocess import list_images
+
+    if args.images is None:
+        if args.enroll or args.q is not None or args.detect_face:
+            raise InputError("--enroll, --q and --detect-face describe the photos `fedfs device` will get: "
+                             "give their folder with --images DIR")
+        return
+    q = 0.9 if args.q is None else args.q
+    config = DeviceConfig(enroll=args.enroll, q=q, detect_face=args.detect_face)     # checks q as fedfs device does
+    try:
+        check_local_inputs([str(p) for p in list_images(args.images)], config)
+    except InputError as e:
+        raise InputError(f"{e} (nothing registered)") from None
 
 
 def _register(state, args: argparse.Namespace) -> None:

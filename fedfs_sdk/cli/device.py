@@ -113,7 +113,8 @@ def _printer(name: str, fields: dict[str, Any]) -> None:
         return
     if name == "enrollment_outliers":          # warm-up images dropped before τ was set (one line each)
         from .enroll import outlier_lines
-        for line in outlier_lines(fields["rule"], fields["dropped"], fields["n_given"]):
+        for line in outlier_lines(fields["rule"], fields["dropped"], fields["n_given"],
+                                  fields.get("kept_at_floor", ()), fields.get("min_warmup")):
             print(f"[device] enrollment {line}", file=sys.stderr, flush=True)
         return
     parts = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()

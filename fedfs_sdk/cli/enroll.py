@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Sequence
 
 from .common import env_default
 
@@ -52,14 +53,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "before the threshold is set: 'mad' (default; robust z-score, k=3.5) or 'none'")
 
 
-def outlier_lines(rule: str, dropped: list[dict], n_given: int) -> list[str]:
-    """What outlier rejection did, for the user: the rule, then the dropped images (one line each).
-    ``rule``/``dropped``/``n_given`` are an enrollment's ``meta["outlier_rule"]``, ``meta["dropped"]``
-    and ``meta["n_given"]``."""
+def outlier_lines(rule: str, dropped: list[dict], n_given: int, kept: Sequence[dict] = (),
+                  min_warmup: int | None = None) -> list[str]:
+    """What outlier rejection did, for the user: the rule, the dropped images, and the flagged
+    images the warm-up floor kept (one line each). ``rule``/``dropped``/``n_given``/``kept``/
+    ``min_warmup`` are an enrollment's ``meta["outlier_rule"]``, ``meta["dropped"]``,
+    ``meta["n_given"]``, ``meta["kept_at_floor"]`` and ``meta["min_warmup"]``."""
     lines = [f"outlier rule: {rule}"]
     if dropped:
         names = ", ".join(d.get("file", f"#{d['index']}") for d in dropped)
         lines.append(f"dropped {len(dropped)} of {n_given} warm-up images as outliers (not the owner?): {names}")
+    if kept:
+        names = ", ".join(d.get("file", f"#{d['index']}") for d in kept)
+        lines.append(f"kept {len(kept)} warm-up image(s) the rule flags as outliers, so that "
+                     f"{min_warmup if min_warmup is not None else 'the minimum of'} remain for q "
+                     f"(they may lower τ): {names} — add photos of the owner, or remove these if they are not the owner")
     return lines
 
 
@@ -127,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
         if created:
             key_path.unlink(missing_ok=True)
         raise
-    for line in outlier_lines(e.meta["outlier_rule"], e.meta["dropped"], e.meta["n_given"]):
+    for line in outlier_lines(e.meta["outlier_rule"], e.meta["dropped"], e.meta["n_given"],
+                              e.meta.get("kept_at_floor", ()), e.meta.get("min_warmup")):
         print(line)
     mode = e.mode if e.mode == "codeword" else f"template on {e.template_output}"
     print(f"enrolled from {e.n_warmup} images: mode={mode} τ={e.threshold:.4f} (q={e.q}) model={e.model_id} → {args.out}")

@@ -81,8 +81,10 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
                               **({"selection": selection} if selection is not None else {})})
     key = self.config.enrollment_key or self.state.enrollment_key()
     save_enrollment(self.state.file("enrollment.fedfs"), enrollment, key, overwrite=True)
-    self._emit("enrollment_outliers", {"rule": enrollment.meta["outlier_rule"], "dropped": enrollment.meta["dropped"],
-                                       "n_given": enrollment.meta["n_given"]})
+    m = enrollment.meta     # flagged = dropped + kept at the warm-up floor (they may set τ)
+    self._emit("enrollment_outliers", {"rule": m["outlier_rule"], "dropped": m["dropped"], "n_given": m["n_given"],
+                                       "flagged": m["outliers_flagged"], "kept_at_floor": m["kept_at_floor"],
+                                       "min_warmup": m["min_warmup"]})
     self._emit("enrolled", {"mode": enrollment.mode, "threshold": enrollment.threshold,
                             "model_id": backend.model_id, "n_warmup": enrollment.n_warmup, "model_choice": chosen,
                             **({"operating_point": enrollment.meta["operating_point"]}

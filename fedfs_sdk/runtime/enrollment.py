@@ -297,10 +297,15 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
     ``outliers="mad"`` (default) first drops warm-up images whose score is an outlier by
     :func:`mad_outliers` (``k = outlier_k``); in template mode the template and the
     leave-one-out scores are then recomputed on the rest, until nothing more is dropped (at
-    most 5 passes). ``τ`` is set from the remaining inliers; the result's ``dropped``,
+    most 5 passes). The rule never drops a photo that would leave fewer than the warm-up
+    minimum ``⌈1/(1−q)⌉``: it drops the most outlying (lowest-scoring) flagged photos down to that
+    floor and keeps the rest, recorded in ``meta["kept_at_floor"]`` (index, file, score), with
+    ``meta["outliers_flagged"]`` (how many the rule would have dropped) and
+    ``meta["outliers_kept_at_floor"]`` — a kept photo may set ``τ``, so the caller should tell the
+    user to add photos of the owner. ``τ`` is set from the photos kept; the result's ``dropped``,
     ``meta["dropped"]`` and ``meta["outlier_rule"]`` say what was dropped and why, and
-    ``n_warmup`` counts the inliers. :class:`InsufficientWarmupError` when fewer than
-    ``⌈1/(1−q)⌉`` inliers remain. ``outliers="none"`` keeps every image (FedUV as written).
+    ``n_warmup`` counts the photos kept. :class:`InsufficientWarmupError` only when fewer than
+    ``⌈1/(1−q)⌉`` photos are given. ``outliers="none"`` keeps every image (FedUV as written).
 
     Every warm-up image whose warm-up score is ``≥ τ`` is accepted by :func:`verify` on its
     own: the scores are computed per image as verify computes them, and in template mode
@@ -351,18 +356,21 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
     keep = np.ones(n, dtype=bool)
     names = [_name(x) for x in images] if isinstance(images, (list, tuple)) else [None] * n
     dropped: list[dict[str, Any]] = []
+    floor: list[dict[str, Any]] = []     # flagged by the rule, kept: dropping them would leave < min_n
 
-    def drop(mask: np.ndarray, scores: np.ndarray) -> None:
-        for j, sc in zip(np.flatnonzero(keep)[mask], scores[mask]):
-            dropped.append({"index": int(j), "score": float(sc), **({"file": names[j]} if names[j] else {})})
-        keep[np.flatnonzero(keep)[mask]] = False
-        if keep.sum() < min_n:
-            listed = ", ".join(d.get("file", f"#{d['index']}") for d in dropped)
-            raise InsufficientWarmupError(
-                f"{n} warm-up images given, {len(dropped)} dropped as outliers ({listed}; rule: "
-                f"{outlier_rule(mode, outliers, k)}): {int(keep.sum())} inliers remain but target TPR q={q} needs at "
-                f"least {min_n} — add more photos of the owner, or turn outlier rejection off "
-                f"(outliers=\"none\", `fedfs enroll --outliers none`, `fedfs device --enroll --outliers none`)")
+    def drop(mask: np.ndarray, scores: np.ndarray) -> bool:
+        """Drop the flagged photos, the most outlying (lowest score: all flagged lie below the
+        median) first, but never below ``min_n`` kept — with exactly ``⌈1/(1−q)⌉`` photos an
+        enrollment would otherwise fail whenever the rule fires (deployment bug 3). Returns
+        whether the floor kept any (then no later pass can drop more)."""
+        idx, sc = np.flatnonzero(keep)[mask], scores[mask]
+        room = int(keep.sum()) - min_n
+        for rank, o in enumerate(np.argsort(sc, kind="stable")):
+            j = int(idx[o])
+            rec = {"index": j, "score": float(sc[o]), **({"file": names[j]} if names[j] else {})}
+            (dropped if rank < room else floor).append(rec)
+        keep[[d["index"] for d in dropped]] = False
+        return len(sc) > room
 
     if v is not None:
         if outs[0]["uv"].shape[1] != v.size:
@@ -372,17 +380,20 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
             out_mask = mad_outliers(scores, k, OUTLIER_MARGIN["codeword"])
             if out_mask.any():
                 drop(out_mask, scores)
-                scores = scores[keep]
+                scores = scores[keep]           # one pass: scores cover every photo
         tau = warmup_threshold(scores, q)
         template = None
     else:
         emb = _unit(np.concatenate([o[template_output] for o in outs]).astype(np.float64))
+        at_floor = False
         for _ in range(_MAX_PASSES):
             scores, template = _loo_scores(emb[keep])
+            if at_floor:             # the floor kept flagged photos: nothing more can be dropped
+                break
             out_mask = mad_outliers(scores, k, OUTLIER_MARGIN["template"]) if outliers == "mad" else None
             if out_mask is None or not out_mask.any():
                 break
-            drop(out_mask, scores)
+            at_floor = drop(out_mask, scores)
         else:
             scores, template = _loo_scores(emb[keep])
         tau = warmup_threshold(scores, q)
@@ -403,6 +414,8 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
                                   "identities": impostors.num_identities}
     info = {**dict(meta or {}), "dropped": sorted(dropped, key=lambda d: d["index"]),
             "outlier_rule": outlier_rule(mode, outliers, k), "n_given": n,
+            "outliers_flagged": len(dropped) + len(floor), "outliers_kept_at_floor": len(floor),
+            "kept_at_floor": sorted(floor, key=lambda d: d["index"]), "min_warmup": min_n,
             **({"operating_point": op} if op is not None else {})}
     if template_output != "embedding":
         info["template_output"] = template_output
