@@ -289,13 +289,36 @@ def set_enroll_concurrency(n: int) -> None:
 
 def gated_agent():
     """:class:`DeviceAgent` whose :meth:`enroll` waits for :data:`ENROLL_GATE` — the same code,
-    only the number of devices in it at once is bounded."""
+    only the number of devices in it at once is bounded. A device gives its place back while it
+    sleeps (waiting for the check-results round): the round needs every sampled device's checks, and
+    devices holding the gate while the others wait behind it stalled it to its phase deadline."""
     from fedfs_sdk.federation.agent import DeviceAgent
 
     class GatedAgent(DeviceAgent):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            plain_sleep = self._sleep
+
+            def sleep(seconds: float) -> None:
+                gate = getattr(self, "_gate", None)
+                if gate is None:
+                    return plain_sleep(seconds)
+                gate.release()
+                try:
+                    plain_sleep(seconds)
+                finally:
+                    gate.acquire()
+
+            self._sleep = sleep
+
         def enroll(self, after_round=None):
-            with ENROLL_GATE:     # read at call time: set_enroll_concurrency may have replaced it
+            gate = self._gate = ENROLL_GATE     # read at call time: set_enroll_concurrency may have replaced it
+            gate.acquire()
+            try:
                 return super().enroll(after_round)
+            finally:
+                self._gate = None
+                gate.release()
 
     return GatedAgent
 
