@@ -52,8 +52,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -65,11 +63,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from rehearsal_deploy import deploy, free_port, log, read_deployment  # noqa: E402
 from rehearsal_eval import (choice_counts, compare, device_spec, evaluate_specs, markdown, per_client,  # noqa: E402
-                            xi_spec, METRICS)
-from rehearsal_fleet import (PHASES, Device, Operator, Server, ServerPlan, check_inputs, device_q,  # noqa: E402
-                             phase_times, process_cpu_seconds, register, round_times, run_fleet, server_flags,
-                             set_enroll_concurrency, start_rounds, write_photos)
+                            xi_spec)
+from rehearsal_fleet import PHASES, Device, ServerPlan, process_cpu_seconds, set_enroll_concurrency  # noqa: E402
+from rehearsal_sim import check_same_split, sim_rows, to_u8, train_settings, write_impostors  # noqa: E402
 
 DEPLOYABLE = ("fedfs", "feduv", "fedfs+feduv")
 
@@ -111,182 +109,6 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
                    help="with --rescore: compare on the clients whose device enrolled (a run stopped before all did)")
     p.add_argument("--quiet", action="store_true")
     return p.parse_known_args(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def log(msg: str, quiet: bool = False) -> None:
-    if not quiet:
-        print(f"[rehearsal {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def to_u8(x) -> np.ndarray:
-    """Simulator images (float ``[N, 3, S, S]`` in [−1, 1]) as uint8 RGB ``[N, S, S, 3]``."""
-    return np.clip(np.rint(x.numpy() * 127.5 + 127.5), 0, 255).astype(np.uint8).transpose(0, 2, 3, 1).copy()
-
-
-def write_impostors(cfg, ds, splits, out: Path) -> Path:
-    """The simulator's public impostor set (:func:`~device_sim.experiment_data.public_impostor_images`)
-    as the ``fedfs impostors`` file the server ships (identities from the same public group)."""
-    from device_sim.experiment_data import build_pretrain_data, public_impostor_images
-    from fedfs_sdk.runtime.impostors import ImpostorSet, save_impostors
-
-    images = to_u8(public_impostor_images(cfg, ds, splits))
-    _, src_splits = build_pretrain_data(cfg, ds, splits)
-    ids = src_splits.pairs("public", "train")[0]
-    if ids.size > images.shape[0]:       # the same seeded sample public_impostor_images draws
-        keep = np.sort(np.random.default_rng([cfg.data.split_seed, 0x1A90]).choice(ids.size, images.shape[0],
-                                                                                    replace=False))
-        ids = ids[keep]
-    names = sorted({int(i) for i in ids})
-    pos = {n: k for k, n in enumerate(names)}
-    imp = ImpostorSet(images, np.array([pos[int(i)] for i in ids], dtype=np.int32), [f"public-{n}" for n in names],
-                      {"source": "fedfs simulate public identities", "input_size": int(images.shape[1]),
-                       "detect_face": str(cfg.data.detect_face)})
-    return save_impostors(out, imp)
-
-
-def train_settings(cfg, spec: str) -> dict[str, Any]:
-    """The round task's ``train`` object: the simulator's local SGD settings for ``spec``."""
-    from device_sim.methods import parse_method
-
-    t = cfg.train
-    opts = parse_method(spec).options()
-    out: dict[str, Any] = {"batch_size": t.batch_size, "seed": t.seed}
-    lr = t.lr if t.lr is not None else opts.get("lr")
-    if lr is not None:
-        out["lr"] = lr
-    if t.head_lr is not None:
-        out["head_lr"] = t.head_lr
-    epochs = t.local_epochs if t.local_epochs is not None else opts.get("epochs")
-    if epochs is not None:
-        out["local_epochs"] = epochs
-    if t.momentum:
-        out["momentum"] = t.momentum
-    if t.weight_decay:
-        out["weight_decay"] = t.weight_decay
-    if opts.get("scope") is not None:
-        out["scope"] = opts["scope"]
-    return out
-
-
-def sim_rows(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {r["label"]: r for r in results["methods"] if r.get("eval") is not None}
-
-
-def check_same_split(results: dict[str, Any], cfg, pop, ds, splits, eval_clients: list[int]) -> None:
-    """Refuse a results.json of another run: federation settings, population sizes, client names,
-    evaluated clients."""
-    from device_sim.cli_simulate import _client_names
-
-    mine = cfg.to_settings()
-    keys = ("rounds", "participation", "seed", "split_seed", "scenario", "capture_shift", "batch_size", "lr",
-            "local_epochs")
-    differ = {k: (results["settings"].get(k), mine.get(k)) for k in keys if results["settings"].get(k) != mine.get(k)}
-    if differ:
-        raise SystemExit(f"--sim-results was run with other settings (theirs, this run's): {differ}")
-
-    want = {"clients": pop.num_clients, "public": len(splits.public), "image_size": pop.image_size}
-    got = {k: results["population"].get(k) for k in want}
-    if got != want:
-        raise SystemExit(f"--sim-results is of another split: {got} vs this run's {want}")
-    names = _client_names(ds, splits)
-    if results.get("clients") and names and list(results["clients"]) != list(names):
-        raise SystemExit("--sim-results names other clients (another --split-seed or folder?)")
-    for label, r in sim_rows(results).items():
-        if list(r["eval"]["clients"]) != list(eval_clients):
-            raise SystemExit(f"--sim-results row {label!r} evaluated other clients")
-
-
-def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float) -> dict[str, Any]:
-    """The operator, ``fedfs serve`` and one DeviceAgent per client, until every device enrolled.
-    Returns (and writes to ``OUT/deployment.json``) the plan, the server's flags, the timing and
-    each device's rounds, bytes, CPU and phases."""
-    timing: dict[str, Any] = {}
-    state = out / "server"
-    resume = args.resume and (out / "fleet").is_dir()
-    if resume:              # the operator, server state and devices of an earlier run that stopped
-        operator = Operator(out / "operator", existing=True)
-        first = json.loads((out / "fleet" / "client_00000" / "state" / "device.json").read_text())["server"]
-        url, port = first.rstrip("/"), int(first.rstrip("/").rsplit(":", 1)[1])
-    else:
-        operator = Operator(out / "operator")
-        state.mkdir(parents=True, exist_ok=True)
-        operator.revocation_list(state / "secagg_revocations.json")
-        port = free_port()
-        url = f"https://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": "1"}
-    env.pop("FEDFS_ADMIN_TOKEN", None)          # the server writes its own into its state
-    server = Server(server_flags(plan, operator, state, port, rounds=plan.rounds if resume else 0), state, env,
-                    out / ("server-resumed.log" if resume else "server.log"))
-    devices: list[Device] = []
-    try:
-        server.wait_healthy(url, operator.tls_cert)
-        t0 = time.perf_counter()
-        for c in range(pop.num_clients):
-            d = out / "fleet" / f"client_{c:05d}"
-            photos = (sorted(str(f) for f in (d / "photos").iterdir()) if resume
-                      else write_photos(d / "photos", to_u8(pop.train_images(c))))
-            # fedfs+feduv's own default score, said explicitly: a device the server never sampled guesses
-            # the method 'feduv' from the model's head and would need a codeword it never made (the agent's
-            # fallback in device_enrollment; reported) — with the score named it enrolls ξ or the global model
-            dev = Device(c, d, photos, d / "identity.cert.json", q=device_q(q, len(photos)),
-                         score="head-template" if plan.method == "fedfs+feduv" else None)
-            check_inputs(dev, operator, args.outliers)          # before it registers, as fedfs device does
-            if not resume:
-                register(dev, url, operator)
-            devices.append(dev)
-        timing["register_s"] = time.perf_counter() - t0
-        if not resume:
-            start_rounds(url, state, operator.tls_cert, plan.rounds)
-        log(f"{len(devices)} devices registered and certified; rounds open", args.quiet)
-        done = {"n": 0}
-
-        def on_event(dev: Device, name: str, fields: dict[str, Any]) -> None:
-            if name == "enrolled":
-                done["n"] += 1
-                log(f"client {dev.client} enrolled ({fields.get('model_choice')}); {done['n']}/{len(devices)}",
-                    args.quiet)
-
-        t0, fleet_cpu0, server_cpu0 = time.perf_counter(), process_cpu_seconds(), server.cpu_seconds()
-        run_fleet(devices, url, operator, args.outliers, on_event)
-        timing["fleet_wall_s"] = time.perf_counter() - t0
-        timing["fleet_cpu_s"] = process_cpu_seconds() - fleet_cpu0
-        timing["server_cpu_s"] = server.cpu_seconds() - server_cpu0
-    finally:
-        server.stop()
-    timing["rounds_s"] = round_times(state)
-    timing["resumed"] = bool(resume)
-    failed = [(d.client, d.error) for d in devices if d.error]
-    if failed:
-        raise SystemExit(f"{len(failed)} device(s) failed, e.g. client {failed[0][0]}: {failed[0][1]} "
-                         f"(server log {out / 'server.log'})")
-    per_dev = {"sent_bytes": [d.sent for d in devices], "received_bytes": [d.received for d in devices],
-               "cpu_s": [d.cpu_seconds for d in devices], "wall_s": [d.seconds for d in devices],
-               "rounds": [len(d.report.rounds) for d in devices],
-               "lost_rounds": [len(d.report.lost_rounds) for d in devices],
-               "phases": [phase_times(d) for d in devices], "q": [d.q for d in devices]}
-    record = {"plan": {**plan.__dict__, "impostors": str(plan.impostors)},
-              "server_flags": server_flags(plan, operator, state, port), "timing": timing, "per_device": per_dev}
-    (out / "deployment.json").write_text(json.dumps(record, indent=1))
-    return record
-
-
-def read_deployment(out: Path) -> dict[str, Any]:
-    """What :func:`deploy` recorded (``OUT/deployment.json``; an older run's ``rehearsal.json``)."""
-    if (out / "deployment.json").is_file():
-        return json.loads((out / "deployment.json").read_text())
-    old = json.loads((out / "rehearsal.json").read_text())
-    timing = {k: v for k, v in old["timing"].items() if k in ("register_s", "fleet_wall_s", "fleet_cpu_s", "server_cpu_s")}
-    per_dev = {**old["per_device"], "phases": old["per_device"].get("phases") or
-               [phase_times(Device(0, out, [], Path()))] * len(old["clients"])}
-    return {"plan": old["settings"]["server"], "server_flags": old["settings"]["server_flags"], "timing": timing,
-            "per_device": per_dev}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -434,6 +256,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(cost)
     return report
 
+
+# step 2 (deploy) and the simulator's side moved to rehearsal_deploy.py / rehearsal_sim.py: re-exported here
+__all__ = ["main", "parse", "DEPLOYABLE", "deploy", "read_deployment", "free_port", "log", "to_u8", "write_impostors",
+           "train_settings", "sim_rows", "check_same_split"]
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from fedfs_sdk.runtime.codes import KNOWN_CODES, make_codeword, random_codewords
+from fedfs_sdk.runtime.codes import KNOWN_CODES
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.training.losses.fedfs import FedFSLossConfig
 from fedfs_sdk.nn.model import DualVerifierNet, FaceNet, ModelConfig, personal_config
@@ -29,20 +29,16 @@ from ..trunk_cache import trunk_cache
 
 from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, VerifierSpec, Weights,
                    backbone_weights, frozen, verifier_net)
-from fedfs_sdk.stats import norm_fold_from_sum
 
-from .client_stats import EMBEDDING, FederationStats, client_statistics, shared_round
-from .reference import fold_standardization, stats_clients
+from .client_stats import FederationStats
+from .reference import fold_standardization
 from .presets import PRESETS, base_vector  # noqa: F401 (re-exported: the presets, the simulated b_u)
-from .selection import CANDIDATES, IN_DOMAIN_CANDIDATES, HoldoutView, SimSelection, split_spec, top_verifier
+from .selection import SimSelection, split_spec
+from .sdk_codewords import SDKCodewords
+from .sdk_prepare import SDKPrepare
 from .sdk_verifiers import SDKVerifiers
 
 NEG_MODES = ("none", "all", "early")
-
-
-def _torch_fold(fold: tuple[np.ndarray, np.ndarray | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    mu, sd = fold
-    return torch.from_numpy(mu).float(), None if sd is None else torch.from_numpy(sd).float()
 
 
 class PretrainedOnly(FederatedMethod):
@@ -67,7 +63,7 @@ class PretrainedOnly(FederatedMethod):
                           self.context.xi)
 
 
-class SDKMethod(SDKVerifiers, FederatedMethod):
+class SDKMethod(SDKPrepare, SDKCodewords, SDKVerifiers, FederatedMethod):
     """Shared machinery of ``fedfs``, ``feduv`` and ``fedfs+feduv``.
 
     Args:
@@ -267,64 +263,6 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
             self._personal_top = TopFaceNet(self.personal_net) if self.personal_net is not None else None
             self._xi_top = TopFaceNet(self.xi) if self.xi is not None else None
 
-    def prepare(self, data: Any) -> None:
-        """The statistics round (:mod:`.client_stats`: each client's contribution with the device's
-        functions, summed as the server sums) when anything needs it; ``norm_init``: start ϕ from ξ
-        with its embedding normalization re-fitted to the round's summed embedding moments
-        (``norm-adapt``'s fold); ``select=on``: keep the data's hold-out, the round's sum and the
-        candidates for :meth:`verifier`."""
-        if self.selection is not None and self.select == "auto" and not isinstance(data, HoldoutView):
-            # a federation built by hand on a Population: no hold-out, no public impostor set → off
-            self.select, self.selection = "off (no hold-out)", None
-        has_norm = hasattr(self.context.xi.backbone, "embed_norm")
-        if self.norm_init != "none" and not has_norm and not self._norm_init_asked:
-            # the preset's norm_init needs an embedding normalization to fold into (dlib-resnet ends in a
-            # bias-free linear layer): without one the preset runs without it, and says so in its options
-            self.norm_init = "none (the backbone has no embed_norm)"
-        in_domain = self.selection is not None and self.check == "in-domain"
-        if in_domain and self.scope != "top":
-            raise InputError(f"{self.label}: check=in-domain judges candidates on ξ's trunk features: it needs "
-                             "scope=top (or check=public)")
-        if self.norm_init in ("center", "standardize") or in_domain:
-            self.stats = self._statistics_round(data, features=in_domain)
-        if self.norm_init in ("center", "standardize"):
-            self._norm_fold = _torch_fold(norm_fold_from_sum(self.stats.total.sums[EMBEDDING], self.norm_init))
-        candidates = None
-        if in_domain:
-            candidates = CANDIDATES
-            if has_norm:
-                # a function of ξ and the round only: one set of tensors for every method of the run, so
-                # the check of this candidate is shared too (selection's memo keys on the tensors)
-                if "norm-adapt" not in self.stats.memo:
-                    self.stats.memo["norm-adapt"] = fold_standardization(
-                        backbone_weights(self.context.xi.state_dict()),
-                        *_torch_fold(norm_fold_from_sum(self.stats.total.sums[EMBEDDING], "standardize")))
-                self._norm_adapt = self.stats.memo["norm-adapt"]
-                candidates = IN_DOMAIN_CANDIDATES
-        if self.selection is not None:
-            self.selection.bind(data, self.stats, candidates)
-
-    def _statistics_round(self, data: Any, features: bool) -> FederationStats:
-        """Every sampled client's contribution (ξ's embedding moments, and with ``features`` its
-        trunk-feature moments) and their sum (:func:`.client_stats.client_statistics`)."""
-        ctx = self.context
-        clients = stats_clients(int(data.num_clients), ctx.seed)
-
-        def compute() -> FederationStats:
-            net = frozen(verifier_net(ctx.model_config.resolved(), with_head=False))
-            weights = backbone_weights(ctx.xi.state_dict())
-            if not features:
-                return client_statistics(net, weights, data, clients, ctx.device)
-            return client_statistics(net, weights, data, clients, ctx.device,
-                                     trunk=self._trunk, top=top_verifier(net))
-
-        # the same round for every method of the run (ξ's weights and the clients' photos only):
-        # keyed by the ξ object and the photos' source (a HoldoutView's population, fraction, seed)
-        source = getattr(data, "pop", data)
-        values = (repr(ctx.model_config.resolved()), str(ctx.device), int(ctx.seed), bool(features),
-                  clients.tobytes(), getattr(data, "fraction", None), getattr(data, "seed", None), type(data).__name__)
-        return shared_round((ctx.xi, source, self._trunk if features else None), values, compute)
-
     def init_global(self) -> Weights:
         ctx = self.context
         weights = initial_global_weights(self.model_config, ctx.xi, seed=ctx.seed)
@@ -344,57 +282,11 @@ class SDKMethod(SDKVerifiers, FederatedMethod):
     def private_groups(self) -> tuple[str, ...]:  # type: ignore[override]
         return ("personal",) if uses_fedfs(self.sdk_method) else ()
 
-    # ---- codewords ---------------------------------------------------------------------
-    def codeword(self, client: int) -> np.ndarray:
-        """Client ``client``'s FedUV codeword ``v_u = C(b_u ‖ r_u)`` (FedUV Alg. 2): ``b_u`` =
-        :func:`base_vector` (32 pseudo-random bits, unique per client, as the server draws
-        them), ``r_u`` drawn from a generator seeded by ``(seed, client)`` so it is regenerated
-        on demand, never stored."""
-        assert self.code_length is not None
-        v = self._codewords.get(client)
-        if v is None:
-            rng = np.random.default_rng([self.context.seed, 0xC0DE, client])
-            v, _ = make_codeword(base_vector(self.context.seed, int(client)), self.code_length, rng=rng)
-            if len(self._codewords) < 65536:  # bounded cache; regeneration is cheap
-                self._codewords[client] = v
-        return v
-
-    def client_state_init(self, client: int) -> ClientState:
-        return ClientState(client, self.codeword(client) if self.code_length is not None else None)
-
     # ---- one round ---------------------------------------------------------------------
-    def lambda_neg_at(self, round_idx: int) -> float:
-        if self.neg == "all" or (self.neg == "early" and round_idx <= self.neg_rounds):
-            return self.lambda_neg
-        return 0.0
-
     def configure_round(self, round_idx: int, participants: np.ndarray) -> RoundPlan:
         lneg = self.lambda_neg_at(round_idx) if self.code_length is not None else 0.0
         cfg = ObjectiveConfig(fedfs=self.fedfs_loss, uv_weight=self.uv_weight, lambda_neg=lneg)
         return RoundPlan(round_idx, np.asarray(participants), {"objective": cfg})
-
-    def client_consts(self, plan: RoundPlan, state: ClientState) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        if self.code_length is None:
-            return out
-        assert state.codeword is not None
-        out["codeword"] = torch.from_numpy(state.codeword.astype(np.float32))
-        if plan.extras["objective"].lambda_neg > 0:
-            out["neg_codewords"] = torch.from_numpy(self._neg_codewords(plan, state.client).astype(np.float32))
-        return out
-
-    def _neg_codewords(self, plan: RoundPlan, client: int) -> np.ndarray:
-        """``ℓ_neg``'s other users (FedUV Eq. 4): up to ``neg_samples`` other participants of
-        this round; the same count for every client of the round (stackable). A lone
-        participant gets codewords of random messages instead."""
-        others = plan.participants[plan.participants != client]
-        rng = np.random.default_rng([self.context.seed, 0x4E45, plan.round, client])
-        assert self.code_length is not None
-        if others.size == 0:
-            return random_codewords(self.neg_samples, self.code_length, rng)
-        count = min(self.neg_samples, int(plan.participants.size) - 1)
-        chosen = rng.choice(others, size=count, replace=False) if others.size > count else others
-        return np.stack([self.codeword(int(u)) for u in chosen])
 
     def objective(self, plan: RoundPlan, params: Params, consts: Mapping[str, torch.Tensor],
                   x: torch.Tensor | None, mask: torch.Tensor | None,
@@ -462,3 +354,7 @@ class FedFSUVMethod(SDKMethod):
     """FedFS + FedUV: FedFS personalization plus the shared FedUV head and codewords."""
 
     name = sdk_method = "fedfs+feduv"
+
+
+__all__ = ["PretrainedOnly", "SDKMethod", "FedFSMethod", "FedUVMethod", "FedFSUVMethod", "NEG_MODES",
+           "PRESETS", "base_vector"]

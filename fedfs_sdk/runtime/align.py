@@ -41,21 +41,13 @@ from typing import Any
 import cv2
 import numpy as np
 
-from ..errors import InputError, NoFaceError
+from ..errors import NoFaceError
 from .haar import center_square, crop_face
+from .face_cut import CHIP_PADDING, CHIP_SIZE, FaceFind, cut  # noqa: F401 (re-exported: a face record and its crop)
+from .face_template import (ARCFACE_TEMPLATE, TEMPLATE_SIZE, similarity_transform, template,  # noqa: F401
+                            warp_to_template)  # (re-exported: the ArcFace template geometry moved down)
 
 log = logging.getLogger("fedfs.align")
-
-ARCFACE_TEMPLATE = np.array([[38.2946, 51.6963],    # eye on the image's left (the person's right eye)
-                             [73.5318, 51.5014],    # eye on the image's right
-                             [56.0252, 71.7366],    # nose tip
-                             [41.5493, 92.3655],    # mouth corner on the image's left
-                             [70.7299, 92.2041]],   # mouth corner on the image's right
-                            dtype=np.float32)
-"""insightface's reference landmarks of a 112×112 aligned face, (x, y) in pixels, in the
-order left eye, right eye, nose, left mouth corner, right mouth corner (image left/right)."""
-
-TEMPLATE_SIZE = 112
 
 
 @dataclass(frozen=True)
@@ -71,34 +63,6 @@ class AlignResult:
     reason: str
     method: str
     landmarks: np.ndarray | None = None
-
-
-def template(size: int = TEMPLATE_SIZE) -> np.ndarray:
-    """:data:`ARCFACE_TEMPLATE` scaled to a ``size``×``size`` output."""
-    return ARCFACE_TEMPLATE * (float(size) / TEMPLATE_SIZE)
-
-
-def similarity_transform(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
-    """The 2×3 similarity (rotation, uniform scale, translation) that maps points ``src``
-    ``[N, 2]`` onto ``dst`` ``[N, 2]`` (N ≥ 2) in the least-squares sense (OpenCV, LMedS
-    outlier rejection then Levenberg–Marquardt refinement)."""
-    src = np.asarray(src, np.float32).reshape(-1, 2)
-    dst = np.asarray(dst, np.float32).reshape(-1, 2)
-    if src.shape != dst.shape or src.shape[0] < 2:
-        raise InputError(f"similarity_transform needs two [N, 2] point sets with N ≥ 2, got {src.shape} and {dst.shape}")
-    m, _ = cv2.estimateAffinePartial2D(src, dst, method=cv2.LMEDS)
-    if m is None:
-        raise InputError("landmarks are degenerate (all points coincide): no similarity transform fits them")
-    return m
-
-
-def warp_to_template(rgb: np.ndarray, landmarks: np.ndarray, size: int = TEMPLATE_SIZE) -> np.ndarray:
-    """Warp ``rgb`` so that its five ``landmarks`` land on :func:`template` ``(size)``.
-
-    Pixels from outside the photo are black (insightface's convention)."""
-    m = similarity_transform(landmarks, template(size))
-    return cv2.warpAffine(rgb, m, (size, size), flags=cv2.INTER_LINEAR, borderMode=cv2.BORDER_CONSTANT,
-                          borderValue=(0, 0, 0))
 
 
 def _models_dir() -> Path | None:
@@ -218,12 +182,6 @@ def detect_landmarks(rgb: np.ndarray, settings: DetectSettings = DEFAULT_DETECT)
     return five, method
 
 
-CHIP_SIZE = 150
-CHIP_PADDING = 0.25
-"""dlib's face chip (what ``face_recognition`` and dlib's ResNet recognizer use): ``size`` 150,
-``padding`` 0.25 of the face's size on each side (``dlib.get_face_chip``'s defaults)."""
-
-
 @functools.lru_cache(maxsize=1)
 def _shape_predictor_5() -> Any:
     import dlib
@@ -245,33 +203,6 @@ def chip_available() -> bool:
     except RuntimeError:
         return False
     return True
-
-
-@dataclass(frozen=True)
-class FaceFind:
-    """Where the face of one photo is: what :func:`locate` found, cut by :func:`cut` (the part a
-    face cache keeps, so the chip and any capture shift are applied after it).
-
-    ``kind``: ``"dlib-chip"`` (``points``: dlib's 5-point shape, integer pixels) or ``"align"``
-    (``points``: the five template landmarks from the 68-point shape); ``method``: the detector
-    (``dlib-hog``, ``dlib-hog-eq``, ``dlib-cnn``, ``crop-fallback``); ``box``: ``(left, top,
-    right, bottom)`` in the photo's pixels (may reach outside it)."""
-
-    kind: str
-    method: str
-    box: tuple[int, int, int, int]
-    points: np.ndarray
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "method": self.method, "box": [int(v) for v in self.box],
-                "points": np.asarray(self.points, np.float64).round(4).tolist()}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "FaceFind":
-        pts = np.asarray(d["points"], np.float32)
-        if d["kind"] not in ("dlib-chip", "align") or pts.shape != (5, 2) or len(d["box"]) != 4:
-            raise ValueError(f"not a face record: {d!r}")
-        return cls(str(d["kind"]), str(d["method"]), tuple(int(v) for v in d["box"]), pts)
 
 
 def _shape(im: np.ndarray, box: Any, kind: str) -> np.ndarray:
@@ -352,20 +283,6 @@ def _iou(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     inter = iw * ih
     union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
     return inter / union if union > 0 else 0.0
-
-
-def cut(rgb: np.ndarray, face: FaceFind, size: int, padding: float = CHIP_PADDING) -> np.ndarray:
-    """The face crop of ``face`` in ``rgb``: dlib's chip (``kind="dlib-chip"``,
-    ``dlib.get_face_chip`` of the 5-point shape) or the warp onto the ArcFace template
-    (``"align"``). Cheap: what a face cache leaves to do."""
-    img = np.ascontiguousarray(rgb)
-    if face.kind == "align":
-        return warp_to_template(img, face.points, size)
-    import dlib
-
-    rect = dlib.rectangle(*[int(v) for v in face.box])
-    shape = dlib.full_object_detection(rect, [dlib.point(int(round(x)), int(round(y))) for x, y in face.points])
-    return dlib.get_face_chip(img, shape, size=size, padding=padding)
 
 
 def dlib_chip(rgb: np.ndarray, size: int = CHIP_SIZE, padding: float = CHIP_PADDING,

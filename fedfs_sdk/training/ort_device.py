@@ -24,11 +24,9 @@ weight decay must be 0.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -37,57 +35,9 @@ from ..errors import CheckpointError, InputError, TrainingError
 from ..runtime.inference import check_batch
 from ..runtime.onnx_backend import import_onnxruntime
 from ..federation.wire_format import MODEL_FORMAT, UPDATE_FORMAT, read_header, update_metadata  # noqa: F401 (re-exported)
-
-Weights = dict[str, np.ndarray]
-
-ARTIFACT_FORMAT = "fedfs-ort-training/1"
-
-def artifact_subdir(method: str) -> str:
-    """Folder of ``method``'s artifacts under an export's ``ort-training/`` (``fedfs+feduv`` → ``fedfs_feduv``)."""
-    return method.replace("+", "_")
-
-
-_REQUIRED_FILES = ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint", "artifact.json")
-
-
-@dataclass(frozen=True)
-class TrainingArtifact:
-    """An artifact folder and its ``artifact.json`` (see :mod:`export.ort_training`)."""
-
-    path: Path
-    info: dict[str, Any]
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str]) -> "TrainingArtifact":
-        p = Path(path)
-        if not p.is_dir():
-            raise CheckpointError(f"ORT training artifact folder not found: {p}")
-        missing = [f for f in _REQUIRED_FILES if not (p / f).exists()]
-        if missing:
-            raise CheckpointError(f"{p} is not a complete ORT training artifact: missing {missing}")
-        try:
-            info = json.loads((p / "artifact.json").read_text())
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{p / 'artifact.json'} is unreadable: {e}") from e
-        if info.get("format") != ARTIFACT_FORMAT:
-            raise CheckpointError(f"{p} has artifact format {info.get('format')!r}, expected {ARTIFACT_FORMAT!r}")
-        return cls(p, info)
-
-    @property
-    def method(self) -> str:
-        return str(self.info["method"])
-
-    @property
-    def uses_soft_labels(self) -> bool:
-        return self.info.get("soft_labels") is not None
-
-    @property
-    def input_size(self) -> int:
-        return int(self.info["input_size"])
-
-    @property
-    def code_length(self) -> int:
-        return int(self.info["code_length"])
+from .numpy_weights import (Weights, decode_model, dual_verifier_weights, encode_update, load_weights,  # noqa: F401
+                            save_weights, verifier_weights)  # (re-exported: the numpy weights and wire moved down)
+from .ort_artifact import ARTIFACT_FORMAT, TrainingArtifact, artifact_subdir  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -348,79 +298,6 @@ class OrtDeviceTrainer:
         return DeviceUpdate(self.global_weights(), int(n), self.personal_weights(), metrics)
 
 
-def verifier_weights(global_weights: Mapping[str, np.ndarray],
-                     personal_weights: Mapping[str, np.ndarray] | None = None) -> Weights:
-    """The weights a device verifies with, for :class:`~fedfs_sdk.runtime.onnx_backend.OnnxBackend`
-    (``weights=``): the personalized backbone ``θ_c`` (FedFS: ``q'`` verifies) when there is
-    one, else the global backbone, plus the global FedUV head ``W`` if the model has one."""
-    src = personal_weights if personal_weights is not None else global_weights
-    out = {k: np.asarray(v, dtype=np.float32) for k, v in src.items() if k.startswith("backbone.")}
-    out.update({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items() if k.startswith("uv_head.")})
-    if not out:
-        raise InputError("no backbone weights given")
-    return out
-
-
-def dual_verifier_weights(global_weights: Mapping[str, np.ndarray],
-                          personal_weights: Mapping[str, np.ndarray]) -> Weights:
-    """The weights of the ``verify=both`` verifier (``onnx/verifier-dual.onnx``,
-    :class:`~fedfs_sdk.nn.model.DualVerifierNet`): ``backbone.*`` = ``θ_c``, ``global_backbone.*``
-    = the global backbone ``w``, ``uv_head.*`` = the global head ``W``."""
-    if personal_weights is None:
-        raise InputError("verify=both needs the personalized weights θ_c")
-    out = {k: np.asarray(v, dtype=np.float32) for k, v in personal_weights.items() if k.startswith("backbone.")}
-    out.update({"global_" + k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items()
-                if k.startswith("backbone.")})
-    out.update({k: np.asarray(v, dtype=np.float32) for k, v in global_weights.items() if k.startswith("uv_head.")})
-    if not any(k.startswith("uv_head.") for k in out):
-        raise InputError("verify=both verifies through the FedUV head: the global model has none")
-    return out
-
-
-# ---- wire format without torch -------------------------------------------------------------
-
-def encode_update(weights: Mapping[str, np.ndarray], *, round_id: int, model_version: int,
-                  num_samples: int) -> bytes:
-    """The upload body (``fedfs-update/1`` safetensors, like :func:`fedfs_sdk.federation.wire.encode_update`)
-    built from numpy arrays: ``w_c`` and ``|D_c|``, nothing else."""
-    from safetensors.numpy import save
-
-    meta = update_metadata(round_id=round_id, model_version=model_version, num_samples=num_samples)
-    if not weights:
-        raise InputError("cannot upload an empty state dict")
-    return save({k: np.ascontiguousarray(v) for k, v in weights.items()}, metadata=meta)
-
-
-def decode_model(data: bytes) -> tuple[Weights, dict[str, str]]:
-    """A model the server sent (a fedfs checkpoint body) as numpy arrays + header."""
-    from safetensors.numpy import load
-
-    _, header = read_header(data)
-    try:
-        weights = load(bytes(data))
-    except Exception as e:  # SafetensorError and friends: malformed body
-        raise InputError(f"model body is not valid safetensors: {e}") from None
-    if header.get("format") != MODEL_FORMAT:
-        raise InputError(f"body is not a fedfs model (format={header.get('format')!r})")
-    return weights, header
-
-
-def save_weights(path: str | os.PathLike[str], weights: Mapping[str, np.ndarray]) -> None:
-    """Persist weights (e.g. the device's ``θ_c``) as safetensors, atomically, mode 0600."""
-    from safetensors.numpy import save
-
-    from ..fileio import atomic_write_bytes
-
-    atomic_write_bytes(path, save({k: np.ascontiguousarray(v) for k, v in weights.items()}), mode=0o600)
-
-
-def load_weights(path: str | os.PathLike[str]) -> Weights:
-    from safetensors.numpy import load
-
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"weights file not found: {p}")
-    try:
-        return load(p.read_bytes())
-    except Exception as e:
-        raise InputError(f"{p} is not a safetensors weights file: {e}") from None
+__all__ = ["OrtDeviceTrainer", "DeviceUpdate", "TrainingArtifact", "ARTIFACT_FORMAT", "artifact_subdir", "Weights",
+           "verifier_weights", "dual_verifier_weights", "encode_update", "decode_model", "save_weights", "load_weights",
+           "MODEL_FORMAT", "UPDATE_FORMAT", "read_header", "update_metadata"]
