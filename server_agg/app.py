@@ -4,6 +4,9 @@ the :class:`~server_agg.rounds.Coordinator`, map its errors to 4xx.
 
 The OpenAPI document is FastAPI's (``/openapi.json``, ``/docs``); ``docs/protocol.md``
 describes the protocol in prose.
+
+The response schemas are :mod:`server_agg.api_responses` (re-exported here), the per-request
+log line :mod:`server_agg.access_log`.
 """
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ import io
 import json
 import logging
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Literal
@@ -24,7 +26,6 @@ from fastapi import FastAPI, Path, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -33,7 +34,10 @@ from starlette.routing import Match
 from fedfs_sdk.federation.wire import MEDIA_TYPE
 from fedfs_sdk.federation.wire_format import MAX_ID
 
-from .errors import ApiError, BadRequest, NotFound, Unauthorized, Unprocessable
+from .access_log import _AccessLog
+from .api_responses import (_BINARY_BODY, ErrorBody, Health, ModelInfo, Receipt, Registration,  # noqa: F401
+                            RoundStatus, ServerStatus, Task, _errors)  # (re-exported: the response schemas)
+from .errors import ApiError, NotFound, Unauthorized, Unprocessable
 from .rounds import Coordinator
 from .schema import POLICY_CHANGES_SCHEMA
 from .secagg_routes import install_secagg_routes
@@ -48,127 +52,6 @@ HEADER_SLACK_BYTES = 1 << 20
 MAX_CONFIG_BYTES = 64 << 10
 """``PUT /v1/admin/config`` bodies are small JSON objects: bounded far below ``--max-body-mb``,
 so parsing one never holds the event loop for long."""
-
-
-# ---- response schemas (for the OpenAPI document) ----------------------------------------
-
-class ErrorBody(BaseModel):
-    error: str
-    reason: str
-
-
-class Health(BaseModel):
-    status: Literal["ok"]
-    model_version: int | None
-    round_id: int | None
-
-
-class Registration(BaseModel):
-    device_id: str
-    token: str
-    base_vector: int
-    base_bits: int
-    secure_aggregation: bool = False
-    """The server runs secure-aggregation rounds: a device (with the default
-    ``require_secure_aggregation``) records it and from then on refuses plain rounds."""
-
-
-class Task(BaseModel, extra="allow"):
-    """``action`` is ``train`` (with the round's task fields), ``wait`` or ``done``."""
-
-    action: Literal["train", "wait", "done"]
-    retry_after: float | None = None
-    round_id: int | None = None
-    model_version: int | None = None
-
-
-class Receipt(BaseModel):
-    round_id: int
-    device_id: str
-    num_samples: int
-    sha256: str
-    update_norm: float
-    clipped: bool
-    received_at: float
-    duplicate: bool
-
-
-class RoundStatus(BaseModel):
-    round_id: int
-    state: Literal["open", "closed", "failed"]
-    model_version: int
-    sampled: int
-    accepted: int
-    total_samples: int | None
-    """``Σ|D_c|`` of the accepted updates; null in a DP round (not covered by ε, not published)."""
-    quorum: int
-    opened_at: float
-    deadline: float
-    closed_at: float | None
-    result_version: int | None
-    reason: str | None
-    secure_aggregation: dict[str, Any] | None = None
-    """A secure-aggregation round: its phase and per-phase counts (server_agg.secagg_rounds)."""
-
-
-class ServerStatus(BaseModel):
-    model_version: int | None
-    rounds_completed: int
-    rounds_target: int
-    devices: int
-    active_devices: int
-    round: RoundStatus | None
-    dp: dict[str, Any] | None = None
-    """User-level DP-FedAvg: ε spent at δ, the budget, whether it is exhausted (server_agg.dp)."""
-
-
-class ModelInfo(BaseModel):
-    version: int
-    sha256: str
-    config: dict[str, Any]
-    nbytes: int
-    dp: dict[str, Any] | None = None
-    """The (ε, δ) per user this version is published with (DP-FedAvg rounds; server_agg.dp)."""
-    xi_sha256: str | None = None
-    """ξ served with the model (``GET /v1/xi``), if any."""
-    impostors_sha256: str | None = None
-    """The public impostor set shipped with the model (``GET /v1/impostors``), if any."""
-    method: str | None = None
-    """The method the federation trains (the policy's): how a device that never trained verifies."""
-
-
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """The refusals an endpoint documents (all share the ``{error, reason}`` body)."""
-    return {s: {"model": ErrorBody} for s in statuses}
-_BINARY_BODY = {"requestBody": {"required": True, "content": {MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}}
-
-
-# ---- helpers -----------------------------------------------------------------------------
-
-class _AccessLog:
-    """ASGI middleware: one structured line per request (method, path, status, time)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        t0, status = time.perf_counter(), {"code": 500}
-
-        async def _send(msg: dict) -> None:
-            if msg["type"] == "http.response.start":
-                status["code"] = msg["status"]
-            await send(msg)
-
-        try:
-            await self.app(scope, receive, _send)
-        finally:
-            client = scope.get("client") or ("?", 0)
-            log.info("request", extra={"fields": {"method": scope["method"], "path": scope["path"],
-                                                  "status": status["code"], "client": client[0],
-                                                  "ms": round(1000 * (time.perf_counter() - t0), 2)}})
 
 
 # ---- the app -----------------------------------------------------------------------------
@@ -438,4 +321,5 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
     return app
 
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "ErrorBody", "Health", "Registration", "Task", "Receipt", "RoundStatus", "ServerStatus",
+           "ModelInfo"]

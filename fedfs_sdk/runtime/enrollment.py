@@ -24,34 +24,37 @@ set it.
 The enrollment is stored encrypted and authenticated (AES-256-GCM) with a key the app
 supplies (e.g. from the platform keystore), written atomically, never overwritten unless
 asked (:mod:`fedfs_sdk.runtime.enrollment_store`, re-exported here).
+
+This module is the enrollment itself (:func:`enroll`); its parts live one job per module and
+are re-exported here: the warm-up rule and outlier rejection on scores
+(:mod:`~fedfs_sdk.runtime.warmup_rule`), the record (:mod:`~fedfs_sdk.runtime.enrollment_record`)
+and scoring / verification (:mod:`~fedfs_sdk.runtime.scoring`).
 """
 from __future__ import annotations
 
-import base64
-import json
 import math
 import os
-import time
-from dataclasses import asdict, dataclass, field
-from fractions import Fraction
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from ..errors import EnrollmentError, InputError, InsufficientWarmupError
-from ..exact import as_written
+from ..errors import InputError, InsufficientWarmupError
+from .enrollment_record import Enrollment
+from .enrollment_store import (_MAGIC, _NONCE, _VERSION, _aesgcm, generate_key, load_enrollment,  # noqa: F401
+                               save_enrollment)  # (re-exported: encrypted enrollment files)
 from .inference import InferenceBackend
 from .operating_point import operating_point
+from .scoring import (VerifyResult, _as_batch, _is_batch, _run_alone, _unit, _verify_scores,  # noqa: F401
+                      check_codeword, preprocessing_record, recorded_detect_face, score, uv_scores,
+                      verify)  # (re-exported: scores against an enrollment, the accept rule)
+# enroll reads warmup_threshold from this module's namespace, so a test's
+# monkeypatch.setattr(enrollment, "warmup_threshold", …) still reaches it
+from .warmup_rule import (MAD_SCALE, OUTLIER_K, OUTLIER_MARGIN, OUTLIER_RULES, _fraction,  # noqa: F401
+                          mad_outliers, min_warmup_images, outlier_rule,
+                          warmup_threshold)  # (re-exported: the warm-up rule on scores)
 
-# ---- outlier rejection (applied to the warm-up scores before τ is set) ------------------
-OUTLIER_RULES = ("mad", "none")
-OUTLIER_K = 3.5            # Iglewicz & Hoaglin (1993): |modified z| > 3.5 flags an outlier
-MAD_SCALE = 1.4826         # MAD · 1.4826 estimates σ for normal data (1 / Φ⁻¹(3/4))
-# An outlier must also lie this far below the median: 5 % of the score's range, i.e. 0.1 for
-# a cosine (range [−1, 1]) and 0.05 for the FedUV score (range width Σ|v_k|/c = 1). It keeps
-# genuine images when the warm-up scores are so tight that the MAD is tiny (or 0).
-OUTLIER_MARGIN = {"template": 0.1, "codeword": 0.05}
+# ---- enroll's own settings (the outlier rule's constants are in warmup_rule) --------------
 _MAX_PASSES = 5            # template mode: re-estimate the template at most this often
 # τ is stored this much below the warm-up score that set it. Warm-up scores are computed as
 # verify computes them (one image per forward), which is exact only while the backend returns
@@ -61,219 +64,8 @@ _MAX_PASSES = 5            # template mode: re-estimate the template at most thi
 WARMUP_TOLERANCE = 1e-6
 
 
-
-def _fraction(q: Any) -> Fraction:
-    """``q`` as the exact decimal the user wrote, ``Fraction(str(q))`` (0.9 → 9/10,
-    ``np.float32(0.8)`` → 4/5 because it prints as ``0.8``; see :mod:`fedfs_sdk.exact`); no
-    rounding, so ``q = 0.9999999999`` stays below 1. Checks ``0 < q < 1`` exactly."""
-    try:
-        f = as_written(q, "target TPR q")
-    except InputError:
-        raise InputError(f"target TPR q must be a number in (0, 1), got {q!r}") from None
-    if not 0 < f < 1:
-        raise InputError(f"target TPR q must be in (0, 1), got {q}")
-    return f
-
-
-def min_warmup_images(q: float) -> int:
-    """Smallest ``n`` with ``⌊n(1−q)⌋ ≥ 1`` (e.g. 10 for ``q = 0.9``)."""
-    return math.ceil(1 / (1 - _fraction(q)))
-
-
-def warmup_threshold(scores: Sequence[float] | np.ndarray, q: float) -> float:
-    """FedUV Alg. 2 warm-up: ``τ`` = the ``i``-th smallest score, ``i = ⌊n(1−q)⌋`` (1-based).
-
-    Accepting ``score ≥ τ`` then accepts at least ``n − i + 1 ≥ q·n`` of the warm-up inputs.
-    Raises :class:`InsufficientWarmupError` when ``n(1−q) < 1`` (``i`` would be 0) and says
-    how many inputs are needed.
-    """
-    e = np.asarray(scores, dtype=np.float64).ravel()
-    if e.size and not np.isfinite(e).all():
-        raise InputError("warm-up scores contain NaN or Inf")
-    fq = _fraction(q)
-    i = math.floor(e.size * (1 - fq))
-    if i < 1:
-        raise InsufficientWarmupError(
-            f"{e.size} warm-up image(s) are too few for target TPR q={q}: ⌊n(1−q)⌋ must be ≥ 1, "
-            f"so at least {min_warmup_images(q)} images are needed")
-    return float(np.sort(e)[i - 1])
-
-
-@dataclass
-class Enrollment:
-    """The device owner's enrollment. Secret: never leaves the device."""
-
-    model_id: str
-    mode: str                      # "codeword" | "template"
-    threshold: float
-    q: float
-    n_warmup: int
-    codeword: np.ndarray | None = None   # int8 ±1 [c]
-    template: np.ndarray | None = None   # float32 unit vector [D]
-    created_at: float = field(default_factory=time.time)
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def template_output(self) -> str:
-        """Template mode: which backend output the template is built on — ``embedding`` (the
-        backbone's) or ``uv`` (the FedUV head ``σ(W g)``: its cosine is that of ``W·g``, the
-        ``head-template`` verifier of docs/personalization.md). Kept in ``meta`` so the file's
-        keys stay those older readers know; files without it are ``embedding``."""
-        out = self.meta.get("template_output", "embedding")
-        if out not in ("embedding", "uv"):
-            raise EnrollmentError(f"enrollment names an unknown template output {out!r}; re-enroll")
-        return str(out)
-
-    @property
-    def dropped(self) -> list[int]:
-        """Indices (in the images given to :func:`enroll`) of the warm-up images dropped as
-        outliers; details in ``meta["dropped"]`` (index, file name for paths, score) and
-        ``meta["outlier_rule"]``. Empty for enrollments made before outlier rejection (their
-        files load unchanged: the record lives in ``meta``, so the format is the same)."""
-        return [int(d["index"]) for d in self.meta.get("dropped", [])]
-
-    def to_json(self) -> bytes:
-        d = asdict(self)
-        d["codeword"] = None if self.codeword is None else np.packbits(self.codeword < 0).tobytes().hex()
-        d["code_length"] = None if self.codeword is None else int(self.codeword.size)
-        d["template"] = None if self.template is None else base64.b64encode(
-            np.asarray(self.template, dtype="<f4").tobytes()).decode()
-        return json.dumps(d, sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes) -> "Enrollment":
-        try:
-            d = json.loads(data)
-            c = d.pop("code_length")
-            if d["codeword"] is not None:
-                bits = np.unpackbits(np.frombuffer(bytes.fromhex(d["codeword"]), dtype=np.uint8))[:c]
-                d["codeword"] = (1 - 2 * bits.astype(np.int8)).astype(np.int8)
-            if d["template"] is not None:
-                d["template"] = np.frombuffer(base64.b64decode(d["template"]), dtype="<f4").astype(np.float32)
-            return cls(**d)
-        except (ValueError, KeyError, TypeError) as e:
-            raise EnrollmentError(f"enrollment content is malformed: {e}") from e
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    accepted: bool
-    score: float
-    threshold: float
-
-
-def _is_batch(images: Any) -> bool:
-    return isinstance(images, np.ndarray) and images.dtype == np.float32 and images.ndim == 4
-
-
-def preprocessing_record(backend: InferenceBackend, detect_face: bool | str | None) -> dict[str, Any]:
-    """What an enrollment records of its preprocessing (``meta["preprocessing"]``): the
-    ``detect_face`` it was made with, the face crop the model was fed (``face_mode``: ``none``,
-    ``align``, ``haar``, ``dlib-chip``) and the input size. :func:`score` / :func:`verify` apply the
-    recorded ``detect_face`` unless told otherwise — an owner enrolled on aligned faces is
-    rejected on centre crops (issue 29)."""
-    from .preprocess import face_mode, model_face_mode
-
-    return {"detect_face": face_mode(detect_face) or "none",
-            "face_mode": model_face_mode(detect_face, getattr(backend, "alignment", None)) or "none",
-            "input_size": int(backend.input_size)}
-
-
-def recorded_detect_face(enrollment: "Enrollment", detect_face: bool | str | None = None) -> bool | str:
-    """The ``detect_face`` to verify ``enrollment`` with: the recorded one (``detect_face=None``),
-    else the caller's — which must not contradict the record (:class:`InputError`, naming both)."""
-    from .preprocess import face_mode
-
-    rec = (enrollment.meta.get("preprocessing") or {}).get("detect_face")
-    if detect_face is None:
-        return False if rec in (None, "none") else rec
-    if rec is not None and (face_mode(detect_face) or "none") != rec:
-        raise InputError(f"the enrollment was made with detect_face={rec!r} but verification asks for "
-                         f"{face_mode(detect_face) or 'none'!r}: verify as enrolled (drop the flag) or re-enroll")
-    return detect_face
-
-
-def _as_batch(backend: InferenceBackend, images: Any, detect_face: bool | str) -> np.ndarray:
-    if _is_batch(images):
-        return images
-    from .preprocess import model_face_mode, preprocess
-    # a model trained on one face crop (a backend's optional ``alignment``, e.g. dlib-resnet's
-    # "dlib-chip") is fed that crop whatever detect_face says
-    mode = model_face_mode(detect_face, getattr(backend, "alignment", None))
-    return preprocess(images, backend.input_size, detect_face=mode or False)
-
-
-def _unit(x: np.ndarray) -> np.ndarray:
-    return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
-def uv_scores(uv: np.ndarray, codeword: np.ndarray) -> np.ndarray:
-    """``e = (1/c) v_uᵀ σ(W g(x))`` for each row of ``uv`` (FedUV Eq. 5)."""
-    return (uv.astype(np.float64) @ codeword.astype(np.float64)) / codeword.size
-
-
-def check_codeword(codeword: np.ndarray, backend: InferenceBackend | None = None) -> np.ndarray:
-    v = np.asarray(codeword)
-    if v.ndim != 1 or not np.isin(v, (-1, 1)).all():
-        raise InputError(f"codeword must be a 1-D ±1 vector, got shape {list(v.shape)}")
-    if backend is not None and "uv" not in backend.outputs:
-        raise InputError("codeword enrollment needs a model with a FedUV head (backend has no 'uv' output)")
-    return v.astype(np.int8)
-
-
-def mad_outliers(scores: Sequence[float] | np.ndarray, k: float = OUTLIER_K,
-                 margin: float = OUTLIER_MARGIN["template"]) -> np.ndarray:
-    """Low outliers among warm-up scores (robust z-score, Iglewicz–Hoaglin).
-
-    With ``m = median(s)`` and ``σ̂ = 1.4826 · median(|s − m|)`` (the MAD scaled to estimate
-    a normal σ; median and MAD ignore up to half the sample, so a stranger cannot hide
-    itself by shifting them), score ``s_j`` is an outlier iff
-
-        ``s_j < m − k·σ̂``  and  ``s_j < m − margin``.
-
-    Only low scores count (a high score is never a reason to distrust an owner image). The
-    margin stops the rule from dropping genuine images when the scores are so tight that
-    ``σ̂`` is tiny (``σ̂ = 0`` when over half the scores tie). Returns a boolean mask.
-    """
-    s = np.asarray(scores, dtype=np.float64).ravel()
-    if not np.isfinite(k) or k <= 0:
-        raise InputError(f"outlier_k must be a positive number, got {k!r}")
-    if s.size < 3:
-        return np.zeros(s.size, dtype=bool)
-    med = float(np.median(s))
-    sigma = MAD_SCALE * float(np.median(np.abs(s - med)))
-    return (s < med - k * sigma) & (s < med - margin)
-
-
-def outlier_rule(mode: str, outliers: str = "mad", k: float = OUTLIER_K) -> str:
-    """The rule :func:`enroll` applies, in words (stored in ``meta["outlier_rule"]``)."""
-    if outliers == "none":
-        return "none (outlier rejection off)"
-    what = "leave-one-out cosine" if mode == "template" else "FedUV score"
-    return (f"mad: dropped iff {what} < median − {k:g}·1.4826·MAD and < median − {OUTLIER_MARGIN[mode]:g}"
-            + (" (template re-estimated without the dropped)" if mode == "template" else ""))
-
-
 def _name(src: Any) -> str | None:
     return Path(src).name if isinstance(src, (str, os.PathLike)) else None
-
-
-def _run_alone(backend: InferenceBackend, batch: np.ndarray) -> list[dict[str, np.ndarray]]:
-    """The backend's outputs for each image run alone (a batch of one), as :func:`verify` runs it."""
-    return [backend.run(batch[j:j + 1]) for j in range(batch.shape[0])]
-
-
-def _verify_scores(out: dict[str, np.ndarray], mode: str, codeword: np.ndarray | None,
-                   template: np.ndarray | None, output: str = "embedding") -> np.ndarray:
-    """Verification scores of a backend output: the one formula :func:`score` and :func:`enroll` share."""
-    if mode == "codeword" or output == "uv":
-        if "uv" not in out:
-            raise InputError("this enrollment needs a model with a FedUV head (backend has no 'uv' output)")
-    if mode == "codeword":
-        assert codeword is not None
-        return uv_scores(out["uv"], codeword)
-    assert template is not None
-    return _unit(out[output].astype(np.float64)) @ template.astype(np.float64)
 
 
 def _loo_scores(emb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -435,28 +227,8 @@ def _impostor_scores(backend: InferenceBackend, impostors: Any, mode: str, codew
                            for a in range(0, batch.shape[0], chunk)])
 
 
-def score(backend: InferenceBackend, enrollment: Enrollment, images: Any,
-          detect_face: bool | str | None = None) -> np.ndarray:
-    """Verification scores of one or more images against ``enrollment``, preprocessed as the
-    enrollment records (``detect_face=None``; :func:`recorded_detect_face`)."""
-    detect_face = recorded_detect_face(enrollment, detect_face)
-    if backend.model_id != enrollment.model_id:
-        raise EnrollmentError(f"enrollment was made with model {enrollment.model_id!r} but the backend runs "
-                              f"{backend.model_id!r}; thresholds do not carry over between models — re-enroll")
-    if not (isinstance(images, np.ndarray) and images.ndim == 4) and not isinstance(images, (list, tuple)):
-        images = [images]
-    out = backend.run(_as_batch(backend, images, detect_face))
-    return _verify_scores(out, enrollment.mode, enrollment.codeword, enrollment.template,
-                          enrollment.template_output)
-
-
-def verify(backend: InferenceBackend, enrollment: Enrollment, image: Any,
-           detect_face: bool | str | None = None) -> VerifyResult:
-    """Accept iff ``score ≥ τ`` (FedUV Alg. 2 verification); preprocessed as enrolled by default."""
-    s = float(score(backend, enrollment, image, detect_face)[0])
-    return VerifyResult(accepted=s >= enrollment.threshold, score=s, threshold=enrollment.threshold)
-
-
-# ---- storage: encrypted enrollment files (enrollment_store.py, re-exported here) ---------
-from .enrollment_store import (_MAGIC, _NONCE, _VERSION, _aesgcm, generate_key, load_enrollment,  # noqa: E402,F401
-                               save_enrollment)
+__all__ = ["enroll", "WARMUP_TOLERANCE",
+           # re-exported from enrollment_record, scoring, warmup_rule and enrollment_store
+           "Enrollment", "VerifyResult", "score", "verify", "uv_scores", "check_codeword", "preprocessing_record",
+           "recorded_detect_face", "OUTLIER_RULES", "OUTLIER_K", "MAD_SCALE", "OUTLIER_MARGIN", "min_warmup_images",
+           "warmup_threshold", "mad_outliers", "outlier_rule", "generate_key", "save_enrollment", "load_enrollment"]

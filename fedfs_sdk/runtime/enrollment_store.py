@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from ..errors import EnrollmentError, EnrollmentExistsError, InputError
-from .enrollment import Enrollment
+from .enrollment_record import Enrollment
 
 _MAGIC = b"FEDFSENR"
 _VERSION = 1
