@@ -78,7 +78,7 @@ def test_operating_point_picks_and_records_its_evidence() -> None:
     assert rec["far_evidence"] == "public-set" and rec["tau_federation"] == pytest.approx(0.4)
     tau, rec = operating_point(warm, 0.9, 1e-3, big, 0.5, in_domain=(draws, _Evidence()), far_evidence="federation")
     assert rec["far_evidence"] == "federation-statistics"
-    with pytest.raises(OperatingPointError, match="needs at least 999.*--stats"):
+    with pytest.raises(OperatingPointError, match="needs at least 999.*--far-stats"):
         operating_point(warm, 0.9, 1e-3, small, 0.5)              # no statistics: the public set's refusal
     with pytest.raises(OperatingPointError, match="public impostor set of ≥ 999 photos or the federation's"):
         operating_point(warm, 0.9, 1e-3, None, 0.5)

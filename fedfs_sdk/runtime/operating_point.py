@@ -79,7 +79,7 @@ def far_threshold(impostor_scores: np.ndarray, far: float, identities: np.ndarra
     if k < 0:
         raise OperatingPointError(f"the public impostor set has {n} photos: a false-accept rate of {far:g} needs at "
                                   f"least {min_impostors(far)} to be bounded (far·(n+1) ≥ 1); build a larger one "
-                                  f"(`fedfs impostors --images DIR`), give the federation's published statistics (--stats FILE: τ "
+                                  f"(`fedfs impostors --images DIR`), give the federation's published statistics (--far-stats FILE: τ "
                                   f"in the federation's conditions), or ask for a larger far")
     tau = float(s[k]) + FAR_TOLERANCE
     raw = np.asarray(impostor_scores, dtype=np.float64).ravel()
@@ -107,7 +107,7 @@ def _refuse_far(far: float, impostor_scores: np.ndarray | None, why: str = "") -
         f"a false-accept target of {far:g} needs a public impostor set of ≥ {min_impostors(far)} photos or the "
         f"federation's published statistics (in-domain evidence); this enrollment has {have} and "
         f"{why or 'no statistics'}: pass --impostors FILE with a larger set (`fedfs impostors --images DIR`), "
-        f"--stats FILE (a statistics round's published sum with xi.features and xi.tail), or ask for a larger far")
+        f"--far-stats FILE (a statistics round's published sum with xi.features and xi.tail), or ask for a larger far")
 
 
 def _federation_tau(in_domain: tuple[np.ndarray, Any], far: float) -> tuple[float, dict[str, Any]]:
