@@ -120,8 +120,10 @@ def test_simulator_scope_top_matches_the_device_trainer() -> None:
 
 # ---- the simulator: a planted bad update is not used -----------------------------------------
 
-@pytest.mark.parametrize("check", ["in-domain", "public"])
-def test_simulated_selection_keeps_xi_for_a_planted_bad_update(check, tmp_path) -> None:
+def _planted_bad_global(method: str, new_users: int, tmp_path):
+    """A 6-client SynthFaces federation with a tiny pre-trained ξ, ``method`` set up and bound to
+    the clients' hold-out; returns ``(population, ξ, method, its initial global weights, those
+    weights with every backbone conv / linear weight scrambled)``."""
     from device_sim.cli_simulate import experiment_from_argv, public_impostors
     from device_sim.experiment_data import build_data
     from device_sim.methods import parse_method
@@ -130,19 +132,25 @@ def test_simulated_selection_keeps_xi_for_a_planted_bad_update(check, tmp_path) 
     from device_sim.population import Population
     from device_sim.pretrain import PretrainConfig, train_xi
 
-    cfg = experiment_from_argv(["--clients", "6", "--new-users", "0", "--public", "12", "--out", str(tmp_path)])
+    cfg = experiment_from_argv(["--clients", "6", "--new-users", str(new_users), "--public", "12",
+                                "--out", str(tmp_path)])
     ds, splits = build_data(cfg)
     pop = Population(ds, splits)
     ids, idx, lab = splits.pairs("public", "train")
     xi = train_xi(ds, ids, idx, lab, PretrainConfig(backbone="tiny", epochs=6, seed=0))[0].eval()
-    m = parse_method(f"fedfs:select=on,check={check}")
+    m = parse_method(method)
     m.setup(SimContext(ModelConfig("tiny"), xi, num_clients=pop.num_clients))
-    view = HoldoutView(pop, public_impostors(cfg, pop), seed=0)
-    m.prepare(view)
+    m.prepare(HoldoutView(pop, public_impostors(cfg, pop), seed=0))
     g = m.init_global()
     torch.manual_seed(0)
     bad = {k: (v + 2.0 * torch.randn_like(v) if k.startswith("backbone.") and v.dim() > 1 else v)
            for k, v in g.items()}                              # planted: every conv / linear weight scrambled
+    return pop, xi, m, g, bad
+
+
+@pytest.mark.parametrize("check", ["in-domain", "public"])
+def test_simulated_selection_keeps_xi_for_a_planted_bad_update(check, tmp_path) -> None:
+    pop, _, m, g, bad = _planted_bad_global(f"fedfs:select=on,check={check}", 0, tmp_path)
     m.prepare_evaluation(g, lambda c: {"personal": bad}, list(range(pop.num_clients)))
     assert not m.selection.verdicts["personalized"].helps      # the federation sees the harm too
     for c in range(pop.num_clients):
@@ -324,27 +332,11 @@ def test_simulated_new_users_check_the_shipped_model_too(check, tmp_path) -> Non
     """A user who never trained runs the device's rule over ξ, norm-adapt and the global model
     (issue 29 item 4: ``feduv``'s new users accepted 71 % of strangers with the unchecked global
     model on LFW): a scrambled global model is never what a new user enrolls with."""
-    from device_sim.cli_simulate import experiment_from_argv, public_impostors
     from device_sim.evaluate import EvalConfig, evaluate
-    from device_sim.experiment_data import build_data
     from device_sim.methods import parse_method
     from device_sim.methods.base import SimContext
-    from device_sim.methods.selection import HoldoutView
-    from device_sim.population import Population
-    from device_sim.pretrain import PretrainConfig, train_xi
 
-    cfg = experiment_from_argv(["--clients", "6", "--new-users", "3", "--public", "12", "--out", str(tmp_path)])
-    ds, splits = build_data(cfg)
-    pop = Population(ds, splits)
-    ids, idx, lab = splits.pairs("public", "train")
-    xi = train_xi(ds, ids, idx, lab, PretrainConfig(backbone="tiny", epochs=6, seed=0))[0].eval()
-    m = parse_method(f"feduv:select=on,check={check}")
-    m.setup(SimContext(ModelConfig("tiny"), xi, num_clients=pop.num_clients))
-    m.prepare(HoldoutView(pop, public_impostors(cfg, pop), seed=0))
-    g = m.init_global()
-    torch.manual_seed(0)
-    bad = {k: (v + 2.0 * torch.randn_like(v) if k.startswith("backbone.") and v.dim() > 1 else v)
-           for k, v in g.items()}                              # planted: the shipped model scrambled
+    pop, xi, m, g, bad = _planted_bad_global(f"feduv:select=on,check={check}", 3, tmp_path)
     out = evaluate(m, bad, lambda c: None, pop, EvalConfig(fars=(1e-2,)))
     chose = out["new_users"]["chose"]
     assert sum(chose.values()) == 3 and chose.get("global", 0) == 0, chose

@@ -171,15 +171,8 @@ def has_xi(self) -> bool:
 def device_codeword(self, code_length: int | None) -> np.ndarray:  # self: the DeviceAgent
     """The codeword the device enrolls with: the one it trained with, or — a device the server never
     sampled, FedUV's new user — one made now from its base vector and fresh ``r_u`` (FedUV Alg. 2:
-    a new user picks its codeword at enrollment)."""
-    from .device_state import DeviceStateError
-
-    try:
-        return self.state.load_codeword()
-    except DeviceStateError:
-        if not code_length:
-            raise
-        return self.state.codeword(int(code_length))
+    a new user picks its codeword at enrollment). :meth:`DeviceState.codeword` does both."""
+    return self.state.codeword(int(code_length)) if code_length else self.state.load_codeword()
 
 
 def _to_u8(x: np.ndarray) -> np.ndarray:
