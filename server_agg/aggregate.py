@@ -173,6 +173,12 @@ def fedavg_stacked(stacked: Mapping[str, torch.Tensor], num_samples: torch.Tenso
     out: Weights = {}
     w_cache: dict[torch.device, torch.Tensor] = {}
     for k, t in stacked.items():
+        dtype = reference[k].dtype if reference is not None else t.dtype
+        if k_clients > 1 and t.stride(0) == 0:
+            # one tensor broadcast to every client (a frozen trunk the clients share): its weighted
+            # average is itself (Σ w = 1); a float64 pass over K views would only round back to it
+            out[k] = t[0].detach().to(dtype).clone()
+            continue
         w = w_cache.get(t.device)
         if w is None:
             nd = n.to(device=t.device, dtype=torch.float64)
@@ -184,6 +190,5 @@ def fedavg_stacked(stacked: Mapping[str, torch.Tensor], num_samples: torch.Tenso
         avg = torch.zeros(t.shape[1:], dtype=torch.float64, device=t.device)
         for i in range(0, k_clients, step):
             avg += torch.tensordot(w[i:i + step], t[i:i + step].detach().to(torch.float64), dims=1)
-        dtype = reference[k].dtype if reference is not None else t.dtype
         out[k] = _cast_back(avg, dtype)
     return out

@@ -144,3 +144,20 @@ def test_stacked_on_cuda_matches_cpu():
     gpu = fedavg_stacked({k: v.cuda() for k, v in stacked.items()}, n.cuda())
     assert gpu["w"].is_cuda
     torch.testing.assert_close(gpu["w"].cpu(), cpu["w"], rtol=0, atol=1e-6)
+
+
+def test_a_tensor_every_client_shares_averages_to_itself():
+    # the simulator hands a frozen trunk to fedavg_stacked as one tensor broadcast over the clients
+    # (stride 0 along dim 0): the shortcut must give exactly what the float64 reduction of the
+    # materialized stack gives — the value itself, since Σ w = 1 rounds back to it in float32
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 4, generator=g) * 7
+    n = torch.tensor([3, 1, 9, 2, 5, 4, 8])
+    shared = x.unsqueeze(0).expand(7, *x.shape)
+    assert shared.stride(0) == 0
+    fast = fedavg_stacked({"w": shared, "i": torch.arange(4).unsqueeze(0).expand(7, 4)}, n)
+    slow = fedavg_stacked({"w": shared.contiguous(), "i": torch.arange(4).unsqueeze(0).expand(7, 4).contiguous()}, n)
+    assert torch.equal(fast["w"], slow["w"]) and torch.equal(fast["w"], x)
+    assert torch.equal(fast["i"], slow["i"]) and fast["i"].dtype == slow["i"].dtype
+    fast["w"].add_(1)       # a result never aliases the clients' shared tensor
+    assert torch.equal(shared[0], x)

@@ -13,6 +13,7 @@ from conftest_sim import RandomClients, make_tasks, max_diff, setup_method, xi  
 from device_sim.executors import (BatchedExecutor, ChunkResult, ClientTask, LocalConfig, MemoryPlan,
                                   SequentialExecutor, train_splitting)
 from device_sim.methods import parse_method
+from device_sim.xi_cache import feature_caches
 from device_sim.executors.folding import NotFoldable, check_folding, fold_input, fold_module, folded_call, unfold_output
 from fedfs_sdk.nn.backbones import get_backbone
 from fedfs_sdk.nn.model import FaceNet, ModelConfig
@@ -397,3 +398,27 @@ def test_cuda_calibration_sizes_the_chunk_before_training(data) -> None:
     p = ex.calibrate(m, plan, tasks, LocalConfig(batch_size=10, amp="bf16"))
     assert not ex.needs_calibration and ex.chunk_size == p.chunk_size >= 1
     assert p.per_client > 0 and p.chunk_size * p.per_client + p.fixed <= p.free
+
+
+def test_sequential_shares_the_frozen_trunk_when_the_stem_features_are_given(xi, data) -> None:
+    """With the federation's stem outputs (scope=top) the sequential executor hands every client
+    the round's frozen trunk tensors instead of private copies: the result broadcasts them
+    (stride 0), they are the round's tensors untouched, and the top's updates are those of the
+    path that runs the trunk inside the objective."""
+    m = setup_method("fedfs+feduv", xi)
+    plan, tasks = make_tasks(m, data, [0, 1, 2])
+    cfg = LocalConfig(batch_size=4)
+    ref = SequentialExecutor().train(m, plan, tasks, cfg)          # no stem features: private copies
+    before = {g: {k: v.clone() for k, v in w.items()} for g, w in tasks[0].params.items()}
+    for cache in feature_caches(m, "cpu", "off"):
+        cache.fill(tasks)
+    assert all(t.stem_features is not None for t in tasks)
+    got = SequentialExecutor().train(m, plan, tasks, cfg)
+    assert max_diff(ref.params, got.params) < 1e-5
+    frozen = [(g, k) for g, w in got.params.items() for k in w if not m.trains_tensor(g, k)]
+    assert frozen
+    for g, k in frozen:
+        assert got.params[g][k].stride(0) == 0, (g, k)
+        assert torch.equal(got.params[g][k][0], before[g][k]) and torch.equal(tasks[0].params[g][k], before[g][k])
+    top = [(g, k) for g, w in got.params.items() for k in w if m.trains_tensor(g, k)]
+    assert top and all(got.params[g][k].stride(0) != 0 for g, k in top)
