@@ -107,7 +107,7 @@ class LocalCompact(FederatedMethod):
         return loss, {"loss": loss}
 
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
-        from .selection import split_spec
+        from .split_top import split_spec
 
         if private is None or "personal" not in private:
             return split_spec(VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key="xi"),
@@ -213,7 +213,7 @@ class FittedReference(FederatedMethod):
     it on ξ's cached trunk features."""
 
     def verifier(self, state: ClientState, global_weights: Weights, private: Params | None) -> VerifierSpec:
-        from .selection import split_spec
+        from .split_top import split_spec
 
         spec = VerifierSpec(self._net, backbone_weights(global_weights), None, shared_key=self.name)
         return split_spec(spec, self.context.xi) if self.top_only else spec

@@ -33,7 +33,8 @@ from .base import (ClientState, FederatedMethod, Params, RoundPlan, SimContext, 
 from .client_stats import FederationStats
 from .reference import fold_standardization
 from .presets import PRESETS, base_vector  # noqa: F401 (re-exported: the presets, the simulated b_u)
-from .selection import SimSelection, split_spec
+from .selection import SimSelection
+from .split_top import split_spec
 from .sdk_codewords import SDKCodewords
 from .sdk_prepare import SDKPrepare
 from .sdk_verifiers import SDKVerifiers

@@ -33,42 +33,17 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.runtime.capture_match import match_capture
 from fedfs_sdk.stats import DRAWS, standard_draws, sum_contributions, threshold_at_far
 from fedfs_sdk.stats.impostor_model import draws_from_factor
-from fedfs_sdk.stats.in_domain import check_contributions, decide, in_domain_factor, top_verifier
+from fedfs_sdk.stats.in_domain import check_contributions, decide, in_domain_factor, top_verifier  # noqa: F401
 from fedfs_sdk.training.selection import CHECK_IMPOSTORS, DEFAULT_HOLDOUT, check_candidate, holdout_split
 
 from .base import VerifierSpec
+from .split_top import fingerprint as _fingerprint, split_spec, top_embed as _top_embed
 
 CANDIDATES = ("xi", "global", "personalized")
 IN_DOMAIN_CANDIDATES = ("xi", "norm-adapt", "global", "personalized")
 CHECKS = ("in-domain", "public")
 DIAGNOSTIC_FARS = (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 """FARs at which the simulator records predicted vs measured in-domain FAR (diagnostics only)."""
-
-
-def split_spec(spec: VerifierSpec, xi: torch.nn.Module) -> VerifierSpec:
-    """``spec`` evaluated as its top on ξ's cached trunk features (:mod:`device_sim.trunk_cache`)
-    — a pure speed-up, valid when the spec's trunk *is* ξ's (ξ itself, norm-adapt, any
-    ``scope="top"`` model). Specs of a backbone that cannot be split are returned as they are."""
-    from dataclasses import replace
-
-    from fedfs_sdk.training.scope import check_splittable
-
-    from ..trunk_cache import trunk_cache
-
-    if spec.trunk is not None:
-        return spec
-    backbone = getattr(xi, "backbone", xi)
-    try:
-        check_splittable(backbone)
-        top = _TOPS.get(id(spec.net))
-        if top is None:
-            top = _TOPS[id(spec.net)] = (spec.net, top_verifier(spec.net))
-        return replace(spec, trunk=trunk_cache(backbone), top=top[1])
-    except InputError:
-        return spec
-
-
-_TOPS: dict[int, tuple] = {}      # verifier skeleton id → (skeleton kept alive, its top)
 
 
 class HoldoutView:
@@ -135,31 +110,6 @@ def _unit(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
-@torch.no_grad()
-def _top_embed(spec: VerifierSpec, features: torch.Tensor, dev: torch.device, batch: int = 2048) -> np.ndarray:
-    """A split verifier's ``embedding`` output on trunk ``features`` (its top only)."""
-    from torch.func import functional_call
-
-    if spec.top is None:
-        raise InputError("check=in-domain scores drawn trunk features: it needs scope=top verifiers")
-    names = set(spec.top.state_dict())
-    w = {k: v.to(dev) for k, v in spec.weights.items() if k in names}
-    top = spec.top.to(dev).eval()
-    outs = [functional_call(top, w, (features[a:a + batch].to(dev),))[0].double().cpu()
-            for a in range(0, features.shape[0], batch)]
-    return torch.cat(outs).numpy()
-
-
-def _fingerprint(spec: VerifierSpec) -> tuple:
-    """What a split spec's embedding output depends on: its top's layers and the tensors of its
-    weights (by identity and version: ξ's own parameters are the same tensors in every method)."""
-    if spec.top is None:        # never equal to another spec's (the check refuses unsplit specs anyway)
-        return ("unsplit", object())
-    names = sorted(spec.top.state_dict())
-    return (repr(spec.top), tuple((k, spec.weights[k].data_ptr(), spec.weights[k]._version,
-                                   tuple(spec.weights[k].shape)) for k in names if k in spec.weights))
-
-
 def _to_u8(x: torch.Tensor) -> np.ndarray:
     return torch.round(x * 127.5 + 127.5).clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
 
@@ -185,6 +135,7 @@ class SimSelection:
         self.verdicts: dict = {}
         self._checks: dict[int, list | None] = {}
         self._unmatched: dict[int, list] = {}
+        self._call_memo: dict | None = None      # prepare()'s: the shared models' real-impostor embeddings
 
     def bind(self, data: Any, stats: Any = None, candidates: tuple[str, ...] | None = None) -> None:
         """``stats``: the statistics round's outcome (``check=in-domain`` needs its feature moments);
@@ -285,7 +236,7 @@ class SimSelection:
             z = memo[("z", mu.size, seed)] = standard_draws(mu.size, DRAWS, seed=seed)
         # the 8192 draws themselves (8 MB a client) are redrawn, not kept: z @ L is milliseconds
         drawn = torch.from_numpy(draws_from_factor(mu, factor, z))
-        real = self._real_impostors(client)
+        real = self._real_impostors()
         checks, diag = [], {}
         done: dict[tuple, str] = {}     # this call's candidates by what they compute (FedUV: global = personalized)
         for name in names:
@@ -313,7 +264,9 @@ class SimSelection:
             checks.append(ck)
             if real is not None:
                 t = _unit(_unit(tr).sum(0))
-                pred, meas = _unit(im) @ t, _unit(_top_embed(spec, real, dev)) @ t
+                emb = self._real_embedded(spec, fp, real[0], dev, memo if key is not None else
+                                         self._call_memo if spec.shared_key is not None else None)
+                pred, meas = _unit(im) @ t, emb[real[1] != client] @ t
                 diag[name] = {f"{far:g}": {"tau": (tau := threshold_at_far(pred, far)),
                                            "measured_far": float((meas > tau).mean())} for far in DIAGNOSTIC_FARS}
                 diag[name]["n_real"] = int(meas.size)
@@ -321,18 +274,44 @@ class SimSelection:
                 memo[key] = (ck, diag.get(name))
         return checks, diag
 
-    def _real_impostors(self, client: int) -> torch.Tensor | None:
-        """Every other contributing client's real trunk features (the simulator's ground truth for
-        the diagnostic only)."""
-        feats = [f for c, f in self.stats.features.items() if c != client]
-        return torch.from_numpy(np.concatenate(feats).astype(np.float32)) if feats else None
+    def _real_impostors(self) -> tuple[torch.Tensor, np.ndarray] | None:
+        """Every contributing client's real trunk features and their owners (the simulator's ground
+        truth for the diagnostic only; a client's impostors are the rows it does not own). Built
+        once per round: the round's memo."""
+        got = self.stats.memo.get("real")
+        if got is None and self.stats.features:
+            clients = list(self.stats.features)
+            feats = [np.asarray(self.stats.features[c]) for c in clients]
+            got = self.stats.memo["real"] = (
+                torch.from_numpy(np.concatenate(feats).astype(np.float32)),
+                np.repeat(np.asarray(clients), [f.shape[0] for f in feats]))
+        return got
+
+    def _real_embedded(self, spec: VerifierSpec, fp: tuple, real: torch.Tensor, dev: torch.device,
+                       keep: dict | None) -> np.ndarray:
+        """Unit embeddings of every real impostor feature under ``spec``'s top — computed once per
+        verifier, not once per client (a model every client shares: ξ, norm-adapt ξ, the global
+        model). ``keep``: where to keep them (the round's memo for ξ's and norm-adapt's, whose
+        tensors live as long as the run; :meth:`prepare`'s own for the rest, whose addresses — in
+        the key — may be reused once a method's weights are freed)."""
+        key = ("real-embedded", fp)
+        if keep is not None and key in keep:
+            return keep[key]
+        emb = _unit(_top_embed(spec, real, dev))
+        if keep is not None:
+            keep[key] = emb
+        return emb
 
     def prepare(self, clients, specs_of) -> None:
         """Every client's check, then the federation's verdict for each candidate: the sum of every
         checked client's :func:`~fedfs_sdk.stats.check_contribution` (the statistics round's sum,
         :func:`~fedfs_sdk.stats.sum_contributions`), turned into verdicts
         (:func:`~fedfs_sdk.stats.verdict_from_sum`) — what every device receives."""
-        self._checks = {c: self.check(c, specs_of(c)) for c in clients}
+        self._call_memo = {}        # this call's methods' weights stay alive until it returns
+        try:
+            self._checks = {c: self.check(c, specs_of(c)) for c in clients}
+        finally:
+            self._call_memo = None
         done = [v for v in self._checks.values() if v is not None]
         others = self.candidates[1:]
         if done:
