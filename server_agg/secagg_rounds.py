@@ -53,9 +53,7 @@ def secagg_error(e: SecAggError) -> ApiError:
     return err
 
 
-NOISE_TAIL = 8.0
-"""Distributed DP noise: the fixed-point range holds ``C`` plus this many standard deviations
-of a device's noise (a coordinate beyond it — probability 2Φ(−8) ≈ 1e-15 — is clipped)."""
+from fedfs_sdk.federation.dp import NOISE_TAIL  # noqa: E402 (the range of distributed noise, shared with statistics)
 
 
 def dp_min_inputs(policy: Any, n_devices: int) -> int:

@@ -35,13 +35,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..errors import InputError
-from ..federation.dp import gaussian_noise
+from ..federation.dp import NOISE_TAIL, gaussian_noise
 from .contributions import sensitivity
 
 NOISE_MODES = ("central", "distributed")
-NOISE_TAIL = 8.0
-"""Distributed noise: the fixed-point range holds the packed contribution (±1) plus this many of a
-device's noise std (the weight rounds' :data:`server_agg.secagg_rounds.NOISE_TAIL`, 2Φ(−8) ≈ 1e-15)."""
 
 
 @dataclass(frozen=True)
