@@ -203,3 +203,24 @@ def test_server_publishes_a_distributed_noise_sum_with_its_mechanism(tmp_path) -
         assert out["state"] == "published" and out["dp"]["noise_multiplier"] == 0.5
     finally:
         srv.stop()
+
+
+def test_serve_flags_give_the_automatic_rounds_their_dp() -> None:
+    import argparse
+    from dataclasses import replace
+
+    from server_agg.config import RoundPolicy
+    from server_agg.serve_flags import add_arguments, policy_overrides
+    from server_agg.stats_auto import round_dp
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--state", "s", "--stats-dp-noise-multiplier", "1.5", "--stats-dp-noise", "distributed",
+                         "--stats-bound", "9"])
+    policy = replace(RoundPolicy(), **policy_overrides(args))
+    assert round_dp(policy) == {"noise_multiplier": 1.5, "noise": "distributed", "delta": None}
+    assert policy.stats_bound == 9.0 and round_dp(RoundPolicy()) is None
+    with pytest.raises(InputError, match="need stats_dp_noise_multiplier"):
+        replace(RoundPolicy(), stats_dp_noise="distributed")
+    with pytest.raises(InputError, match="noise_multiplier"):
+        replace(RoundPolicy(), stats_dp_noise_multiplier=-1.0)
