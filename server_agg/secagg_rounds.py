@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedfs_sdk.errors import FedFSError, InputError
+from fedfs_sdk.federation.dp import NOISE_TAIL   # the range of distributed noise, shared with statistics rounds
 from fedfs_sdk.federation.secagg import (PROTOCOL_V2, CaPublicKey, RoundFailedError, SecAggError, SecAggParams,
                                          SecAggResult, SecAggServer, default_threshold, from_json, restore, snapshot,
                                          to_json)
@@ -51,9 +52,6 @@ def secagg_error(e: SecAggError) -> ApiError:
     err = ApiError(str(e)[:500], code=e.reason)
     err.status = e.status
     return err
-
-
-from fedfs_sdk.federation.dp import NOISE_TAIL  # noqa: E402 (the range of distributed noise, shared with statistics)
 
 
 def dp_min_inputs(policy: Any, n_devices: int) -> int:
