@@ -67,11 +67,11 @@ def test_distributed_shares_sum_to_the_central_variance() -> None:
     # exact: m shares of variance σ²/m each
     share = packed_std(task, 1.3) / math.sqrt(m)
     assert np.allclose(m * share ** 2, central ** 2)
-    # statistical, in the sum's own units: 3000 rounds of m devices
+    # statistical, in the sum's own units: 1500 rounds of m devices (SE of a std ≈ 1.8 %; a missing √m is ×2.6)
     rng = np.random.default_rng(11)
-    sums = np.stack([unpack(sum(device_noise(task, 1.3, m, rng) for _ in range(m)), task)["e"] for _ in range(3000)])
+    sums = np.stack([unpack(sum(device_noise(task, 1.3, m, rng) for _ in range(m)), task)["e"] for _ in range(1500)])
     want = noise_std("embedding", 2 * D + 1, B, P, 1.3)
-    assert np.allclose(sums.std(0) / want, 1.0, atol=0.08)
+    assert np.allclose(sums.std(0) / want, 1.0, atol=0.1)
     with pytest.raises(InputError, match="min_inputs"):
         device_noise(task, 1.3, 0, rng)
 
