@@ -86,6 +86,13 @@ class RoundPolicy:
         stats_rounds: with ``rounds`` > 0 and a served ξ, the server opens the statistics rounds the
             defaults' do-no-harm rule needs by itself (:mod:`server_agg.stats_auto`, issue 29): ξ's
             moments before the first weight round, the devices' check results after the last.
+        stats_dp_noise_multiplier: DP on the automatic statistics rounds (:mod:`fedfs_sdk.stats.privacy`):
+            Gaussian noise of ``z`` × each statistic's sensitivity (None: no noise); ``stats_dp_noise``
+            ``central`` (the server adds it to the unmasked sum) or ``distributed`` (each device adds
+            ``1/m`` of the variance before masking); ``stats_dp_delta``: the δ of the published ε
+            (None: ``N^-1.1``).
+        stats_bound: each photo's L2 clip in the automatic rounds' ξ moments (None: 1e3, which only
+            stops a malicious device; under DP the noise grows with ``bound²``: set it near ξ's norms).
         secagg_ca: the operator CA's public key (the ``ca.pub`` document of ``fedfs ca init``).
             Set: secure rounds run ``fedfs-secagg/2`` — devices present CA-certified identity
             keys and sign their advertised keys, the threshold is fixed against the number of
@@ -122,6 +129,10 @@ class RoundPolicy:
     secagg_phase_timeout_s: float = 60.0
     secagg_ca: Mapping[str, Any] | None = None
     stats_rounds: bool = True
+    stats_dp_noise_multiplier: float | None = None
+    stats_dp_noise: str = "central"
+    stats_dp_delta: float | None = None
+    stats_bound: float | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -142,6 +153,15 @@ class RoundPolicy:
             if self.device_ttl_s < 0:
                 raise InputError(f"device_ttl_s must be ≥ 0 (0 disables the liveness rule), got {self.device_ttl_s!r}")
         self._check_dp()
+        if self.stats_dp_noise_multiplier is not None or self.stats_dp_delta is not None \
+                or self.stats_dp_noise != "central":
+            from fedfs_sdk.stats.privacy import StatsDp
+
+            if self.stats_dp_noise_multiplier is None:
+                raise InputError("stats_dp_noise / stats_dp_delta need stats_dp_noise_multiplier (z) too")
+            StatsDp(self.stats_dp_noise_multiplier, self.stats_dp_noise, self.stats_dp_delta)   # validates
+        if self.stats_bound is not None:
+            _check_number("stats_bound", self.stats_bound, positive=True)
         self._check_secagg()
         if not isinstance(self.train, Mapping):
             raise InputError("train must be an object")

@@ -94,6 +94,10 @@ POLICY_CHANGES_SCHEMA: dict[str, Any] = {
         "secagg_min_devices": _int(3, 1 << 31),
         "secagg_phase_timeout_s": _num(0.0, MAX_SECONDS, exclusive_lo=True),
         "stats_rounds": {"type": "boolean"},
+        "stats_dp_noise_multiplier": _nullable(_num(0.0, 1e6)),
+        "stats_dp_noise": {"enum": ["central", "distributed"]},
+        "stats_dp_delta": _nullable(_num(0.0, 1.0, exclusive_lo=True)),
+        "stats_bound": _nullable(_num(0.0, 1e6, exclusive_lo=True)),
         "secagg_ca": _nullable({"type": "object", "required": ["format", "public_key"],
                                 "description": "the operator CA's public key (ca.pub of fedfs ca init): secure "
                                                "rounds run fedfs-secagg/2",

@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedfs_sdk.errors import FedFSError, InputError
+from fedfs_sdk.federation.dp import NOISE_TAIL   # the range of distributed noise, shared with statistics rounds
 from fedfs_sdk.federation.secagg import (PROTOCOL_V2, CaPublicKey, RoundFailedError, SecAggError, SecAggParams,
                                          SecAggResult, SecAggServer, default_threshold, from_json, restore, snapshot,
                                          to_json)
@@ -51,11 +52,6 @@ def secagg_error(e: SecAggError) -> ApiError:
     err = ApiError(str(e)[:500], code=e.reason)
     err.status = e.status
     return err
-
-
-NOISE_TAIL = 8.0
-"""Distributed DP noise: the fixed-point range holds ``C`` plus this many standard deviations
-of a device's noise (a coordinate beyond it — probability 2Φ(−8) ≈ 1e-15 — is clipped)."""
 
 
 def dp_min_inputs(policy: Any, n_devices: int) -> int:

@@ -31,6 +31,8 @@ _POLICY_FLAGS: dict[str, tuple[str, type]] = {
     "secagg_scale_bits": ("secagg_scale_bits", int), "secagg_min_devices": ("secagg_min_devices", int),
     "secagg_phase_timeout": ("secagg_phase_timeout_s", float),
     "stats_rounds": ("stats_rounds", bool),
+    "stats_dp_noise_multiplier": ("stats_dp_noise_multiplier", float), "stats_dp_noise": ("stats_dp_noise", str),
+    "stats_dp_delta": ("stats_dp_delta", float), "stats_bound": ("stats_bound", float),
 }
 
 
@@ -96,6 +98,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp-noise", choices=("central", "distributed"),
                    help="with --secure-aggregation: 'distributed' = each device adds its share of the noise to "
                         "its masked input, so the server never sees a noiseless sum (docs/privacy.md)")
+    g.add_argument("--stats-dp-noise-multiplier", type=float, metavar="Z",
+                   help="DP on the automatic statistics rounds: Gaussian noise of Z × each statistic's sensitivity "
+                        "on the published sums, (ε, δ) in the result (docs/protocol.md; off by default)")
+    g.add_argument("--stats-dp-noise", choices=("central", "distributed"),
+                   help="where the statistics' DP noise is added: the server, once (central), or each device, "
+                        "1/m of it before masking (distributed)")
+    g.add_argument("--stats-dp-delta", type=float, metavar="DELTA", help="the δ of the statistics rounds' ε (N^-1.1)")
+    g.add_argument("--stats-bound", type=float, metavar="B",
+                   help="each photo's L2 clip in the automatic rounds' ξ moments (default 1e3); under DP set it "
+                        "near ξ's embedding/feature norms: the noise grows with B²")
     g.add_argument("--stats-rounds", action=argparse.BooleanOptionalAction, default=None,
                    help="with --rounds and a served ξ (default on): open the statistics rounds of the default "
                         "do-no-harm rule — ξ's moments before round 1, the devices' check results after the last "

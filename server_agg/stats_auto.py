@@ -79,9 +79,17 @@ def xi_shape(coord: Any) -> dict:
     return shape
 
 
+def round_dp(policy: Any) -> dict | None:
+    """The automatic rounds' DP (``stats_dp_*``) as a task's ``dp`` field (None: no noise)."""
+    z = getattr(policy, "stats_dp_noise_multiplier", None)
+    if z is None:
+        return None
+    return {"noise_multiplier": float(z), "noise": policy.stats_dp_noise, "delta": policy.stats_dp_delta}
+
+
 def _open(coord: Any, desk: Any, key: str, specs: tuple[StatSpec, ...], extra: dict | None = None) -> bool:
     try:
-        out = desk.open_task(specs, SECURE, MIN_CONTRIBUTORS, MAX_PHOTOS, extra)
+        out = desk.open_task(specs, SECURE, MIN_CONTRIBUTORS, MAX_PHOTOS, extra, round_dp(coord.policy))
     except ApiError as e:
         _note(coord, key, {"state": "skipped", "reason": str(e)[:500]})
         _event("statistics round skipped", key=key, reason=str(e)[:200])
@@ -167,9 +175,10 @@ def before_weight_round(coord: Any, desk: Any) -> bool:
     if _skip_without_ca(coord, key):
         return True
     shape = xi_shape(coord)
-    specs = [StatSpec(EMBEDDING, "embedding", 2 * shape["embedding"] + 1, EMBEDDING_BOUND)]
+    bound = getattr(coord.policy, "stats_bound", None)
+    specs = [StatSpec(EMBEDDING, "embedding", 2 * shape["embedding"] + 1, bound or EMBEDDING_BOUND)]
     if shape["features"] is not None:
-        specs.append(StatSpec(FEATURES, "features", feature_length(shape["features"]), FEATURE_BOUND))
+        specs.append(StatSpec(FEATURES, "features", feature_length(shape["features"]), bound or FEATURE_BOUND))
     # the devices' impostor draws are seeded by the federation's seed (the simulator's --seed)
     return not _open(coord, desk, key, tuple(specs), {"draw_seed": int(coord.policy.seed)})
 

@@ -16,12 +16,16 @@ other's). Transport:
   (:class:`~fedfs_sdk.stats.transport.StatsDevicePolicy`).
 
 What is published (:meth:`StatsRound.finish`): ``{"task", "count", "sums"}`` — the unpacked sum of the
-survivors' statistics, only when at least ``min_contributors`` devices are in it. DP is optional on the
-same sums (not applied here).
+survivors' statistics, only when at least ``min_contributors`` devices are in it — and, when the task
+carries DP (``task.dp``, :mod:`fedfs_sdk.stats.privacy`), ``"dp"``: the mechanism (z, where the noise
+was added, σ per statistic's segment, contributors, the round's ε at δ). Central noise is added here
+to the unmasked sum; distributed noise arrives inside it (each device added its share).
 """
 from __future__ import annotations
 
 import json
+import math
+import secrets
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -49,6 +53,17 @@ def stats_fields(policy: Any, task: StatsTask, n_devices: int) -> dict[str, Any]
         fields.pop(k, None)
     fields.update(clip=fp.clip, scale_bits=fp.scale_bits, max_devices=fp.max_devices, max_samples=1,
                   threshold=None, min_devices=max(int(policy.secagg_min_devices), int(task.min_contributors)))
+    dp = task.privacy
+    if dp is not None and dp.noise == "distributed":
+        # each device adds N(0, σ²/m) (fedfs_sdk.stats.privacy.device_noise), m = the threshold t of the
+        # invited n (a device refuses m > t); the range holds the noise tails, the resolution gives way
+        from fedfs_sdk.federation.secagg.params import default_threshold
+        from fedfs_sdk.stats.privacy import packed_range
+
+        m = min(default_threshold(max(1, n_devices)), max(1, n_devices))
+        clip = packed_range(task, float(dp.noise_multiplier), m)
+        fields.update(clip=clip, scale_bits=fp.scale_bits - max(0, math.ceil(math.log2(clip))),
+                      dp_noise={"min_inputs": m})
     return fields
 
 
@@ -102,7 +117,20 @@ class StatsRound:
             raise InputError(f"statistics round {self.task.round_id}: {count} contributor(s), fewer than the "
                              f"{self.task.min_contributors} whose sum may be published; nothing published")
         summed = StatSum(unpack(np.asarray(total, dtype=np.float64), self.task), int(count))
-        self.published = {"task": self.task.to_json(), **summed.to_dict()}
+        record = {}
+        dp = self.task.privacy
+        if dp is not None:
+            from fedfs_sdk.federation.dp_account import default_delta
+            from fedfs_sdk.stats.privacy import add_noise, mechanism
+
+            m = self.secagg.min_inputs if self.secagg is not None and self.secagg.min_inputs else None
+            if dp.noise == "central":           # the devices' sum arrived noise-free: add σ once, here
+                rng = np.random.default_rng(secrets.randbits(128))
+                summed = StatSum(add_noise(summed.sums, self.task.stats, self.task.max_photos,
+                                           float(dp.noise_multiplier), rng), summed.count)
+            delta = dp.delta if dp.delta is not None else default_delta(len(self.participants))
+            record = {"dp": mechanism(self.task.stats, self.task.max_photos, dp, int(count), delta, m)}
+        self.published = {"task": self.task.to_json(), **summed.to_dict(), **record}
         return self.published
 
 

@@ -27,6 +27,7 @@ from fastapi import Body, FastAPI, Path, Security
 
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.secagg import RoundFailedError
+from fedfs_sdk.stats.privacy import spec_std
 from fedfs_sdk.stats.transport import SECURE, StatSpec, StatsTask, stats_context
 
 from .errors import Conflict, NotFound, Unprocessable
@@ -82,14 +83,17 @@ class StatsDesk:
             transport = str(body.get("transport", SECURE))
             min_c, max_p = int(body.get("min_contributors", 10)), int(body.get("max_photos", 64))
             extra = dict(body.get("extra") or {})
+            dp = body.get("dp")
         except (KeyError, TypeError, ValueError) as e:
             raise Unprocessable(f"statistics round refused: {e}", code="invalid_stats_round") from None
-        return self.open_task(specs, transport, min_c, max_p, extra)
+        return self.open_task(specs, transport, min_c, max_p, extra, dp)
 
     def open_task(self, specs: tuple[StatSpec, ...], transport: str = SECURE, min_contributors: int = 10,
-                  max_photos: int = 64, extra: dict | None = None) -> dict:
+                  max_photos: int = 64, extra: dict | None = None, dp: dict | None = None) -> dict:
         """Open a round on every eligible device; 409 if one is open, the statistic already ran on
-        this basis, or the secure round cannot run (too few devices, parameters devices refuse)."""
+        this basis, or the secure round cannot run (too few devices, parameters devices refuse).
+        ``dp``: the round's DP (:class:`~fedfs_sdk.stats.privacy.StatsDp` as JSON; 422 if invalid or
+        ``dp-accounting`` is missing)."""
         coord = self.coord
         with self._lock:
             self.tick()
@@ -101,7 +105,13 @@ class StatsDesk:
             try:
                 task = StatsTask(rid, int(coord.model.version) if coord.model else 0, specs, transport=transport,
                                  min_contributors=min_contributors, max_photos=max_photos,
-                                 extra={"xi_sha256": coord.db.get_meta("xi_sha256"), **(extra or {})})
+                                 extra={"xi_sha256": coord.db.get_meta("xi_sha256"), **(extra or {})}, dp=dp)
+                if task.privacy is not None:     # the published ε needs the accountant: say so now, not at the end
+                    from fedfs_sdk.federation.dp_account import require_accountant
+
+                    require_accountant()
+                    for s in specs:
+                        spec_std(s, task.max_photos, 0.0)     # every statistic has a bounded kind
             except (TypeError, ValueError, InputError) as e:
                 raise Unprocessable(f"statistics round refused: {e}", code="invalid_stats_round") from None
             again = sorted(set(task.keys()) & set(self.ledger()))
@@ -133,7 +143,8 @@ class StatsDesk:
                 secagg.save()
             coord.db.set_meta(LAST_ID, str(rid))
             self.round = rnd
-            self._outcome(rid, "open", names=[s.name for s in specs], devices=len(devices))
+            self._outcome(rid, "open", names=[s.name for s in specs], devices=len(devices),
+                          **({"dp": task.dp} if task.dp else {}))
             return {"round_id": rid, "phase": "secure" if secagg else "plain", "devices": len(devices),
                     "task": task.to_json(), **({"protocol": secagg.params.protocol} if secagg else {})}
 
@@ -171,7 +182,8 @@ class StatsDesk:
             return
         save_published(self.dir / f"published-r{rid:06d}.json", pub)
         save_published(self.coord.layout.root / "stats.json", pub)
-        self._outcome(rid, "published", count=pub["count"], names=[s.name for s in r.task.stats], transport=how)
+        self._outcome(rid, "published", count=pub["count"], names=[s.name for s in r.task.stats], transport=how,
+                      **({"dp": pub["dp"]} if "dp" in pub else {}))
         self._close()
 
     def _fail(self, why: str) -> None:

@@ -12,6 +12,10 @@ Contributions (per client, from its training photos, ξ's frozen weights):
 
 Which clients contribute: every client up to :data:`~.reference.NORM_STATS_CLIENTS`, a seeded
 sample beyond (a round opened to a sample of devices).
+
+DP (``dp``: a :class:`StatsRoundDp`): the round's sum gets the server's central Gaussian noise —
+the same function (:func:`fedfs_sdk.stats.privacy.add_noise`) — with the round's clip bound and
+photo cap; each client's own contribution is kept noise-free (what a device keeps on itself).
 """
 from __future__ import annotations
 
@@ -21,9 +25,33 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from fedfs_sdk.stats import StatSum, embedding_moments, feature_moments, sum_contributions
+from fedfs_sdk.stats import EMBEDDING_BOUND, FEATURE_BOUND, MAX_PHOTOS, StatSum, embedding_moments, \
+    feature_moments, feature_length, sum_contributions
 
 from fedfs_sdk.stats.in_domain import EMBEDDING, FEATURES  # noqa: E402 (the statistics' names, as devices send them)
+
+
+@dataclass(frozen=True)
+class StatsRoundDp:
+    """The simulated round's DP: noise multiplier ``z`` (0: the clipping only), each photo's L2
+    ``bound`` (embedding and feature moments), the ``max_photos`` cap, and the noise's seed."""
+
+    z: float = 0.0
+    bound: float | None = None
+    max_photos: int = MAX_PHOTOS
+    seed: int = 0
+
+    def specs(self, dims: dict[str, int]) -> list:
+        """The round's :class:`~fedfs_sdk.stats.transport.StatSpec` (``dims``: name → the vector's
+        embedding / feature width)."""
+        from fedfs_sdk.stats.transport import StatSpec
+
+        out = []
+        if EMBEDDING in dims:
+            out.append(StatSpec(EMBEDDING, "embedding", 2 * dims[EMBEDDING] + 1, self.bound or EMBEDDING_BOUND))
+        if FEATURES in dims:
+            out.append(StatSpec(FEATURES, "features", feature_length(dims[FEATURES]), self.bound or FEATURE_BOUND))
+        return out
 
 
 @dataclass
@@ -36,6 +64,7 @@ class FederationStats:
     own: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)
     features: dict[int, np.ndarray] = field(default_factory=dict)
     memo: dict = field(default_factory=dict, repr=False, compare=False)
+    dp: StatsRoundDp | None = None
     """What the do-no-harm checks derive from this round alone (a client's impostor draws, ξ's
     check): computed by the first method that needs it, reused by the others of the run
     (:class:`~.selection.SimSelection`; issue 31)."""
@@ -47,7 +76,8 @@ class FederationStats:
         if mine is None:
             return None
         if client in self.features:
-            return {**mine, FEATURES: feature_moments(self.features[client])}
+            dp = self.dp or StatsRoundDp()
+            return {**mine, FEATURES: feature_moments(self.features[client], dp.bound or FEATURE_BOUND, dp.max_photos)}
         return mine
 
     def others(self, client: int, name: str) -> np.ndarray:
@@ -60,9 +90,11 @@ class FederationStats:
 @torch.no_grad()
 def client_statistics(net: torch.nn.Module, weights: dict, data: Any, clients: Sequence[int],
                       device: str | torch.device = "cpu", trunk: Any = None, top: torch.nn.Module | None = None,
-                      clients_per_load: int = 64, batch_size: int = 512) -> FederationStats:
+                      clients_per_load: int = 64, batch_size: int = 512,
+                      dp: StatsRoundDp | None = None) -> FederationStats:
     """Each client's contribution and their sum. ``trunk``/``top``: ξ split at its trunk (then the
-    feature moments are contributed too); else ``net`` with ``weights`` gives the embeddings."""
+    feature moments are contributed too); else ``net`` with ``weights`` gives the embeddings.
+    ``dp``: the round's bound, photo cap and central noise (module docstring)."""
     from torch.func import functional_call
 
     from ..executors import normalized
@@ -74,7 +106,8 @@ def client_statistics(net: torch.nn.Module, weights: dict, data: Any, clients: S
         names = set(top.state_dict())
         top = top.to(dev).eval()
         tw = {k: v for k, v in w.items() if k in names}
-    out = FederationStats(StatSum())
+    out = FederationStats(StatSum(), dp=dp)
+    bound, cap = (dp.bound or EMBEDDING_BOUND, dp.max_photos) if dp is not None else (EMBEDDING_BOUND, MAX_PHOTOS)
     ids = [int(c) for c in clients]
     chunk_fn = getattr(data, "train_chunk", None)
     for a in range(0, len(ids), clients_per_load):
@@ -95,11 +128,19 @@ def client_statistics(net: torch.nn.Module, weights: dict, data: Any, clients: S
         f_all = torch.cat(feats).numpy() if feats else None
         start = 0
         for c, n in zip(group, sizes):
-            out.own[c] = {EMBEDDING: embedding_moments(e_all[start:start + n])}
+            out.own[c] = {EMBEDDING: embedding_moments(e_all[start:start + n], bound, cap)}
             if f_all is not None:
                 out.features[c] = f_all[start:start + n]
             start += n
     out.total = sum_contributions(out.contribution(c) for c in out.own)
+    if dp is not None and dp.z > 0:
+        from fedfs_sdk.stats.privacy import add_noise
+
+        dims = {EMBEDDING: (out.total.sums[EMBEDDING].size - 1) // 2}
+        if f_all is not None:
+            dims[FEATURES] = int(f_all.shape[1])
+        rng = np.random.default_rng([int(dp.seed) & 0xFFFFFFFF, 0xD905])
+        out.total = StatSum(add_noise(out.total.sums, dp.specs(dims), dp.max_photos, dp.z, rng), out.total.count)
     return out
 
 
@@ -129,4 +170,4 @@ def shared_round(objects: tuple, values: tuple, compute) -> FederationStats:
     return stats
 
 
-__all__ = ["FederationStats", "client_statistics", "shared_round", "EMBEDDING", "FEATURES"]
+__all__ = ["StatsRoundDp", "FederationStats", "client_statistics", "shared_round", "EMBEDDING", "FEATURES"]

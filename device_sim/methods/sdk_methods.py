@@ -104,6 +104,11 @@ class SDKMethod(SDKPrepare, SDKCodewords, SDKVerifiers, FederatedMethod):
             federation's own capture conditions from the statistics round's summed trunk-feature
             moments, with ``norm-adapt`` ξ as a fourth candidate (issue 29); ``public``: the
             shipped public impostor set, capture-matched (the issue-23 tables' behaviour).
+        stats_dp, stats_bound, stats_photos: DP on the simulated statistics rounds
+            (:mod:`fedfs_sdk.stats.privacy`): the noise multiplier ``z`` of the server's central
+            Gaussian noise on ξ's moments and the check results, each photo's L2 clip bound in the
+            moments (default :data:`~fedfs_sdk.stats.EMBEDDING_BOUND`) and the photos a client
+            contributes (default 64). None: no noise (the round as before).
         preset: ``default`` (the best measured configuration, :data:`PRESETS`,
             docs/personalization.md) or ``paper`` (the papers' values as printed: lr, epochs,
             codeword scoring); explicit options override the preset. CLI: ``fedfs+feduv:paper``.
@@ -118,8 +123,17 @@ class SDKMethod(SDKPrepare, SDKCodewords, SDKVerifiers, FederatedMethod):
                  gamma: float | None = None, lam: float | None = None, soft_score: str | None = None,
                  score: str | None = None, lr: float | None = None, epochs: int | None = None,
                  preset: str = "default", norm_init: str | None = None, scope: str | None = None,
-                 select: str | None = None, holdout: float | None = None, check: str | None = None) -> None:
+                 select: str | None = None, holdout: float | None = None, check: str | None = None,
+                 stats_dp: float | None = None, stats_bound: float | None = None,
+                 stats_photos: int | None = None) -> None:
         super().__init__()
+        if stats_dp is not None and not (isinstance(stats_dp, (int, float)) and 0 <= stats_dp <= 1e6):
+            raise InputError(f"stats_dp (the statistics rounds' DP noise multiplier z) must be a number ≥ 0, got {stats_dp!r}")
+        if stats_bound is not None and not (isinstance(stats_bound, (int, float)) and stats_bound > 0):
+            raise InputError(f"stats_bound (each photo's L2 clip in the statistics) must be > 0, got {stats_bound!r}")
+        if stats_photos is not None and not (isinstance(stats_photos, int) and stats_photos >= 1):
+            raise InputError(f"stats_photos (photos a client contributes) must be an int ≥ 1, got {stats_photos!r}")
+        self.stats_dp, self.stats_bound, self.stats_photos = stats_dp, stats_bound, stats_photos
         chosen = PRESETS.get(self.sdk_method, {}).get(preset)
         if chosen is None:
             raise InputError(f"unknown preset {preset!r} for {self.sdk_method!r}; "
@@ -195,7 +209,9 @@ class SDKMethod(SDKPrepare, SDKCodewords, SDKVerifiers, FederatedMethod):
         for key, value, unset in (("verify", self.verify, "personal"), ("score", self.score, "codeword"),
                                   ("norm_init", self.norm_init, "none"), ("lr", self.lr, None),
                                   ("epochs", self.epochs, None), ("scope", self.scope, "all"),
-                                  ("select", self.select, "off"), ("check", self.check, "in-domain")):
+                                  ("select", self.select, "off"), ("check", self.check, "in-domain"),
+                                  ("stats_dp", self.stats_dp, None), ("stats_bound", self.stats_bound, None),
+                                  ("stats_photos", self.stats_photos, None)):
             if value is not None and value != self._preset_values.get(key, unset):
                 opts.append(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}")
         if self.code_length is not None:
@@ -218,6 +234,9 @@ class SDKMethod(SDKPrepare, SDKCodewords, SDKVerifiers, FederatedMethod):
             opts.update(select=self.select, holdout=self.holdout, check=self.check)
         if self.norm_init != "none":
             opts["norm_init"] = self.norm_init
+        for k in ("stats_dp", "stats_bound", "stats_photos"):
+            if getattr(self, k) is not None:
+                opts[k] = getattr(self, k)
         if self.score != "codeword":
             opts["score"] = self.score
         if self.lr is not None or self.epochs is not None:

@@ -18,7 +18,9 @@ from fedfs_sdk.errors import InputError
 from fedfs_sdk.stats import norm_fold_from_sum
 
 from .base import backbone_weights, frozen, verifier_net
-from .client_stats import EMBEDDING, FederationStats, client_statistics, shared_round
+from fedfs_sdk.stats import MAX_PHOTOS
+
+from .client_stats import EMBEDDING, FederationStats, StatsRoundDp, client_statistics, shared_round
 from .reference import fold_standardization, stats_clients
 from .selection import CANDIDATES, IN_DOMAIN_CANDIDATES, HoldoutView, top_verifier
 
@@ -69,25 +71,37 @@ class SDKPrepare:
         if self.selection is not None:
             self.selection.bind(data, self.stats, candidates)
 
+    def stats_round_dp(self) -> StatsRoundDp | None:
+        """The method's ``stats_dp`` / ``stats_bound`` / ``stats_photos`` options as the round's DP
+        (None: none of them given — the round as before)."""
+        z, bound, photos = (getattr(self, k, None) for k in ("stats_dp", "stats_bound", "stats_photos"))
+        if z is None and bound is None and photos is None:
+            return None
+        return StatsRoundDp(float(z or 0.0), None if bound is None else float(bound),
+                            MAX_PHOTOS if photos is None else int(photos), int(self.context.seed))
+
     def _statistics_round(self, data: Any, features: bool) -> FederationStats:
         """Every sampled client's contribution (ξ's embedding moments, and with ``features`` its
         trunk-feature moments) and their sum (:func:`.client_stats.client_statistics`)."""
         ctx = self.context
         clients = stats_clients(int(data.num_clients), ctx.seed)
 
+        dp = self.stats_round_dp()
+
         def compute() -> FederationStats:
             net = frozen(verifier_net(ctx.model_config.resolved(), with_head=False))
             weights = backbone_weights(ctx.xi.state_dict())
             if not features:
-                return client_statistics(net, weights, data, clients, ctx.device)
+                return client_statistics(net, weights, data, clients, ctx.device, dp=dp)
             return client_statistics(net, weights, data, clients, ctx.device,
-                                     trunk=self._trunk, top=top_verifier(net))
+                                     trunk=self._trunk, top=top_verifier(net), dp=dp)
 
         # the same round for every method of the run (ξ's weights and the clients' photos only):
         # keyed by the ξ object and the photos' source (a HoldoutView's population, fraction, seed)
         source = getattr(data, "pop", data)
         values = (repr(ctx.model_config.resolved()), str(ctx.device), int(ctx.seed), bool(features),
-                  clients.tobytes(), getattr(data, "fraction", None), getattr(data, "seed", None), type(data).__name__)
+                  clients.tobytes(), getattr(data, "fraction", None), getattr(data, "seed", None), type(data).__name__,
+                  repr(dp))
         return shared_round((ctx.xi, source, self._trunk if features else None), values, compute)
 
 

@@ -317,6 +317,14 @@ class SimSelection:
         if done:
             summed = sum_contributions({"checks": check_contributions(v, self.candidates)} for v in done)
             self._check_sum = summed.sums["checks"]
+            dp = getattr(self.stats, "dp", None)
+            if dp is not None and dp.z > 0:      # the check round's central noise (fedfs_sdk.stats.privacy)
+                from fedfs_sdk.stats.privacy import add_noise
+                from fedfs_sdk.stats.transport import StatSpec
+
+                spec = StatSpec("checks", "checks", self._check_sum.size, 1.0)
+                rng = np.random.default_rng([int(dp.seed) & 0xFFFFFFFF, 0xC4EC])
+                self._check_sum = add_noise({"checks": self._check_sum}, [spec], dp.max_photos, dp.z, rng)["checks"]
         else:
             self._check_sum = np.zeros(4 * len(others))
         from fedfs_sdk.stats import verdict_from_sum

@@ -41,7 +41,13 @@ import numpy as np
 
 from ..errors import InputError
 
-__all__ = ["DpParams", "clip_delta", "clip_flat_update", "user_weight", "gaussian_noise", "noise_std"]
+__all__ = ["DpParams", "clip_delta", "clip_flat_update", "user_weight", "gaussian_noise", "noise_std", "NOISE_TAIL"]
+
+NOISE_TAIL = 8.0
+"""Distributed DP noise: a secure round's fixed-point range holds the clipped input plus this many
+standard deviations of a device's noise (a coordinate beyond it — probability 2Φ(−8) ≈ 1e-15 — is
+clipped). Weight rounds (:func:`server_agg.secagg_rounds.dp_range`) and statistics rounds
+(:func:`fedfs_sdk.stats.privacy.packed_range`)."""
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class StatsParticipant:
         if v["phase"] == "plain":
             if task.transport != PLAIN:
                 raise InputError(f"statistics round {task.round_id}: a plain phase in a {task.transport} round")
-            packed = pack(self.contribution(task), task)
+            packed = pack(self.contribution(task), task)        # DP in a plain round: central (the server's)
             self._record(task)
             body = {"vector": packed.tolist()}
             self.bytes_sent += len(json.dumps(body))
@@ -101,13 +101,25 @@ class StatsParticipant:
         from ..federation.secagg.round_log import RoundLog
 
         log = RoundLog(None if self.dir is None else self.dir / ROUND_LOG_FILE)
+        dp = task.privacy
+        distributed = isinstance(fields.get("dp_noise"), Mapping)
+        if distributed != (dp is not None and dp.noise == "distributed"):
+            raise InputError(f"statistics round {task.round_id}: the task's DP ({task.dp}) and the secure fields' "
+                             f"noise request ({fields.get('dp_noise')}) disagree: this device takes no part")
         session = SecAggSession(self.client, {"round_id": task.round_id, "secagg": dict(fields)}, sleep=self._sleep,
                                 clock=self._clock, wait_timeout_s=self.wait_timeout_s, identity=self.identity,
                                 policy=self.policy.secagg, round_log=log, context=stats_context(task, fields),
-                                path=f"/v1/stats-round/{task.round_id}/secagg")     # refuses below its floors
+                                path=f"/v1/stats-round/{task.round_id}/secagg", dp=dp)   # refuses below its floors
         t0 = time.perf_counter()
         own = self.contribution(task)               # before any key leaves: a device that cannot, sends nothing
         packed = pack(own, task)
+        if distributed:          # its share of the noise, on its clipped contribution, before masking
+            import secrets
+
+            from .privacy import device_noise
+
+            packed = packed + device_noise(task, float(dp.noise_multiplier), int(session.noise_min_inputs),
+                                           np.random.default_rng(secrets.randbits(128)))
         self._record(task)                          # before any key leaves
         self.keep_own(task, own)
         session.advertise()

@@ -22,6 +22,12 @@ Three statistics (issue 29, item 1):
 Clipping: every photo's vector is clipped to an L2 norm ``bound`` before it enters a sum, and a
 device contributes at most ``max_photos`` photos, so one device moves each element of the sum by a
 bounded amount (what a DP noise scale needs; :func:`sensitivity`).
+
+Noisy sums (optional DP on the same sums, :mod:`.privacy`): the consumers here read a sum that may
+carry Gaussian noise — the photo count through :func:`clamp_count`, variances through
+:func:`variance_floor`, the feature covariance through :func:`psd_project`, the check verdict with
+its count clamped (:func:`verdict_from_sum`). On a noise-free sum each is the identity (up to
+float rounding).
 """
 from __future__ import annotations
 
@@ -82,8 +88,68 @@ def feature_dim(length: int) -> int:
     return dim
 
 
+def sensitivity(kind: str, length: int, bound: float, max_photos: int = MAX_PHOTOS) -> list[tuple[np.ndarray, float]]:
+    """How far one device moves a statistic's sum: ``[(indices, Δ)]`` per **segment** — the
+    elements of one kind of sum — with ``Δ`` the L2 bound of that segment of one device's
+    contribution (add/remove one device). ``P = max_photos``, ``B = bound`` (each photo's L2 clip):
+
+    * ``embedding`` / ``features``: ``Σ x`` → ``P·B`` (a sum of ≤ P vectors of norm ≤ B);
+      ``Σ x²`` (per channel) or ``triu(Σ x xᵀ)`` → ``P·B²`` (‖Σ x xᵀ‖_F ≤ Σ‖x‖² and the upper
+      triangle / the diagonal is part of it); ``n`` → ``P``;
+    * ``checks`` (``c`` candidates, ``[Δm, Δm², ΔA, 1]`` each; margins clipped to ±4): ``Δm`` →
+      ``8√c``, ``Δm²`` → ``64√c``, ``ΔA`` → ``√c``, the count → ``√c``.
+
+    The noise of :mod:`.privacy` gives each segment a std proportional to its own ``Δ`` (a count
+    is not drowned by noise sized for second moments)."""
+    p, b, n = float(max_photos), float(bound), int(length)
+    if not (p >= 1 and b > 0 and math.isfinite(b)):
+        raise InputError(f"sensitivity needs max_photos ≥ 1 and a finite bound > 0, got {max_photos}, {bound}")
+    if kind == "embedding":
+        d = (n - 1) // 2
+        if 2 * d + 1 != n or d < 1:
+            raise InputError(f"an embedding-moment statistic has 2·D + 1 numbers, got {n}")
+        return [(np.arange(d), p * b), (np.arange(d, 2 * d), p * b * b), (np.array([n - 1]), p)]
+    if kind == "features":
+        f = feature_dim(n)
+        return [(np.arange(f), p * b), (np.arange(f, n - 1), p * b * b), (np.array([n - 1]), p)]
+    if kind == "checks":
+        if n % 4 or n < 4:
+            raise InputError(f"a check statistic has 4 numbers per candidate, got {n}")
+        c = math.sqrt(n // 4)
+        return [(np.arange(j, n, 4), m * c) for j, m in enumerate((8.0, 64.0, 1.0, 1.0))]
+    raise InputError(f"unknown statistic kind {kind!r} (embedding, features, checks)")
+
+
+def clamp_count(n: float, floor: float = 1.0) -> float:
+    """A photo or device count read from a (possibly noisy) sum: at least ``floor``."""
+    n = float(n)
+    return n if n >= floor else float(floor)
+
+
+def variance_floor(var: np.ndarray, rel: float = 1e-2) -> np.ndarray:
+    """Per-channel variances from a (possibly noisy) sum, floored at ``rel`` × the median of the
+    positive ones (a noisy ``Σx²/n − μ²`` can be ≤ 0; a standardization by ``√0`` would blow the
+    channel up). Noise-free variances above the floor are returned unchanged."""
+    v = np.asarray(var, dtype=np.float64)
+    pos = v[v > 0]
+    floor = rel * float(np.median(pos)) if pos.size else 1e-12
+    return np.maximum(v, max(floor, 1e-300))
+
+
+def psd_project(c: np.ndarray, floor: float = 0.0) -> np.ndarray:
+    """The nearest (Frobenius) symmetric matrix to ``c`` with eigenvalues ≥ ``floor``: symmetrize,
+    clip the eigenvalues (Higham 1988). A covariance from a noisy ``Σ f fᵀ`` can be indefinite."""
+    a = np.asarray(c, dtype=np.float64)
+    a = 0.5 * (a + a.T)
+    w, v = np.linalg.eigh(a)
+    if w.size and w[0] >= floor:
+        return a
+    return (v * np.maximum(w, floor)) @ v.T
+
+
 def moments_of(vec: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-    """``(μ, C, n)`` — mean and covariance (population, ``/n``) of a summed feature-moment vector."""
+    """``(μ, C, n)`` — mean and covariance (population, ``/n``) of a summed feature-moment vector;
+    ``C`` projected to PSD (:func:`psd_project`: a noisy sum's covariance may be indefinite)."""
     v = np.asarray(vec, dtype=np.float64)
     dim = feature_dim(v.size)
     n = float(v[-1])
@@ -94,7 +160,7 @@ def moments_of(vec: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     m2[np.triu_indices(dim)] = v[dim:-1]
     m2 = m2 + np.triu(m2, 1).T
     mu = s / n
-    return mu, m2 / n - np.outer(mu, mu), n
+    return mu, psd_project(m2 / n - np.outer(mu, mu)), n
 
 
 def check_contribution(checks: Sequence, candidates: Sequence[str], reference: str = "xi") -> np.ndarray:
@@ -117,7 +183,12 @@ def verdict_from_sum(summed: np.ndarray, candidates: Sequence[str]) -> dict:
     """Each candidate's :class:`~fedfs_sdk.training.selection.Verdict` from the federation's sum of
     :func:`check_contribution` vectors: mean margin gain, its SE (``√((Σx² − n·m²)/(n−1)/n)``) and
     mean AUROC gain — the numbers :func:`~fedfs_sdk.training.selection.population_verdict` gives
-    from every device's checks, without any one device's."""
+    from every device's checks, without any one device's.
+
+    A noisy sum (DP, :mod:`.privacy`): the count is read as ``max(Σ1, 0)`` and the rule needs ≥ 2
+    (the same rule; a noise-driven count near 0 cannot divide a mean into a landslide), and
+    ``Σx² − n·m²`` is floored at 0 as before — noise then widens the SE, so a verdict errs
+    toward "not better than ξ"."""
     from ..training.selection import AUROC_SLACK, Verdict
 
     v = np.asarray(summed, dtype=np.float64)
@@ -126,7 +197,7 @@ def verdict_from_sum(summed: np.ndarray, candidates: Sequence[str]) -> dict:
     out = {}
     for i, name in enumerate(candidates):
         s1, s2, sa, n = v[4 * i:4 * i + 4]
-        k = int(round(n))
+        k = int(round(max(float(n), 0.0)))
         if k < 2:
             out[name] = Verdict(name, False, float("nan"), float("nan"), float("nan"), k)
             continue
@@ -145,10 +216,11 @@ def norm_fold_from_sum(summed: np.ndarray, mode: str = "standardize") -> tuple[n
         raise InputError(f"an embedding-moment sum has 2·D + 1 numbers, got {v.size}")
     dim = (v.size - 1) // 2
     n = float(v[-1])
-    if n < 1:
+    if n < 0.5:
         raise InputError("norm-adapt needs at least one photo in the embedding moments")
+    n = clamp_count(n)
     mu = v[:dim] / n
-    var = np.maximum(v[dim:2 * dim] / n - mu * mu, 0.0)
+    var = variance_floor(v[dim:2 * dim] / n - mu * mu)
     return mu, (np.sqrt(var) if mode == "standardize" else None)
 
 
@@ -202,6 +274,6 @@ def sum_contributions(contributions: Iterable[Mapping[str, np.ndarray]],
     return out
 
 
-__all__ = ["embedding_moments", "feature_moments", "feature_length", "feature_dim", "moments_of",
+__all__ = ["sensitivity", "clamp_count", "variance_floor", "psd_project", "embedding_moments", "feature_moments", "feature_length", "feature_dim", "moments_of",
            "check_contribution", "verdict_from_sum", "norm_fold_from_sum", "StatSum", "sum_contributions",
            "MAX_PHOTOS", "EMBEDDING_BOUND", "FEATURE_BOUND", "MIN_CONTRIBUTORS"]

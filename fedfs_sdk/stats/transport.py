@@ -18,7 +18,7 @@ times the count.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from .contributions import MAX_PHOTOS, MIN_CONTRIBUTORS, feature_dim
 from ..federation.secagg.encoding import FixedPoint
 from ..federation.secagg.params import SecAggParams
 from ..federation.secagg.policy import DevicePolicy
+
+if TYPE_CHECKING:
+    from .privacy import StatsDp
 
 SECURE = "secure-sum"
 """The secure sum of weight rounds (pairwise masks, Shamir-shared seeds; the round's ``secagg`` fields
@@ -72,12 +75,29 @@ class StatsTask:
     min_contributors: int = MIN_CONTRIBUTORS
     max_photos: int = MAX_PHOTOS
     extra: dict = field(default_factory=dict)
+    dp: dict | None = None
+    """The round's DP (:class:`~.privacy.StatsDp` as JSON: ``noise_multiplier`` z, ``noise``
+    central | distributed, ``delta``), None: no noise. Part of the task, so devices see it and
+    authenticated rounds sign it (:func:`stats_context`)."""
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
             raise InputError(f"statistics transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.min_contributors < 2:
             raise InputError("a statistics round needs min_contributors ≥ 2 (one device's 'sum' is its own vector)")
+        dp = self.privacy
+        if dp is not None:
+            object.__setattr__(self, "dp", dp.to_json())        # one canonical form (signed, compared)
+            if dp.noise == "distributed" and self.transport != SECURE:
+                raise InputError(f"distributed DP noise needs the {SECURE} transport (a plain round shows each "
+                                 "device's noisy vector); use noise=central")
+
+    @property
+    def privacy(self) -> "StatsDp | None":
+        """:attr:`dp` parsed (None: no DP)."""
+        from .privacy import StatsDp
+
+        return StatsDp.from_json(self.dp)
 
     @property
     def dim(self) -> int:
@@ -104,7 +124,7 @@ class StatsTask:
         try:
             return cls(int(d["round_id"]), int(d["model_version"]), tuple(StatSpec(**s) for s in d["stats"]),
                        str(d.get("transport", SECURE)), int(d.get("min_contributors", MIN_CONTRIBUTORS)),
-                       int(d.get("max_photos", MAX_PHOTOS)), dict(d.get("extra") or {}))
+                       int(d.get("max_photos", MAX_PHOTOS)), dict(d.get("extra") or {}), d.get("dp"))
         except (KeyError, TypeError, ValueError) as e:
             raise InputError(f"not a statistics task ({e})") from None
 
@@ -153,9 +173,18 @@ class StatsDevicePolicy:
         return cls(secagg=DevicePolicy.honest_but_curious())
 
     def check(self, task: StatsTask) -> None:
+        """Refuse a plain round when secure is required, and — the weight rounds' DP floor
+        (:meth:`DevicePolicy.check_dp_floor`, ``min_noise_multiplier``) — a round without DP or
+        with ``z`` below the floor."""
         if task.transport != SECURE and self.require_secure:
             raise InputError(f"statistics round {task.round_id}: transport {task.transport!r} would show this "
                              f"device's vector to the server; this device requires {SECURE}")
+        from ..federation.secagg.errors import RefusedError
+
+        try:
+            self.secagg.check_dp_floor(task.privacy, f"statistics round {task.round_id}")
+        except RefusedError as e:
+            raise InputError(str(e)) from None
 
 
 STATS_FIXED_POINT = FixedPoint(clip=1.0, scale_bits=46, max_devices=1 << 14, max_samples=1)

@@ -151,7 +151,12 @@ class SecAggSession:
     def __init__(self, client: Any, task: Mapping[str, Any], *, sleep: Callable[[float], None] = time.sleep,
                  clock: Callable[[], float] = time.monotonic, wait_timeout_s: float = 3600.0,
                  identity: DeviceIdentity | None = None, policy: DevicePolicy | None = None,
-                 round_log: RoundLog | None = None, path: str | None = None, context: bytes | None = None) -> None:
+                 round_log: RoundLog | None = None, path: str | None = None, context: bytes | None = None,
+                 dp: Any = None) -> None:
+        """``dp``: a DP mechanism the caller applies itself (a statistics round's
+        :class:`~fedfs_sdk.stats.privacy.StatsDp`, with ``noise_multiplier``), checked against this
+        device's floors — ``min_noise_multiplier`` and a distributed-noise request — exactly as a
+        weight round's ``task["dp"]``; such a session masks vectors (:meth:`masked_vector`) only."""
         fields = task.get("secagg")
         self.round_id = int(task["round_id"])
         if client is not None:
@@ -162,6 +167,11 @@ class SecAggSession:
         self.layout_sha256 = str(fields["layout_sha256"])  # type: ignore[index]
         self.dp = dp_of_task(task)
         self.dp_kind = str(fields.get("input") or DP_INPUT) if self.dp is not None else None  # type: ignore[union-attr]
+        self.caller_dp = dp is not None
+        if dp is not None:
+            if self.dp is not None:
+                raise SecAggRoundLost("refused", "a round carries both DP-FedAvg parameters and a caller's DP mechanism")
+            self.dp = dp
         where = f"device {self.index}, round {self.round_id}, DP"
         if self.dp_kind == DP_INPUT_V1 and not self.policy.allow_dp_clipped_delta:
             raise SecAggRoundLost("refused", f"{where}: the round asks for the older input {DP_INPUT_V1!r}, whose "
@@ -252,6 +262,8 @@ class SecAggSession:
         In a DP-FedAvg round (``task["dp"]``) the device masks ``n'·clip_C(w_c − w)`` and
         ``n' = min(n, ŵ)`` instead (:func:`dp_input`), so ``reference`` — the round's global
         model (its checkpoint bytes) — is required."""
+        if self.caller_dp:
+            raise InputError("this session's DP is the caller's (a statistics round): it masks vectors, not updates")
         w, n = flatten_update(update_body, self.layout_sha256)
         if self.dp is not None:
             if reference is None:
@@ -265,6 +277,8 @@ class SecAggSession:
         """Mask the vector ``w`` (weighed ``n``) and upload ``y_u``: :meth:`masked_input` after its
         flattening, and the statistics round's packed contribution (:mod:`fedfs_sdk.stats.client`)."""
         inbox = self._wait_for("inbox", "masked")
+        if self.caller_dp and self.noise_min_inputs:     # the roster's threshold: a sum of t may be unmasked
+            self._local(self._check_noise, self.device._t)
         msg = self._local(self.device.masked_input, inbox, w, n)
         y = msg["y"]
         self.bytes_sent += len(y)
