@@ -68,7 +68,8 @@ def xi_features(xi: torch.nn.Module, images: torch.Tensor, device: torch.device,
     per forward; None = 1024, or on CPU :func:`device_sim.memory.forward_batch` (faster there)."""
     if batch is None:
         batch = 1024
-        if torch.device(device).type == "cpu" and images.dim() == 4 and images.shape[1] == 3:
+        if (torch.device(device).type == "cpu" and isinstance(xi, torch.nn.Module) and images.dim() == 4
+                and images.shape[1] == 3):
             batch = forward_batch(xi, int(images.shape[-1]), device, batch)
     out = []
     with torch.no_grad():
