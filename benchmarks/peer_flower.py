@@ -79,7 +79,11 @@ def _tree(root: int) -> tuple[int, set[int]]:
 
 def run_measured(cmd: list[str], env: dict[str, str], stats: dict | None = None) -> tuple[float, int]:
     """Run ``cmd``; returns (wall seconds, peak process-tree RSS bytes). ``stats`` receives
-    ``sessions``: how many session ids the tree used (see :func:`_tree`)."""
+    ``sessions``: how many session ids the tree used (see :func:`_tree`), and ``cpu_s``: the CPU
+    seconds (user + system) of the whole tree — every descendant that its parent waited for,
+    as ``getrusage(RUSAGE_CHILDREN)`` counts them; on a shared machine this, not wall time, is
+    the cost of the work (run one command at a time: the count is this process's children's)."""
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = [0]
@@ -100,9 +104,12 @@ def run_measured(cmd: list[str], env: dict[str, str], stats: dict | None = None)
     th.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{cmd[:4]} … exited with {proc.returncode}:\n{err[-3000:]}")
+    wall = time.perf_counter() - t0
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     if stats is not None:
         stats["sessions"] = len(sessions)
-    return time.perf_counter() - t0, peak[0]
+        stats["cpu_s"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    return wall, peak[0]
 
 
 # ---- fedfs's simulator -------------------------------------------------------------------

@@ -30,6 +30,11 @@ load a torchrun launch gets up to P× the CPU share of P workers that stay in on
 ``warm`` leaves round 1 out (Ray actors start, processes import and allocate during it).
 Wall time is the whole process tree's life (start-up, data; fedfs also evaluates 2 clients against 20 impostor
 images, kept small because the others do not evaluate).
+``CPU s / update``: user + system CPU seconds of the whole process tree (start-up, data, rounds;
+fedfs's evaluation too) per client update — what the run cost a shared machine, less sensitive
+to other users' load than the rates. fedfs runs its method with ``select=off``: the default's
+do-no-harm check trains on fewer photos and runs ξ's trunk on every client before round 1 (a
+statistics round outside the timed rounds), which is not the work the other engines do.
 Peak RSS is the largest sum of resident memory over the process tree (sampled every 0.2 s).
 The last column is the global model's distance from fedfs's after the same rounds:
 ``‖w − w_fedfs‖ / ‖w_fedfs − w_0‖`` over the parameters (BatchNorm statistics left out: pfl does
@@ -77,7 +82,10 @@ def _torchrun(python: str, n: int) -> list[str]:
 def run_fedfs(a: argparse.Namespace, env: dict[str, str], out: Path, workers: int, threads: int,
               torchrun: bool = False) -> dict:
     launch = _torchrun(a.fedfs_python, workers) + ["-m"] if torchrun else [a.fedfs_python, "-m"]
-    cmd = [*launch, "fedfs_sdk.cli.main", "simulate", "--method", a.method, "--clients", str(a.clients),
+    # select=off: the do-no-harm check (the default's select=auto) holds back part of each client's
+    # photos and runs a statistics round (ξ's trunk on every client) before round 1 — work the
+    # LocalTrainer of the other engines does not do; off, all engines train the same images
+    cmd = [*launch, "fedfs_sdk.cli.main", "simulate", "--method", f"{a.method}:select=off", "--clients", str(a.clients),
            "--participation", str(a.participation), "--rounds", str(a.rounds), "--train-per-client", str(a.images),
            "--local-epochs", "1", "--batch-size", str(a.batch_size), "--eval-clients", "2", "--impostor-pool", "20",
            "--quiet",
@@ -206,12 +214,14 @@ def main() -> None:
         w0 = initial_global_weights(mc, xi, seed=0)
         params = {k for k, _ in FaceNet(mc).named_parameters()}
         res: dict[str, list[dict]] = {name: [] for name, _ in variants}
+        updates = max(1, round(a.participation * a.clients)) * a.rounds
         for rep in range(a.repeats):
             for name, fn in variants:
                 r = fn(env, tmp / f"{len(res[name])}_{name.replace(' ', '_')}_{time.monotonic_ns()}")
+                r["cpu_per_update"] = r["cpu_s"] / updates
                 res[name].append(r)
                 print(f"# repeat {rep + 1} {name}: {r['updates_per_s']:.2f} updates/s "
-                      f"(warm {r['warm_updates_per_s']:.2f}), wall {r['wall_s']:.1f} s, "
+                      f"(warm {r['warm_updates_per_s']:.2f}), wall {r['wall_s']:.1f} s, CPU {r['cpu_s']:.1f} s, "
                       f"peak RSS {r['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
         ref = next((rs[0]["global"] for n, rs in res.items() if n.startswith("fedfs") and rs), None)
         for rs in res.values():
@@ -224,14 +234,14 @@ def main() -> None:
           f"{load[2]:.2f}; {a.repeats} interleaved repeats (median [min–max])")
     for s in skipped:
         print(f"({s})")
-    print("| engine (processes × threads) | client-updates/s | warm (rounds 2+) | wall s | peak RSS MB | sessions "
-          "| ‖w − w_fedfs‖ / ‖w_fedfs − w_0‖ |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine (processes × threads) | client-updates/s | warm (rounds 2+) | wall s | CPU s / update | "
+          "peak RSS MB | sessions | ‖w − w_fedfs‖ / ‖w_fedfs − w_0‖ |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, rs in res.items():
         def col(k: str, fmt: str = ".2f") -> str:
             return spread([r[k] for r in rs], fmt)
         print(f"| {name} | {col('updates_per_s')} | {col('warm_updates_per_s')} | {col('wall_s', '.1f')} | "
-              f"{col('peak_rss_mb', '.0f')} | {max(r.get('sessions', 0) for r in rs)} | "
+              f"{col('cpu_per_update', '.2f')} | {col('peak_rss_mb', '.0f')} | {max(r.get('sessions', 0) for r in rs)} | "
               f"{median(r['diff'] for r in rs):.2g} |")
 
 

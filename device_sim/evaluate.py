@@ -43,7 +43,7 @@ from fedfs_sdk.errors import InputError
 
 from . import metrics as M
 from .methods.base import ClientState, FederatedMethod, Params, VerifierSpec, Weights
-from .memory import inference_batch
+from .memory import forward_batch
 from .population import Population
 
 
@@ -135,7 +135,7 @@ def embed(spec: VerifierSpec, x: torch.Tensor, device: torch.device,
     """Run one verifier on images ``x``; returns CPU float32 ``{"embedding", ["uv"]}``."""
     net, weights, x = _split(spec, x)
     net = net.to(device).eval()
-    batch_size = batch_size or _auto_batch(net, x)
+    batch_size = batch_size or _auto_batch(net, x, device)
     w = {k: v.to(device) for k, v in weights.items()}
     outs: dict[str, list[torch.Tensor]] = {n: [] for n in _names(spec)}
     for s in range(0, x.shape[0], batch_size):
@@ -152,7 +152,7 @@ def embed_stacked(specs: Sequence[VerifierSpec], x: torch.Tensor, device: torch.
     forward for all K per image batch). Returns one feature dict per verifier."""
     net, first, x = _split(specs[0], x)
     net = net.to(device).eval()
-    batch_size = batch_size or _auto_batch(net, x)
+    batch_size = batch_size or _auto_batch(net, x, device)
     stacked = {k: torch.stack([s.weights[k].to(device) for s in specs]) for k in first}
     fn = vmap(lambda w, xb: functional_call(net, w, (xb,)), in_dims=(0, None))
     names = _names(specs[0])
@@ -165,12 +165,12 @@ def embed_stacked(specs: Sequence[VerifierSpec], x: torch.Tensor, device: torch.
     return [{n: t[i] for n, t in cat.items()} for i in range(len(specs))]
 
 
-def _auto_batch(net: torch.nn.Module, x: torch.Tensor) -> int:
-    """Images per forward that fit :data:`device_sim.memory.INFER_BUDGET_BYTES` (memory, not
-    speed, is what limits MobileFaceNet on a small CPU machine)."""
+def _auto_batch(net: torch.nn.Module, x: torch.Tensor, device: torch.device | str = "cpu") -> int:
+    """Images per forward that fit :data:`device_sim.memory.INFER_BUDGET_BYTES`, and on CPU
+    :data:`device_sim.memory.CPU_FORWARD_BYTES` (:func:`device_sim.memory.forward_batch`)."""
     if x.dim() != 4 or x.shape[1] != 3 or next(net.parameters(), None) is None:
         return 512          # not images (a split verifier's trunk features): small
-    return inference_batch(net, int(x.shape[-1]))
+    return forward_batch(net, int(x.shape[-1]), device)
 
 
 def _select(feats: Mapping[str, torch.Tensor], idx: np.ndarray | slice) -> dict[str, torch.Tensor]:

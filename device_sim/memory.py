@@ -28,6 +28,13 @@ TRAIN_BUDGET_BYTES = int(float(os.environ.get("FEDFS_TRAIN_MEMORY_MB", 1024)) * 
 INFER_BUDGET_BYTES = int(float(os.environ.get("FEDFS_INFER_MEMORY_MB", 512)) * _MB)
 """Memory one no-grad forward batch may use: 512 MiB by default (``FEDFS_INFER_MEMORY_MB``)."""
 
+CPU_FORWARD_BYTES = int(float(os.environ.get("FEDFS_CPU_FORWARD_MB", 24)) * _MB)
+"""On CPU, the largest layer output of one no-grad forward batch: 24 MiB by default
+(``FEDFS_CPU_FORWARD_MB``) — a batch whose activations stay near the last-level cache.
+Measured (issue 32, MobileFaceNet@112's trunk, 1.6 MB largest output per image, 1 thread,
+AMD EPYC 32 MiB L3): 18–22 ms of CPU per image at 10–20 images per batch, 28–30 at 32,
+31–43 at 64 — the larger batch is slower per image, not faster, on CPU."""
+
 # A no-grad forward holds a layer's input, its output and a few same-sized temporaries
 # (GroupNormP: centred values, their square, the normalized values): 4 × the largest output.
 _INFER_LIVE_COPIES = 4
@@ -100,4 +107,17 @@ def inference_batch(model: nn.Module, input_size: int, budget: int | None = None
     return max(1, min(cap, int(b // max(1, largest * _INFER_LIVE_COPIES))))
 
 
-__all__ = ["TRAIN_BUDGET_BYTES", "INFER_BUDGET_BYTES", "per_image_bytes", "train_micro_batch", "inference_batch"]
+def forward_batch(model: nn.Module, input_size: int, device: str | torch.device, cap: int = 512) -> int:
+    """Images per no-grad forward of ``model`` on ``device``: :func:`inference_batch` (memory),
+    and on CPU also at most :data:`CPU_FORWARD_BYTES` of largest layer output (speed: the batch of
+    64–1024 images that suits a GPU runs MobileFaceNet's trunk ~2× slower per image on CPU than
+    batches of 10–20). At least 1, at most ``cap``."""
+    b = inference_batch(model, input_size, cap=cap)
+    if torch.device(device).type == "cpu":
+        _, largest = per_image_bytes(model, input_size)
+        b = min(b, max(1, CPU_FORWARD_BYTES // max(1, largest)))
+    return b
+
+
+__all__ = ["TRAIN_BUDGET_BYTES", "INFER_BUDGET_BYTES", "CPU_FORWARD_BYTES", "per_image_bytes", "train_micro_batch",
+           "inference_batch", "forward_batch"]

@@ -33,6 +33,11 @@ def test_mobilefacenet_batches_fit_the_budget() -> None:
     ib = memory.inference_batch(m, 112)
     assert ib * infer * 4 <= memory.INFER_BUDGET_BYTES and ib < 512
     assert EvalConfig().batch_size is None       # evaluation sizes its batches from the model
+    # on CPU, speed caps it further (issue 32): the trunk ran 18–22 ms of CPU per image at 10–20
+    # images per batch, 31–43 ms at 64 (1 thread); the largest output is 128×56×56 floats per image
+    assert infer == 128 * 56 * 56 * 4
+    assert 10 <= memory.forward_batch(m, 112, "cpu") <= 20
+    assert memory.forward_batch(m, 112, "cuda") == ib > 20
 
 
 def _data() -> tuple[SynthDataset, np.ndarray, np.ndarray]:
@@ -59,3 +64,16 @@ def test_chunked_embedding_equals_one_forward() -> None:
         ref = m(ds.batch(ids, idx)).embedding
     got = embed_images(m, ds, ids, idx, batch_size=7)
     assert got.shape == ref.shape and torch.allclose(got, ref, atol=1e-6)
+
+
+def test_cpu_forward_batch_is_capped_by_the_largest_output(monkeypatch) -> None:
+    # the conv net above: largest output 4×8×8 floats = 1024 bytes per image
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1, bias=False), torch.nn.ReLU())
+    monkeypatch.setattr(memory, "CPU_FORWARD_BYTES", 1024 * 5 + 1023)
+    assert memory.forward_batch(net, 8, "cpu") == 5
+    assert memory.forward_batch(net, 8, "cpu", cap=3) == 3
+    # not on a GPU: there only the memory budget (and the cap) limit the batch
+    assert memory.forward_batch(net, 8, "cuda") == memory.inference_batch(net, 8) == 512
+    monkeypatch.setattr(memory, "CPU_FORWARD_BYTES", 10)
+    assert memory.forward_batch(net, 8, "cpu") == 1          # never 0
+

@@ -55,3 +55,25 @@ def test_trunk_features_kept_between_runs_bit_for_bit_and_a_torn_file_is_rebuilt
     assert third.loaded == 0
     assert torch.equal(third(x), ref) and third.misses == 6 and third.flush() == 6
     assert TrunkCache(xi.backbone).persist(tmp_path) == path and third.file == path
+
+
+def test_trunk_cache_runs_missing_images_in_cpu_sized_batches(monkeypatch):
+    # issue 32: on CPU the cache cuts its misses into device_sim.memory.forward_batch batches
+    # (a GPU-sized batch of 64 ran MobileFaceNet's trunk ~2× slower per image); same features
+    from device_sim import memory
+    from device_sim.trunk_cache import TrunkCache
+
+    torch.manual_seed(0)
+    xi = FaceNet(ModelConfig("tiny")).eval()
+    cache = TrunkCache(xi.backbone)
+    largest = memory.per_image_bytes(cache.trunk, 32)[1]
+    monkeypatch.setattr(memory, "CPU_FORWARD_BYTES", largest * 3)
+    sizes: list[int] = []
+    cache.trunk.register_forward_pre_hook(lambda _m, args: sizes.append(int(args[0].shape[0])))
+    x = torch.randn(8, 3, 32, 32)
+    with torch.no_grad():
+        ref = cache.trunk(x)
+    sizes.clear()
+    got = cache(x)
+    assert sizes == [3, 3, 2] and cache.misses == 8
+    assert torch.allclose(got, ref, atol=1e-5)

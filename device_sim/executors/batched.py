@@ -27,6 +27,7 @@ from torch.func import grad_and_value, vmap
 
 from fedfs_sdk.errors import InputError
 
+from ..memory import forward_batch
 from ..methods.base import FederatedMethod, Params, RoundPlan
 from .common import (FP16_LOSS_SCALE, ChunkResult, ClientTask, LocalConfig, Metrics, autocast, check_tasks,
                      client_batches, learning_rates, moving, normalized, sgd_update)
@@ -61,9 +62,15 @@ def _merged(fixed: Params, trained: Params) -> Params:
 
 
 def xi_features(xi: torch.nn.Module, images: torch.Tensor, device: torch.device, amp: str,
-                batch: int = 1024) -> torch.Tensor:
+                batch: int | None = None) -> torch.Tensor:
     """``ξ(x)`` float32 ``[N, D]`` of ``images`` ``[N, 3, S, S]`` (uint8 or normalized), in
-    batches, under the run's autocast (the precision the per-step ξ call used)."""
+    batches, under the run's autocast (the precision the per-step ξ call used). ``batch``: images
+    per forward; None = 1024, or on CPU :func:`device_sim.memory.forward_batch` (faster there)."""
+    if batch is None:
+        batch = 1024
+        if (torch.device(device).type == "cpu" and isinstance(xi, torch.nn.Module) and images.dim() == 4
+                and images.shape[1] == 3):
+            batch = forward_batch(xi, int(images.shape[-1]), device, batch)
     out = []
     with torch.no_grad():
         for a in range(0, images.shape[0], batch):
