@@ -113,6 +113,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, sim_argv = parse(argv)
+    from device_sim.cli_common import single_thread_blas
     from device_sim.cli_simulate import experiment_from_argv, run_simulation
     from device_sim.experiment_data import build_data
     from device_sim.evaluate import EvalConfig
@@ -127,6 +128,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = experiment_from_argv(sim_argv + ["--out", str(out / "simulate")] + (["--quiet"] if args.quiet else []),
                                command="simulate")
     torch.set_num_threads(cfg.runtime.threads or 1)
+    # NumPy's BLAS on one thread, as the simulator runs (device_sim.cli_common.single_thread_blas): every
+    # device's check takes an eigh of its 512×512 feature covariance, and OpenBLAS's two threads busy-wait —
+    # 16 devices checking at once spent 86% of their check in eigh (3 s CPU each, against 0.07 s on one thread)
+    single_thread_blas()
     set_enroll_concurrency(args.enroll_concurrency)
     t_start, cpu_start = time.perf_counter(), process_cpu_seconds()
     timing: dict[str, float] = {}

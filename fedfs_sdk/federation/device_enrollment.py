@@ -14,6 +14,11 @@ from .wire_format import sha256_hex
 from ..training.methods import check_method, check_verification, uses_fedfs, uses_feduv
 
 
+PUBLIC_CANDIDATES = ("xi", "norm-adapt", "global")
+"""Candidates every device holds byte for byte: ξ and the global model as the server serves them,
+``norm-adapt`` ξ refitted to the published embedding sum. (The personalized verifier holds ``θ_c``.)"""
+
+
 def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgent
     """Enroll the owner with the newest global model (and θ_c for FedFS methods).
 
@@ -73,9 +78,11 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
         xi = xi_verifier(xi_path(self)) if has_xi(self) else backend
         in_domain = evidence_for_backend(self.config.far_stats, backend, xi,
                                          impostors or (load_impostors(self.config.impostors) if self.config.impostors else None))
+    shared = shared_impostor_outputs(chosen, backend, impostors)
     enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
                         detect_face=self.config.detect_face, outliers=self.config.outliers,
                         template_output=template_output, far=self.config.far, impostors=impostors, in_domain=in_domain,
+                        impostor_outputs=shared,
                         meta={"global_version": version, "method": method, "runtime": self.runtime.name,
                               "score": score, "verify": model, "model_choice": chosen,
                               **({"selection": selection} if selection is not None else {})})
@@ -90,6 +97,18 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
                             **({"operating_point": enrollment.meta["operating_point"]}
                                if "operating_point" in enrollment.meta else {})})
     return enrollment
+
+
+def shared_impostor_outputs(candidate: str, backend, impostors, cache=None):
+    """The outputs of a *public* candidate's model on the public impostor set, from the process's
+    cache (:data:`~fedfs_sdk.runtime.impostor_outputs.PUBLIC_OUTPUTS`: computed once for every device
+    of the process); None — computed by the device itself — for its own model (``personalized``: θ_c
+    never enters a cache another device reads) or without impostors."""
+    if impostors is None or candidate not in PUBLIC_CANDIDATES:
+        return None
+    from ..runtime.impostor_outputs import PUBLIC_OUTPUTS
+
+    return (PUBLIC_OUTPUTS if cache is None else cache).get(backend, impostors)
 
 
 def choose_model(self, method: str, model: bytes, version: int, score: str, verify: str,  # self: the DeviceAgent
@@ -197,5 +216,5 @@ def candidate_mode(method: str, score: str, verify: str, candidate: str) -> tupl
     return "template", ("uv" if verify != "both" else "embedding")
 
 
-__all__ = ["enroll_device", "choose_model", "candidate_mode", "has_xi", "public_impostors", "fetch_xi",
-           "unchecked_choice"]
+__all__ = ["enroll_device", "PUBLIC_CANDIDATES", "shared_impostor_outputs", "choose_model", "candidate_mode", "has_xi",
+           "public_impostors", "fetch_xi", "unchecked_choice"]

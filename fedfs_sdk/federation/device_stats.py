@@ -107,7 +107,7 @@ def xi_moments(agent: Any, task) -> dict[str, np.ndarray]:
     specs = {s.name: s for s in task.stats}
     net = _load_xi(path)
     x = agent.all_images_array(int(net.backbone.input_size))[agent.holdout_split()[0]]
-    e, f = _embed_xi(net, x, FEATURES in specs)
+    e, f = _embed_xi(net, x, FEATURES in specs, agent=agent, xi_sha=sha)
     out: dict[str, np.ndarray] = {}
     if EMBEDDING in specs:
         out[EMBEDDING] = embedding_moments(e, specs[EMBEDDING].bound, task.max_photos)
@@ -125,21 +125,31 @@ def _load_xi(path: Path):
     return load_checkpoint(path)[0].eval()
 
 
-def _embed_xi(net, x: np.ndarray, features: bool, batch: int = 64) -> tuple[np.ndarray, np.ndarray | None]:
+def _embed_xi(net, x: np.ndarray, features: bool, batch: int = 64, agent: Any = None,
+              xi_sha: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+    """ξ's embeddings (and trunk features) of ``x``. With features, the embedding is the top of the
+    trunk's features (one forward, not two; bit-equal to ``bb(x)``), and the features are kept on
+    ``agent`` for its check (:mod:`.device_features`)."""
     import torch
 
-    from ..training.scope import Trunk
+    from ..training.scope import EmbeddingTop, Trunk
+    from .device_features import xi_trunk_features
 
     bb = net.backbone
-    trunk = Trunk(bb) if features else None
-    es, fs = [], []
+    if not features:
+        with torch.inference_mode():
+            return np.concatenate([bb(torch.from_numpy(np.ascontiguousarray(x[a:a + batch]))).double().numpy()
+                                   for a in range(0, x.shape[0], batch)]), None
+    if agent is not None and xi_sha is not None:
+        fs = xi_trunk_features(agent, xi_sha, net, x, batch)
+    else:
+        trunk = Trunk(bb)
+        with torch.inference_mode():
+            fs = [trunk(torch.from_numpy(np.ascontiguousarray(x[a:a + batch]))) for a in range(0, x.shape[0], batch)]
+    top = EmbeddingTop(bb)
     with torch.inference_mode():
-        for a in range(0, x.shape[0], batch):
-            xb = torch.from_numpy(np.ascontiguousarray(x[a:a + batch]))
-            es.append(bb(xb).double().numpy())
-            if trunk is not None:
-                fs.append(trunk(xb).double().numpy())
-    return np.concatenate(es), (np.concatenate(fs) if fs else None)
+        es = [top(f).double().numpy() for f in fs]
+    return np.concatenate(es), np.concatenate([f.double().numpy() for f in fs])
 
 
 # ---- published sums -------------------------------------------------------------------------
@@ -211,8 +221,8 @@ def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: st
     drawn = in_domain_draws(np.asarray(xi_pub["sums"][FEATURES]), None if own is None else own.get(FEATURES), seed)
     xi_net = _load_xi(xi_path(agent))
     try:
-        checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold, score)
-                  for name in names]
+        checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold, score,
+                                  xi_sha=xi_sha) for name in names]
     except InputError as e:          # a candidate this device cannot build (e.g. no θ_c yet): the fallback decides
         raise StatsUnavailable(f"a candidate cannot be checked here: {e}") from None
     agent._stats_checks = (version, checks)
@@ -233,17 +243,20 @@ def _has_embed_norm(path: Path) -> bool:
 
 
 def in_domain_check(agent: Any, name: str, method: str, model: bytes, version: int, verify: str, drawn: np.ndarray,
-                    xi_net, train: np.ndarray, hold: np.ndarray, score: str | None = None):
+                    xi_net, train: np.ndarray, hold: np.ndarray, score: str | None = None, xi_sha: str | None = None):
     """One candidate's check: template from the training photos, genuine = the hold-out, impostors =
     the drawn trunk features through the candidate's top (:func:`~fedfs_sdk.training.selection.check_candidate`,
     the simulator's function), on the candidate's ``embedding`` output as the simulator scores it (the
-    global model of a ``head-template`` FedUV method: its head projection ``W·e``)."""
+    global model of a ``head-template`` FedUV method: its head projection ``W·e``). With ``xi_sha``, a
+    candidate on ξ's own trunk (``xi``, ``norm-adapt``) reuses the device's cached ξ trunk features of
+    its photos (:mod:`.device_features`: the same numbers, one trunk forward fewer)."""
     import torch
 
     from ..nn.model import VerifierNet
     from ..stats.in_domain import top_verifier
     from ..training.methods import uses_feduv
     from ..training.selection import check_candidate
+    from .device_features import embeddings_on_xi_trunk, has_xi_trunk
 
     backend = agent.runtime.verifier(method, model, agent, version, verify, candidate=name)
     net = backend.verifier
@@ -255,7 +268,12 @@ def in_domain_check(agent: Any, name: str, method: str, model: bytes, version: i
 
         backend = TorchBackend(net, backend.model_id, device=getattr(backend, "device", "cpu"))
     x = agent.all_images_array(backend.input_size)
-    tr, ho = (backend.run(np.ascontiguousarray(x[i]))["embedding"] for i in (train, hold))
+    if xi_sha is not None and getattr(backend, "device", "cpu") == "cpu" and has_xi_trunk(net, xi_net.backbone):
+        chunk = int(getattr(backend, "batch_size", 256))      # backend.run's chunks: the same computation
+        tr, ho = (embeddings_on_xi_trunk(agent, net, xi_sha, xi_net, np.ascontiguousarray(x[i]), chunk)
+                  for i in (train, hold))
+    else:
+        tr, ho = (backend.run(np.ascontiguousarray(x[i]))["embedding"] for i in (train, hold))
     top = top_verifier(net).eval()
     outs = []
     with torch.inference_mode():

@@ -78,7 +78,8 @@ def _loo_scores(emb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.ndarray | None = None,
            detect_face: bool = False, meta: dict[str, Any] | None = None, outliers: str = "mad",
            outlier_k: float = OUTLIER_K, template_output: str = "embedding", far: float | None = None,
-           impostors: Any = None, in_domain: Any = None, far_evidence: str = "auto") -> Enrollment:
+           impostors: Any = None, in_domain: Any = None, far_evidence: str = "auto",
+           impostor_outputs: Any = None) -> Enrollment:
     """Enroll the owner from ``n`` warm-up images with target TPR ``q`` (FedUV Alg. 2).
 
     ``images``: paths / bytes / uint8 arrays, or an already preprocessed float32 batch.
@@ -195,7 +196,8 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
     tau -= WARMUP_TOLERANCE
     op = None
     if far is not None or impostors is not None:
-        imp = None if impostors is None else _impostor_scores(backend, impostors, mode, v, template, template_output)
+        imp = None if impostors is None else _impostor_scores(backend, impostors, mode, v, template,
+                                                              template_output, impostor_outputs)
         ids = getattr(impostors, "identity", None)
         fed = None if in_domain is None or far is None else \
             (_verify_scores(in_domain.draws, mode, v, template, template_output), in_domain)
@@ -218,13 +220,13 @@ def enroll(backend: InferenceBackend, images: Any, q: float = 0.9, codeword: np.
 
 
 def _impostor_scores(backend: InferenceBackend, impostors: Any, mode: str, codeword: np.ndarray | None,
-                     template: np.ndarray | None, output: str, chunk: int = 64) -> np.ndarray:
-    """Verification scores of the public impostor photos against a new enrollment (in chunks)."""
-    batch = impostors.batch(backend.input_size) if hasattr(impostors, "batch") else np.asarray(impostors, np.float32)
-    if batch.ndim != 4 or batch.shape[0] == 0:
-        raise InputError(f"impostors must be an ImpostorSet or a float32 [N, 3, S, S] batch, got shape {list(batch.shape)}")
-    return np.concatenate([_verify_scores(backend.run(batch[a:a + chunk]), mode, codeword, template, output)
-                           for a in range(0, batch.shape[0], chunk)])
+                     template: np.ndarray | None, output: str, outputs: Any = None) -> np.ndarray:
+    """Verification scores of the public impostor photos against a new enrollment, chunk by chunk
+    (``outputs``: the backend's per-chunk outputs on them, computed elsewhere; None: computed now)."""
+    from .impostor_outputs import impostor_outputs
+
+    outs = impostor_outputs(backend, impostors) if outputs is None else outputs
+    return np.concatenate([_verify_scores(o, mode, codeword, template, output) for o in outs])
 
 
 __all__ = ["enroll", "WARMUP_TOLERANCE",
