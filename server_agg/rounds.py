@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 from fedfs_sdk.errors import InputError
 
 from .aggregate import StreamingFedAvg
+from .frozen_trunk import keep_frozen_trunk
 from .config import RoundPolicy, mismatch_reason, missing_model_field
 from .dp import DpFedAvg
 from .errors import Conflict, NotFound, Unprocessable
@@ -229,7 +230,7 @@ class Coordinator(DeviceRegistry, ModelStore, UploadIntake, DpLedger, Recovery, 
             return
         if r.acc.count >= r.policy.min_updates:
             t0 = time.perf_counter()
-            new = r.acc.result()
+            new = keep_frozen_trunk(r.acc.result(), self.model.weights, r.policy.train)
             version = self.model.version + 1
             self._publish(version, new, self.model.model_config, r.id, r.acc.count,
                           None if "dp" in r.task else r.acc.total_samples, reason,

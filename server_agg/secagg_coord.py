@@ -21,6 +21,7 @@ from fedfs_sdk.federation.secagg.params import PROTOCOL_V2
 from fedfs_sdk.federation.secagg.revocation import SERVER_FILENAME, RevocationList
 
 from .errors import Conflict, Forbidden, Gone, NotFound
+from .frozen_trunk import keep_frozen_trunk
 from .secagg_rounds import SecAggRound, ca_of, task_fields, unflatten
 
 if TYPE_CHECKING:
@@ -174,6 +175,8 @@ class SecAggCoordinator:
             weights = r.acc.result(add_noise=not distributed)
         else:
             weights = unflatten(result.mean, model.weights)
+        # scope=top: the trunk comes back as it went out, not with the fixed-point rounding (or DP noise)
+        weights = keep_frozen_trunk(weights, model.weights, r.policy.train)
         dp = self._dp_statement(r.policy, r.task.get("dp"))  # type: ignore[attr-defined]  # as a plain round's
         if dp is not None and "dp" in r.task:
             dp = {**dp, "noise": "distributed" if r.secagg.min_inputs else "central",  # type: ignore[union-attr]

@@ -83,10 +83,20 @@ def run_devices(tmp_path: Path, url: str, rounds: int, artifacts: str | None = N
     return outs
 
 
-def check_rounds(tmp_path: Path, srv, rounds: int) -> None:
+def check_rounds(tmp_path: Path, srv, rounds: int, frozen_trunk: bool = False) -> None:
+    from fedfs_sdk.training.scope import is_top_key
+
     with srv.admin() as c:
         for rnd in range(1, rounds + 1):
             info = c.get(f"/v1/rounds/{rnd}").json()
+            if frozen_trunk:
+                # train.scope = "top": the published trunk is the previous version's bit for bit — not
+                # its fixed-point round trip (server_agg/frozen_trunk.py) — and only the top moved
+                pub = read_safetensors(c.get(f"/v1/models/{info['result_version']}").content)[0]
+                prev = read_safetensors(c.get(f"/v1/models/{info['result_version'] - 1}").content)[0]
+                trunk = [k for k in pub if not is_top_key(k)]
+                assert trunk and all(np.array_equal(pub[k], prev[k]) for k in trunk)
+                assert any(not np.array_equal(pub[k], prev[k]) for k in pub if is_top_key(k))
             assert info["state"] == "closed" and info["secure_aggregation"]["survivors"] == 3, info
             ups = [flatten_update((tmp_path / f"rec{d}" / f"r{rnd}.safetensors").read_bytes()) for d in range(3)]
             assert [n for _, n in ups] == list(COUNTS) and info["total_samples"] == sum(COUNTS)
@@ -114,10 +124,10 @@ def check_rounds(tmp_path: Path, srv, rounds: int) -> None:
 def test_torch_devices_run_secure_rounds(tmp_path):
     srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--code-length", "127", "--method", "feduv",
                        "--rounds", "2", "--min-participants", "3", "--secure-aggregation",
-                       "--secagg-phase-timeout", "60", "--train", json.dumps(TRAIN))
+                       "--secagg-phase-timeout", "60", "--train", json.dumps({**TRAIN, "scope": "top"}))
     try:
         run_devices(tmp_path, srv.url, rounds=2)
-        check_rounds(tmp_path, srv, 2)
+        check_rounds(tmp_path, srv, 2, frozen_trunk=True)
     finally:
         srv.stop()
 
