@@ -291,7 +291,8 @@ def _require_xi_trunk(net, xi_backbone, name: str) -> None:
     ref = {k: v for k, v in xi_backbone.state_dict().items() if not is_top_key(k)}
     for bb in [net.backbone] + ([net.global_backbone] if hasattr(net, "global_backbone") else []):
         mine = bb.state_dict()
-        # within the secure sum's fixed-point rounding: the trunk is averaged too (as received, scope=top)
+        # exact when the rounds' tasks name scope=top (server_agg/frozen_trunk.py); within the secure
+        # sum's fixed-point rounding when they name none (the trunk is then averaged as received)
         if any(k not in mine or mine[k].shape != v.shape
                or not torch.allclose(mine[k].double(), v.double(), rtol=1e-5, atol=1e-6) for k, v in ref.items()):
             raise StatsUnavailable(f"candidate {name!r} does not run on ξ's trunk (trained with scope='all', or a "

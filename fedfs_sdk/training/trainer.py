@@ -201,8 +201,8 @@ class LocalTrainer:
             src = personal_weights if personal_weights is not None else {
                 k: t for k, t in global_weights.items() if not k.startswith("uv_head.")}
             self._load(self.personal_model, src, "personalized weights")
-        # one trunk pass for all three models when their trunks agree (always, in a federation that only
-        # trains scope='top'); otherwise (e.g. a fleet with ONNX Runtime devices that train every layer)
+        # one trunk pass for all three models when their trunks agree (always, in a federation whose round
+        # tasks name scope='top': the server keeps the trunk exact, server_agg/frozen_trunk.py); otherwise (e.g. a fleet with ONNX Runtime devices that train every layer)
         # each model runs its own frozen trunk: slower, the same gradients
         shared = self.scope == "top" and all(self._same_trunk(m) for m in (self.xi, self.personal_model) if m is not None)
         params = self._param_groups()
