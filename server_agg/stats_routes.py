@@ -23,7 +23,7 @@ import json
 from typing import Any, Callable
 
 import numpy as np
-from fastapi import Body, FastAPI, Path, Security
+from fastapi import Body, FastAPI, Path, Response, Security
 
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.secagg import RoundFailedError
@@ -291,9 +291,20 @@ class StatsDesk:
             self.tick()
             return {"round_id": round_id, "accepted": True}
 
+    def published_rounds(self) -> list[int]:
+        """Every published round's id, oldest first."""
+        return sorted(int(k) for k, v in self.outcomes().items() if v.get("state") == "published")
+
     def published(self, round_id: int | None = None) -> dict:
         """The newest published sum (with ``published_rounds``: every id), or round ``round_id``'s."""
-        done = sorted(int(k) for k, v in self.outcomes().items() if v.get("state") == "published")
+        return json.loads(self.published_json(round_id))
+
+    def published_json(self, round_id: int | None = None) -> bytes:
+        """:meth:`published` as the JSON body the API sends. A published sum never changes, so it is
+        read, validated and encoded once per (round, list of published rounds), not at every request:
+        each device downloads it, and ξ's trunk-feature moments are a d×d matrix (≈ 5 MB of JSON at
+        d = 512) whose parsing and re-encoding took most of the server's time in a 102-device round."""
+        done = self.published_rounds()
         if round_id is None:
             if not done:
                 raise NotFound("no statistics sum published yet", code="no_stats")
@@ -301,8 +312,14 @@ class StatsDesk:
         path = self.dir / f"published-r{round_id:06d}.json"
         if not path.is_file():
             raise NotFound(f"statistics round {round_id} published nothing", code="no_stats")
-        load_published(path)                                # validates
-        return {**json.loads(path.read_text()), "round_id": round_id, "published_rounds": done}
+        key = (int(round_id), path.stat().st_mtime_ns, tuple(done))
+        cache = self.__dict__.setdefault("_published_cache", {})
+        if key not in cache:
+            load_published(path)                            # validates
+            body = {**json.loads(path.read_text()), "round_id": round_id, "published_rounds": done}
+            cache.clear()                                   # one entry per round is all a fleet asks for
+            cache[key] = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+        return cache[key]
 
 
 def install_stats_routes(app: FastAPI, coord: Any, device: Callable[..., str], admin: Callable[..., str],
@@ -349,11 +366,16 @@ def install_stats_routes(app: FastAPI, coord: Any, device: Callable[..., str], a
 
     @app.get("/v1/stats", tags=["statistics"], responses=refusals)
     def stats_published(_: str = Security(device)) -> dict:
-        return desk.published()
+        return Response(desk.published_json(), media_type="application/json")
+
+    @app.get("/v1/stats/rounds", tags=["statistics"], responses=refusals)
+    def stats_published_rounds(_: str = Security(device)) -> dict:
+        """The ids of every published sum (a device downloads each once and keeps it)."""
+        return {"published_rounds": desk.published_rounds()}
 
     @app.get("/v1/stats/{round_id}", tags=["statistics"], responses=refusals)
     def stats_published_round(round_id: int = Path(ge=1), _: str = Security(device)) -> dict:
-        return desk.published(round_id)
+        return Response(desk.published_json(round_id), media_type="application/json")
 
     install_secagg_routes(app, desk, device, errors, body_timeout_s,
                           receive_slots if receive_slots is not None else asyncio.Semaphore(16),

@@ -218,3 +218,33 @@ def test_non_finite_weights_and_loss_are_fedfs_errors(monkeypatch: pytest.Monkey
     with pytest.raises(TrainingError, match="made the global weights non-finite"):
         LocalTrainer(mc, TrainConfig(method="feduv", lr=1e20, head_lr=1e20, batch_size=16, local_epochs=1,
                                      scope="all")).train(w, x, codeword=v)
+
+
+def test_cached_trunk_features_give_the_trunk_pass_updates_and_wrong_ones_are_refused() -> None:
+    """scope="top" with ξ's trunk features computed once (what a device keeps across rounds): the same
+    global and personalized updates as a trunk pass per step, within float rounding of the trunk's
+    batch (rows are per-sample); features of other photos are refused, never trained on."""
+    from fedfs_sdk.training.scope import Trunk
+
+    xi, mc, w, x, v = _setup("fedfs+feduv")
+    cfg = TrainConfig(method="fedfs+feduv", batch_size=4, local_epochs=2, seed=1, scope="top")
+    with torch.no_grad():
+        feats = Trunk(xi.backbone)(x)                  # one pass over all 16 photos, not 4 per step
+    plain = LocalTrainer(mc, cfg, xi=xi).train(w, x, codeword=v)
+    cached = LocalTrainer(mc, cfg, xi=xi).train(w, x, codeword=v, trunk_features=feats)
+    moved = 0.0
+    for out in ("weights", "personal_weights"):
+        a, b = getattr(plain, out), getattr(cached, out)
+        for k in a:
+            assert torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6), (out, k)
+            moved = max(moved, float((a[k] - w[k]).abs().max()) if k in w else 0.0)
+    assert moved > 1e-4                                # the top did train: the comparison is not vacuous
+    with pytest.raises(InputError, match="not this model's trunk output"):
+        LocalTrainer(mc, cfg, xi=xi).train(w, x, codeword=v, trunk_features=feats.flip(0))
+    with pytest.raises(InputError, match="one row per image"):
+        LocalTrainer(mc, cfg, xi=xi).train(w, x, codeword=v, trunk_features=feats[:3])
+    # scope="all" trains the trunk: cached features would be stale, so they are not used (and not checked)
+    full = TrainConfig(method="fedfs+feduv", batch_size=4, seed=1, scope="all")
+    a = LocalTrainer(mc, full, xi=xi).train(w, x, codeword=v)
+    b = LocalTrainer(mc, full, xi=xi).train(w, x, codeword=v, trunk_features=feats.flip(0))
+    assert all(torch.equal(a.weights[k], b.weights[k]) for k in a.weights)

@@ -4,6 +4,7 @@ its own."""
 from __future__ import annotations
 
 import copy
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -76,3 +77,103 @@ def test_changed_photo_or_xi_is_computed_again_and_devices_keep_their_own():
     assert len(getattr(a, CACHE_ATTR)) == 3
     assert not hasattr(b, CACHE_ATTR)                                        # device b never saw a's
     assert xi_trunk_features(b, "xi-1", xi, x, 64) is not first
+
+
+def test_device_rounds_train_on_the_features_kept_for_its_photos(tmp_path):
+    """TorchRuntime.train under a scope=top task: ξ's trunk runs once for the device's photos (the
+    agent's entry, shared with the statistics round's moments), every later round reuses it, and the
+    upload is the trunk-pass trainer's within float rounding."""
+    from fedfs_sdk.federation.device_features import STATS_CHUNK
+    from fedfs_sdk.federation.device_runtime import TorchRuntime, round_seed
+    from fedfs_sdk.federation.device_state import DeviceState
+    from fedfs_sdk.federation.wire import decode_update
+    from fedfs_sdk.federation.wire_format import sha256_hex
+    from fedfs_sdk.nn.checkpoint import read_checkpoint_bytes, save_checkpoint
+    from fedfs_sdk.runtime.codes import make_codeword
+    from fedfs_sdk.training.trainer import LocalTrainer, TrainConfig, initial_global_weights
+
+    xi = _xi("tiny", seed=2)
+    save_checkpoint(tmp_path / "xi.safetensors", xi, ModelConfig("tiny"))
+    sha = sha256_hex((tmp_path / "xi.safetensors").read_bytes())
+    cfg = ModelConfig("tiny", proj_dim=32, code_length=127)
+    glob = FaceNet(cfg)
+    w = initial_global_weights(cfg, xi)
+    glob.load_state_dict(w)
+    save_checkpoint(tmp_path / "global.safetensors", glob, cfg)
+    model = read_checkpoint_bytes(tmp_path / "global.safetensors")
+    x = _photos(xi, 12, seed=3)
+    v, _ = make_codeword(9, 127, rng=np.random.default_rng(0))
+    calls = []
+
+    class Agent:
+        def __init__(self, state):
+            self.state = state
+
+        def images_array(self, size):
+            return x
+
+        def xi_file(self, s):
+            calls.append(s)
+            return tmp_path / "xi.safetensors"
+
+    with DeviceState(tmp_path / "state") as state:
+        state.codeword = lambda c: v
+        agent = Agent(state)
+        task = {"method": "fedfs+feduv", "model_config": json.loads(cfg.to_json()), "round_id": 1, "model_version": 1,
+                "xi_sha256": sha, "train": {"scope": "top", "batch_size": 4, "seed": 0, "lr": 0.05}}
+        runtime = TorchRuntime()
+        first = decode_update(runtime.train(task, model, agent).body)[0]
+        entry = getattr(agent, CACHE_ATTR)
+        assert len(entry) == 1 and next(iter(entry))[0] == sha and next(iter(entry))[-1] == min(STATS_CHUNK, 12)
+        again = decode_update(runtime.train(task, model, agent).body)[0]
+        assert len(getattr(agent, CACHE_ATTR)) == 1                     # round 2: no new trunk pass
+        assert all(torch.equal(first[k], again[k]) for k in first)
+        ref = LocalTrainer(cfg, TrainConfig(method="fedfs+feduv", scope="top", batch_size=4, seed=0, lr=0.05),
+                           xi=xi).train(w, x, codeword=v, seed=round_seed(0, 1))
+        for k, t in ref.weights.items():
+            torch.testing.assert_close(first[k], t, rtol=1e-5, atol=1e-6)
+        assert any(not torch.equal(first[k], w[k]) for k in w)           # it trained
+
+
+@pytest.mark.parametrize("backbone", ["tiny", "mobilefacenet-affine"])
+def test_the_dual_verifier_on_xis_trunk_gives_its_full_forward(backbone):
+    """verify=both under scope=top: θ_c's and w's backbones differ from ξ only in their tops, so the
+    dual verifier's embeddings come from ξ's cached trunk features, bit for bit; a trained trunk does not."""
+    from fedfs_sdk.nn.model import DualVerifierNet, FedUVHead
+
+    xi = _xi(backbone)
+    x, agent = _photos(xi, 3, seed=4), SimpleNamespace()
+    personal, glob = copy.deepcopy(xi.backbone), copy.deepcopy(xi.backbone)
+    with torch.no_grad():                         # trained tops: both embed layers moved
+        personal.embed.weight.add_(0.1 * torch.randn_like(personal.embed.weight))
+        glob.embed.weight.sub_(0.1 * torch.randn_like(glob.embed.weight))
+    torch.manual_seed(5)
+    net = DualVerifierNet(personal, glob, FedUVHead(int(xi.backbone.embedding_dim), 127)).eval()
+    assert has_xi_trunk(net, xi.backbone)
+    want = TorchBackend(net, "d").run(x)["embedding"]
+    assert np.array_equal(embeddings_on_xi_trunk(agent, net, "a", xi, x, 256), want)
+    with torch.no_grad():                         # θ_c's trunk trained (scope=all): not ξ's
+        next(p for k, p in personal.named_parameters() if not k.startswith(("embed.", "embed_norm."))).add_(1e-3)
+    assert not has_xi_trunk(net, xi.backbone)
+
+
+def test_in_memory_verifiers_are_what_the_saved_files_load_as(tmp_path):
+    """The check's candidates are built without writing verifier.safetensors: the same weights and model
+    id as the file the chosen one is saved to (enrollments are bound to that id)."""
+    from fedfs_sdk.nn.checkpoint import load_verifier, save_verifier, verifier_in_memory
+    from fedfs_sdk.nn.dual_verifier import dual_verifier_in_memory, load_dual_verifier, save_dual_verifier
+
+    cfg = ModelConfig("tiny", code_length=127)
+    a, b = FaceNet(cfg), FaceNet(cfg)
+    for head in (None, a.uv_head):
+        mid = save_verifier(tmp_path / "v.safetensors", a.backbone, cfg, head)
+        loaded, lid = load_verifier(tmp_path / "v.safetensors")
+        mem, mem_id = verifier_in_memory(a.backbone, cfg, head)
+        assert mid == lid == mem_id and type(mem) is type(loaded)
+        assert mem.state_dict().keys() == loaded.state_dict().keys()
+        assert all(torch.equal(mem.state_dict()[k], loaded.state_dict()[k]) for k in mem.state_dict())
+    mid = save_dual_verifier(tmp_path / "d.safetensors", a.backbone, b.backbone, b.uv_head, cfg)
+    loaded, lid = load_dual_verifier(tmp_path / "d.safetensors")
+    mem, mem_id = dual_verifier_in_memory(a.backbone, b.backbone, b.uv_head, cfg)
+    assert mid == lid == mem_id
+    assert all(torch.equal(mem.state_dict()[k], loaded.state_dict()[k]) for k in mem.state_dict())

@@ -72,6 +72,9 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
         assert check_round["state"] == "published" and check_round["count"] == N, (check_round, "\n".join(str(e)[:400] for e in events[0] if e[0].startswith(("stats", "model"))))
         client = ServerClient(srv.url, states[0].token)
         pub_xi, pub_checks = (client.request("GET", f"/v1/stats/{i}").json() for i in (1, 2))
+        assert client.request("GET", "/v1/stats/rounds").json() == {"published_rounds": [1, 2]}
+        newest = client.request("GET", "/v1/stats").json()     # the newest, with every id (served from the cache)
+        assert newest == {**pub_checks, "published_rounds": [1, 2]} and pub_xi["published_rounds"] == [1, 2]
         assert pub_checks["task"]["extra"]["candidates"] == ["xi", "norm-adapt", "global", "personalized"]
         # the server's sum is the sum of the devices' own contributions (what the simulator sums)
         own = [dict(np.load(tmp_path / f"dev{d}" / "stats" / "stats-own-r000001.npz")) for d in range(N)]

@@ -67,7 +67,8 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
             chosen, selection = unchecked_choice(self)
         if fallback is not None:
             selection = {**selection, "fallback": fallback}
-    backend = self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen)
+    backend = public_trunk_backend(self, self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen),
+                                   impostors)
     mode, template_output = candidate_mode(method, score, model, chosen)
     codeword = device_codeword(self, info["config"].get("code_length")) if mode == "codeword" else None
     in_domain = None
@@ -97,6 +98,28 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
                             **({"operating_point": enrollment.meta["operating_point"]}
                                if "operating_point" in enrollment.meta else {})})
     return enrollment
+
+
+def public_trunk_backend(self, backend, impostors):  # self: the DeviceAgent
+    """``backend`` scoring the public impostor set from ξ's trunk features of it, shared in the
+    process (:mod:`.public_trunk`), where the verifier runs on ξ's trunk (``scope="top"``) on the torch
+    runtime; else ``backend`` as it is. The owner's photos still run the full forward."""
+    from .device_runtime import TorchRuntime, xi_path
+
+    if impostors is None or not isinstance(self.runtime, TorchRuntime) or not has_xi(self):
+        return backend
+    from ..nn.checkpoint import load_checkpoint
+    from ..runtime.impostor_outputs import impostor_batch
+    from .device_features import has_xi_trunk
+    from .public_trunk import PUBLIC_TRUNK, PublicTrunkBackend
+
+    xi_file = xi_path(self)
+    xi_net = load_checkpoint(xi_file)[0]
+    if not has_xi_trunk(backend.verifier, xi_net.backbone):
+        return backend
+    xi_sha = sha256_hex(xi_file.read_bytes())
+    PUBLIC_TRUNK.fill(xi_sha, xi_net, impostor_batch(backend, impostors))
+    return PublicTrunkBackend(backend, xi_sha)
 
 
 def shared_impostor_outputs(candidate: str, backend, impostors, cache=None):

@@ -1,17 +1,23 @@
 """ξ's trunk features of a device's own photos, computed once per (ξ, photos) on that device.
 
-Under ``scope="top"`` a device runs ξ's trunk on its photos three times without this: for ξ's
-moments in the statistics round (:func:`~fedfs_sdk.federation.device_stats.xi_moments`), and in the
-do-no-harm check for the ``xi`` and ``norm-adapt`` candidates, whose trunks *are* ξ's, weight for
-weight (:func:`~fedfs_sdk.federation.device_stats.in_domain_check`). The features are kept on the
-agent (the device's own object — never in a cache another device reads), keyed by ξ's sha256, the
-photos' content and the chunking, so a changed photo or ξ is computed again.
+Under ``scope="top"`` a device would run ξ's frozen trunk on its photos at every local step of every
+round, for ξ's moments in the statistics round (:func:`~fedfs_sdk.federation.device_stats.xi_moments`),
+and in the do-no-harm check for every candidate whose trunk *is* ξ's, weight for weight
+(:func:`~fedfs_sdk.federation.device_stats.in_domain_check`). With this it runs once per (ξ, photos):
+local training (:meth:`~fedfs_sdk.federation.device_runtime.TorchRuntime.train`) and the moments share
+one entry (:data:`STATS_CHUNK`), as the simulator's clients train the top on ξ's cached features.
+The features are kept on the agent (the device's own object — never in a cache another device
+reads), keyed by ξ's sha256, the photos' content and the chunking, so a changed photo or ξ is
+computed again.
 
-Exact, not approximate: the embedding is ``EmbeddingTop(trunk features)``, the backbone's own modules
-in the backbone's own order, on chunks of the size the full forward uses — bit-equal to it
-(tests/test_device_features.py). A candidate whose trunk is not ξ's bit for bit (the global model:
-the secure sum's fixed-point rounding moves it by ≤ 4·10⁻⁹; the personalized dual verifier) runs
-its own full forward, as before.
+Exact, not approximate, for the check: the embedding is ``EmbeddingTop(trunk features)``, the
+backbone's own modules in the backbone's own order, on chunks of the size the full forward uses —
+bit-equal to it (tests/test_device_features.py), for a verifier and for the dual verifier
+(``verify=both``: θ_c's and w's backbones, both on ξ's trunk under ``scope="top"``). Local training's batches are smaller than the
+chunk: there the features equal a per-batch trunk pass within float rounding (every backbone
+normalizes each sample by itself). A candidate whose trunk is not ξ's bit for bit (the global model
+of rounds whose tasks name no scope: the secure sum's fixed-point rounding moves it by ≤ 4·10⁻⁹)
+runs its own full forward.
 """
 from __future__ import annotations
 
@@ -22,6 +28,9 @@ import numpy as np
 
 CACHE_ATTR = "_xi_trunk_features"
 MAX_ENTRIES = 4
+STATS_CHUNK = 64
+"""The chunk of ξ's moments in a statistics round (:func:`~fedfs_sdk.federation.device_stats._embed_xi`),
+which local training takes too: one entry serves both."""
 
 
 def _key(xi_sha: str, x: np.ndarray, chunk: int) -> tuple:
@@ -50,19 +59,41 @@ def xi_trunk_features(agent: Any, xi_sha: str, xi_net, x: np.ndarray, chunk: int
     return cache[key]
 
 
-def has_xi_trunk(net, xi_backbone) -> bool:
-    """Whether ``net`` is a single-backbone verifier whose trunk weights equal ξ's bit for bit."""
+def training_features(task: Any, train_cfg: Any, xi: Any, images: np.ndarray, agent: Any):
+    """ξ's trunk features ``[n, F]`` of the device's training photos for a round's local training
+    (:meth:`~fedfs_sdk.federation.device_runtime.TorchRuntime.train`) under ``scope="top"``: the
+    agent's entry, which ξ's statistics round fills too, so no round runs the frozen trunk again;
+    None where the trunk trains or there is no ξ (``LocalTrainer`` itself ignores them unless the
+    three trunks are equal, and checks a row)."""
     import torch
 
-    from ..nn.model import VerifierNet
+    if xi is None or train_cfg.effective_scope != "top" or not task.get("xi_sha256") or not hasattr(agent, "__dict__"):
+        return None
+    return torch.cat(xi_trunk_features(agent, str(task["xi_sha256"]), xi, images, STATS_CHUNK))
+
+
+def has_xi_trunk(net, xi_backbone) -> bool:
+    """Whether every backbone of ``net`` — a verifier, or the dual verifier's θ_c and w — has ξ's
+    trunk weights bit for bit (so its embeddings can come from ξ's trunk features)."""
+    import torch
+
+    from ..nn.model import DualVerifierNet, VerifierNet
     from ..training.scope import is_top_key
 
-    if type(net) is not VerifierNet:
+    if type(net) is VerifierNet:
+        backbones = [net.backbone]
+    elif type(net) is DualVerifierNet:
+        backbones = [net.backbone, net.global_backbone]
+    else:
         return False
-    mine, ref = net.backbone.state_dict(), xi_backbone.state_dict()
+    ref = xi_backbone.state_dict()
     trunk = [k for k in ref if not is_top_key(k)]
-    return (type(net.backbone) is type(xi_backbone) and set(mine) == set(ref)
-            and all(mine[k].dtype == ref[k].dtype and torch.equal(mine[k], ref[k]) for k in trunk))
+    for bb in backbones:
+        mine = bb.state_dict()
+        if not (type(bb) is type(xi_backbone) and set(mine) == set(ref)
+                and all(mine[k].dtype == ref[k].dtype and torch.equal(mine[k], ref[k]) for k in trunk)):
+            return False
+    return True
 
 
 def embeddings_on_xi_trunk(agent: Any, net, xi_sha: str, xi_net, x: np.ndarray, chunk: int) -> np.ndarray:
@@ -78,4 +109,4 @@ def embeddings_on_xi_trunk(agent: Any, net, xi_sha: str, xi_net, x: np.ndarray, 
     return np.concatenate(outs)
 
 
-__all__ = ["xi_trunk_features", "has_xi_trunk", "embeddings_on_xi_trunk", "CACHE_ATTR"]
+__all__ = ["STATS_CHUNK", "training_features", "xi_trunk_features", "has_xi_trunk", "embeddings_on_xi_trunk", "CACHE_ATTR"]

@@ -109,8 +109,10 @@ class DeviceRuntime(Protocol):
         ...
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
-                 verify: str | None = None, candidate: str = "personalized") -> "InferenceBackend":
-        """The backend the owner verifies with (global model version ``version``). ``candidate``
+                 verify: str | None = None, candidate: str = "personalized", persist: bool = True) -> "InferenceBackend":
+        """The backend the owner verifies with (global model version ``version``), kept in the
+        state as the verifier ``fedfs verify --model`` takes unless ``persist=False`` (a candidate
+        the check only scores; a runtime that needs the file to run it writes it anyway). ``candidate``
         (the do-no-harm check, :meth:`DeviceAgent.enroll`): ``xi`` — the frozen ξ as it is;
         ``global`` — the global model (with its FedUV head); ``personalized`` — by
         ``verify`` (:data:`fedfs_sdk.training.methods.VERIFY_MODELS`; ``None``: ``θ_c`` for FedFS methods,
@@ -160,6 +162,7 @@ class TorchRuntime:
         from ..nn.checkpoint import load_checkpoint
         from ..nn.model import ModelConfig
         from ..training.trainer import LocalTrainer
+        from .device_features import training_features
         from .wire import check_finite, encode_update, encode_weights, train_config_from_json
 
         method = check_method(str(task["method"]))
@@ -173,9 +176,11 @@ class TorchRuntime:
         if uses_fedfs(method):
             loaded = agent.state.load_weights("personal")
             personal = loaded[0] if loaded is not None else None
+        images = agent.images_array(int(config.input_size))
         result = LocalTrainer(config, train_cfg, xi).train(
-            self._decode(model)[0], agent.images_array(int(config.input_size)), personal_weights=personal,
-            codeword=codeword, neg_codewords=neg, seed=round_seed(train_cfg.seed, int(task["round_id"])))
+            self._decode(model)[0], images, personal_weights=personal,
+            codeword=codeword, neg_codewords=neg, seed=round_seed(train_cfg.seed, int(task["round_id"])),
+            trunk_features=training_features(task, train_cfg, xi, images, agent))
         check_finite(result.weights, "local result")
         metrics = dict(result.metrics)
         upload = result.weights
@@ -191,9 +196,9 @@ class TorchRuntime:
         return LocalUpdate(body, result.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
-                 verify: str | None = None, candidate: str = "personalized") -> "InferenceBackend":
-        from ..nn.checkpoint import load_checkpoint, load_verifier, save_verifier
-        from ..nn.dual_verifier import save_dual_verifier
+                 verify: str | None = None, candidate: str = "personalized", persist: bool = True) -> "InferenceBackend":
+        from ..nn.checkpoint import load_checkpoint, load_verifier, save_verifier, verifier_in_memory
+        from ..nn.dual_verifier import dual_verifier_in_memory, save_dual_verifier
         from ..runtime.inference import TorchBackend
         from ..nn.model import FaceNet, ModelConfig, personal_config
 
@@ -225,6 +230,11 @@ class TorchRuntime:
             personal.load_state_dict(loaded[0])
             personal_backbone = personal.backbone
         head = global_net.uv_head if uses_feduv(method) and chosen != "xi" else None
+        if not persist:         # the same (net, model id) the file below would load as, without the file
+            net_id = (dual_verifier_in_memory(personal_backbone, global_net.backbone, head, config) if chosen == "both"
+                      else verifier_in_memory(personal_backbone if chosen == "personal" else global_net.backbone,
+                                              config, head))
+            return TorchBackend(*net_id, device=self.device)
         path = agent.state.file("verifier.safetensors")    # what `fedfs verify --model` takes
         vmeta = {"global_version": int(version), "method": method, "verify": candidate if candidate == "norm-adapt" else chosen}
         if chosen == "both":
@@ -344,7 +354,8 @@ class OrtRuntime:
         return LocalUpdate(body, up.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
-                 verify: str | None = None, candidate: str = "personalized") -> "InferenceBackend":
+                 verify: str | None = None, candidate: str = "personalized", persist: bool = True) -> "InferenceBackend":
+        # (persist is ignored: an ONNX Runtime session runs from the verifier file, so it is always written)
         from ..runtime.onnx_backend import OnnxBackend, with_weights
         from ..training.ort_device import decode_model, dual_verifier_weights, verifier_weights
 

@@ -125,7 +125,7 @@ def _load_xi(path: Path):
     return load_checkpoint(path)[0].eval()
 
 
-def _embed_xi(net, x: np.ndarray, features: bool, batch: int = 64, agent: Any = None,
+def _embed_xi(net, x: np.ndarray, features: bool, batch: int | None = None, agent: Any = None,
               xi_sha: str | None = None) -> tuple[np.ndarray, np.ndarray | None]:
     """ξ's embeddings (and trunk features) of ``x``. With features, the embedding is the top of the
     trunk's features (one forward, not two; bit-equal to ``bb(x)``), and the features are kept on
@@ -135,6 +135,9 @@ def _embed_xi(net, x: np.ndarray, features: bool, batch: int = 64, agent: Any = 
     from ..training.scope import EmbeddingTop, Trunk
     from .device_features import xi_trunk_features
 
+    from .device_features import STATS_CHUNK
+
+    batch = STATS_CHUNK if batch is None else batch
     bb = net.backbone
     if not features:
         with torch.inference_mode():
@@ -158,14 +161,14 @@ def published(agent: Any) -> list[dict]:
     from .server_client import ServerError
 
     p = participant(agent)
-    try:
-        newest = p.client.request("GET", "/v1/stats").json()
+    try:        # the ids only: each sum (a d×d matrix for ξ's features) is downloaded once, below
+        ids = p.client.request("GET", "/v1/stats/rounds").json()["published_rounds"]
     except ServerError as e:
         if e.status in (404, 405):
             return []
         raise
     out = []
-    for rid in newest.get("published_rounds", [newest["round_id"]]):
+    for rid in ids:
         path = p.dir / f"stats-r{int(rid):06d}.json"
         if not path.is_file():
             p.fetch_published(path, int(rid))
@@ -258,7 +261,7 @@ def in_domain_check(agent: Any, name: str, method: str, model: bytes, version: i
     from ..training.selection import check_candidate
     from .device_features import embeddings_on_xi_trunk, has_xi_trunk
 
-    backend = agent.runtime.verifier(method, model, agent, version, verify, candidate=name)
+    backend = agent.runtime.verifier(method, model, agent, version, verify, candidate=name, persist=False)
     net = backend.verifier
     _require_xi_trunk(net, xi_net.backbone, name)
     if name == "global" and score == "head-template" and uses_feduv(method) and isinstance(net, VerifierNet) \

@@ -42,18 +42,27 @@ def build_dual_verifier(config: ModelConfig) -> DualVerifierNet:
     return DualVerifierNet(personal.backbone, glob.backbone, glob.uv_head)
 
 
-def save_dual_verifier(path: str | os.PathLike[str], personal_backbone: torch.nn.Module,
-                       global_backbone: torch.nn.Module, uv_head: torch.nn.Module, config: ModelConfig,
-                       meta: dict[str, Any] | None = None) -> str:
-    """Save the dual verifier of θ_c's backbone, w's backbone and the global head ``W``.
-    Returns its model id."""
-    from .checkpoint import model_id_of, save_checkpoint
+def dual_verifier_in_memory(personal_backbone: torch.nn.Module, global_backbone: torch.nn.Module,
+                            uv_head: torch.nn.Module, config: ModelConfig) -> tuple[DualVerifierNet, str]:
+    """``(DualVerifierNet, model_id)`` of θ_c's backbone, w's backbone and ``W``: what
+    :func:`load_dual_verifier` returns for the file :func:`save_dual_verifier` writes."""
+    from .checkpoint import model_id_of
 
     net = build_dual_verifier(config)
     net.backbone.load_state_dict(personal_backbone.state_dict())
     net.global_backbone.load_state_dict(global_backbone.state_dict())
     net.uv_head.load_state_dict(uv_head.state_dict())
-    mid = model_id_of(net.state_dict(), config.backbone)
+    return net.eval(), model_id_of(net.state_dict(), config.backbone)
+
+
+def save_dual_verifier(path: str | os.PathLike[str], personal_backbone: torch.nn.Module,
+                       global_backbone: torch.nn.Module, uv_head: torch.nn.Module, config: ModelConfig,
+                       meta: dict[str, Any] | None = None) -> str:
+    """Save the dual verifier of θ_c's backbone, w's backbone and the global head ``W``.
+    Returns its model id."""
+    from .checkpoint import save_checkpoint
+
+    net, mid = dual_verifier_in_memory(personal_backbone, global_backbone, uv_head, config)
     save_checkpoint(path, net, dual_config(config), {**(meta or {}), "role": DUAL_ROLE, "model_id": mid})
     return mid
 
@@ -90,5 +99,5 @@ def load_dual_verifier(path: str | os.PathLike[str]) -> tuple[DualVerifierNet, s
     return dual_verifier_from_state(state, config, meta, path)
 
 
-__all__ = ["DUAL_ROLE", "build_dual_verifier", "save_dual_verifier", "load_dual_verifier", "is_dual_verifier",
+__all__ = ["DUAL_ROLE", "build_dual_verifier", "dual_verifier_in_memory", "save_dual_verifier", "load_dual_verifier", "is_dual_verifier",
            "dual_verifier_from_state", "dual_config"]

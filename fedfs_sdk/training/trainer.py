@@ -184,8 +184,14 @@ class LocalTrainer:
               personal_weights: Mapping[str, torch.Tensor] | None = None,
               codeword: torch.Tensor | np.ndarray | None = None,
               neg_codewords: torch.Tensor | np.ndarray | None = None,
-              seed: int | None = None) -> LocalResult:
-        """One local update. ``personal_weights=None`` starts ``θ_c`` from the global weights."""
+              seed: int | None = None, trunk_features: torch.Tensor | None = None) -> LocalResult:
+        """One local update. ``personal_weights=None`` starts ``θ_c`` from the global weights.
+
+        ``trunk_features`` (``scope="top"``): ξ's trunk output ``[n, F]`` of ``images``, row for row,
+        computed once by the caller (a device keeps them across rounds: its photos and ξ do not change)
+        — the same top updates without a trunk pass per step. Used only where the trunk is shared
+        (the global model's, θ_c's and ξ's trunks equal bit for bit); the first row is recomputed and
+        compared, so features of other photos (or another trunk) are refused, not trained on."""
         cfg = self.config
         x_all = as_image_batch(images, self.model_config.input_size)
         v = codeword_tensor(codeword, self.model_config.code_length) if uses_feduv(cfg.method) else None
@@ -205,6 +211,7 @@ class LocalTrainer:
         # tasks name scope='top': the server keeps the trunk exact, server_agg/frozen_trunk.py); otherwise (e.g. a fleet with ONNX Runtime devices that train every layer)
         # each model runs its own frozen trunk: slower, the same gradients
         shared = self.scope == "top" and all(self._same_trunk(m) for m in (self.xi, self.personal_model) if m is not None)
+        feats = self._check_features(trunk_features, x_all) if shared and trunk_features is not None else None
         params = self._param_groups()
         opt = torch.optim.SGD(params, lr=cfg.effective_lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
         gen = torch.Generator().manual_seed(cfg.seed if seed is None else seed)
@@ -220,14 +227,17 @@ class LocalTrainer:
                 idx = order[start:start + bs]
                 if uses_fedfs(cfg.method) and idx.numel() < 2:
                     continue  # a lone leftover image has nothing to contrast with
-                x = x_all[idx].to(self.device)
                 if shared:
-                    with torch.no_grad():
-                        f = self._trunk(x)
+                    if feats is not None:
+                        f = feats[idx]
+                    else:
+                        with torch.no_grad():
+                            f = self._trunk(x_all[idx].to(self.device))
                     g_top, p_top, xi_top = self._tops
                     loss, parts = local_objective(cfg.method, cfg.objective, f, g_top, personal_model=p_top,
                                                   xi=xi_top, codeword=vd, neg_codewords=neg)
                 else:
+                    x = x_all[idx].to(self.device)
                     loss, parts = local_objective(cfg.method, cfg.objective, x, self.global_model,
                                                   personal_model=self.personal_model, xi=self.xi,
                                                   codeword=vd, neg_codewords=neg)
@@ -252,6 +262,22 @@ class LocalTrainer:
             personal_weights=_cpu_state(self.personal_model) if self.personal_model is not None else None,
             metrics=summary,
         )
+
+    def _check_features(self, features: torch.Tensor, x_all: torch.Tensor) -> torch.Tensor:
+        """``features`` on the device, after checking they are this trunk's output of ``x_all``: the
+        shape, finiteness, and the first image's features recomputed (a per-sample trunk: the batch
+        does not change a row beyond float rounding)."""
+        f = torch.as_tensor(features)
+        if f.dim() != 2 or f.shape[0] != x_all.shape[0] or not f.is_floating_point():
+            raise InputError(f"trunk_features must be a float [{x_all.shape[0]}, F] tensor (one row per image), "
+                             f"got {f.dtype} {list(f.shape)}")
+        f = f.to(self.device, torch.float32)
+        with torch.no_grad():
+            ref = self._trunk(x_all[:1].to(self.device))
+        if ref.shape[1:] != f.shape[1:] or not torch.allclose(f[:1], ref, rtol=1e-4, atol=1e-4):
+            raise InputError("trunk_features are not this model's trunk output of these images (the first row "
+                             "differs): recompute them with ξ's trunk on the same photos, in the same order")
+        return f
 
     def _same_trunk(self, other: nn.Module) -> bool:
         """Whether ``other`` (ξ, θ_c) has the global model's trunk, bit for bit."""
