@@ -30,8 +30,8 @@ def test_public_set_scores_from_shared_trunk_features_are_the_full_forwards(back
         personal.embed.weight.add_(0.05 * torch.randn_like(personal.embed.weight))
     head = FedUVHead(int(xi.backbone.embedding_dim), 127)
     store = PublicTrunk()
-    store.fill("x", xi, public, CHUNK)
-    store.fill("x", xi, public, CHUNK)                   # a second device: nothing computed again
+    store.fill("x", xi, "set", lambda: public, CHUNK)
+    store.fill("x", xi, "set", lambda: 1 / 0, CHUNK)     # a second device: nothing computed (nor the batch made)
     assert store.fills == 1
     for net in (VerifierNet(personal, head).eval(), DualVerifierNet(personal, glob, head).eval()):
         plain = TorchBackend(net, "m")

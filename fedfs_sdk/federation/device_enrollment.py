@@ -118,7 +118,8 @@ def public_trunk_backend(self, backend, impostors):  # self: the DeviceAgent
     if not has_xi_trunk(backend.verifier, xi_net.backbone):
         return backend
     xi_sha = sha256_hex(xi_file.read_bytes())
-    PUBLIC_TRUNK.fill(xi_sha, xi_net, impostor_batch(backend, impostors))
+    PUBLIC_TRUNK.fill(xi_sha, xi_net, f"{impostors.digest()}@{backend.input_size}",
+                      lambda: impostor_batch(backend, impostors))
     return PublicTrunkBackend(backend, xi_sha)
 
 

@@ -205,13 +205,9 @@ class TorchRuntime:
         chosen = {"xi": "xi", "norm-adapt": "xi", "global": "global"}.get(candidate) or verifier_model(method, verify)
         weights, meta = self._decode(model)
         config = ModelConfig.from_json(meta["model_config"]).resolved()
-        global_net = FaceNet(config)
-        global_net.load_state_dict(weights)
         if chosen == "xi":      # ξ as it is, on its own architecture (not the global model's: issue 29)
-            xi = load_checkpoint(xi_path(agent))[0]
+            xi = load_checkpoint(xi_path(agent))[0]           # a fresh copy: its backbone becomes this verifier's
             config = replace(xi.config.resolved(), code_length=None, proj_dim=None)
-            global_net = FaceNet(config)
-            xi_weights = xi.backbone.state_dict()
             if candidate == "norm-adapt":   # ξ re-fitted to the federation's embedding moments (fedfs_sdk.stats.in_domain)
                 from ..stats.in_domain import norm_adapt_weights
 
@@ -219,8 +215,12 @@ class TorchRuntime:
                 if total is None:
                     raise InputError("the norm-adapt candidate needs the federation's published embedding moments "
                                      "(a statistics round's xi.embedding)")
-                xi_weights = norm_adapt_weights(xi_weights, total)
-            global_net.backbone.load_state_dict(xi_weights)
+                xi.backbone.load_state_dict(norm_adapt_weights(xi.backbone.state_dict(), total))
+            main_backbone, global_head = xi.backbone, None
+        else:
+            global_net = FaceNet(config)
+            global_net.load_state_dict(weights)
+            main_backbone, global_head = global_net.backbone, global_net.uv_head
         personal_backbone = None
         if chosen in ("personal", "both"):
             loaded = agent.state.load_weights("personal")
@@ -229,18 +229,18 @@ class TorchRuntime:
             personal = FaceNet(personal_config(config))
             personal.load_state_dict(loaded[0])
             personal_backbone = personal.backbone
-        head = global_net.uv_head if uses_feduv(method) and chosen != "xi" else None
+        head = global_head if uses_feduv(method) and chosen != "xi" else None
         if not persist:         # the same (net, model id) the file below would load as, without the file
-            net_id = (dual_verifier_in_memory(personal_backbone, global_net.backbone, head, config) if chosen == "both"
-                      else verifier_in_memory(personal_backbone if chosen == "personal" else global_net.backbone,
+            net_id = (dual_verifier_in_memory(personal_backbone, main_backbone, head, config) if chosen == "both"
+                      else verifier_in_memory(personal_backbone if chosen == "personal" else main_backbone,
                                               config, head))
             return TorchBackend(*net_id, device=self.device)
         path = agent.state.file("verifier.safetensors")    # what `fedfs verify --model` takes
         vmeta = {"global_version": int(version), "method": method, "verify": candidate if candidate == "norm-adapt" else chosen}
         if chosen == "both":
-            save_dual_verifier(path, personal_backbone, global_net.backbone, head, config, meta=vmeta)
+            save_dual_verifier(path, personal_backbone, main_backbone, head, config, meta=vmeta)
         else:
-            backbone = personal_backbone if chosen == "personal" else global_net.backbone
+            backbone = personal_backbone if chosen == "personal" else main_backbone
             save_verifier(path, backbone, config, head, meta=vmeta)
         path.chmod(0o600)
         verifier, model_id = load_verifier(path)

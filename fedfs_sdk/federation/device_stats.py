@@ -167,12 +167,15 @@ def published(agent: Any) -> list[dict]:
         if e.status in (404, 405):
             return []
         raise
-    out = []
+    out, parsed = [], p.__dict__.setdefault("_published_parsed", {})
     for rid in ids:
         path = p.dir / f"stats-r{int(rid):06d}.json"
         if not path.is_file():
             p.fetch_published(path, int(rid))
-        out.append(json.loads(path.read_text()))
+        key = (str(path), path.stat().st_mtime_ns)
+        if key not in parsed:       # a published sum never changes: parsed once (ξ's features: a d×d matrix)
+            parsed[key] = json.loads(path.read_text())
+        out.append(parsed[key])
     return out
 
 
@@ -294,10 +297,11 @@ def _require_xi_trunk(net, xi_backbone, name: str) -> None:
     ref = {k: v for k, v in xi_backbone.state_dict().items() if not is_top_key(k)}
     for bb in [net.backbone] + ([net.global_backbone] if hasattr(net, "global_backbone") else []):
         mine = bb.state_dict()
-        # exact when the rounds' tasks name scope=top (server_agg/frozen_trunk.py); within the secure
-        # sum's fixed-point rounding when they name none (the trunk is then averaged as received)
+        # exact when the rounds' tasks name scope=top (server_agg/frozen_trunk.py: torch.equal, cheap);
+        # within the secure sum's fixed-point rounding when they name none (the trunk is then averaged as received)
         if any(k not in mine or mine[k].shape != v.shape
-               or not torch.allclose(mine[k].double(), v.double(), rtol=1e-5, atol=1e-6) for k, v in ref.items()):
+               or not (torch.equal(mine[k], v) or torch.allclose(mine[k].double(), v.double(), rtol=1e-5, atol=1e-6))
+               for k, v in ref.items()):
             raise StatsUnavailable(f"candidate {name!r} does not run on ξ's trunk (trained with scope='all', or a "
                                    "global model not started from ξ): impostors drawn in ξ's feature space do not "
                                    "apply to it")

@@ -211,11 +211,13 @@ def save_verifier(path: str | os.PathLike[str], backbone: torch.nn.Module, confi
 def verifier_in_memory(backbone: torch.nn.Module, config: ModelConfig, uv_head: torch.nn.Module | None = None):
     """``(VerifierNet, model_id)``: what :func:`load_verifier` returns for the file
     :func:`save_verifier` would write, without writing it (the do-no-harm check builds every
-    candidate; only the chosen one is saved)."""
+    candidate; only the chosen one is saved). The net holds ``backbone`` and ``uv_head`` themselves."""
     from .model import VerifierNet
 
-    model, _, mid = _verifier_face_net(backbone, config, uv_head)
-    return VerifierNet(model.backbone, model.uv_head).eval(), mid
+    # the modules themselves, not copies: the file's FaceNet would hold the same tensors under the
+    # same names (backbone.*, uv_head.*), so the id is the one the file records
+    net = VerifierNet(backbone, uv_head).eval()
+    return net, model_id_of(net.state_dict(), config.resolved().backbone)
 
 
 def load_verifier(path: str | os.PathLike[str]):

@@ -44,15 +44,13 @@ def build_dual_verifier(config: ModelConfig) -> DualVerifierNet:
 
 def dual_verifier_in_memory(personal_backbone: torch.nn.Module, global_backbone: torch.nn.Module,
                             uv_head: torch.nn.Module, config: ModelConfig) -> tuple[DualVerifierNet, str]:
-    """``(DualVerifierNet, model_id)`` of θ_c's backbone, w's backbone and ``W``: what
-    :func:`load_dual_verifier` returns for the file :func:`save_dual_verifier` writes."""
+    """``(DualVerifierNet, model_id)`` of θ_c's backbone, w's backbone and ``W`` (the modules
+    themselves): what :func:`load_dual_verifier` returns for the file :func:`save_dual_verifier`
+    writes."""
     from .checkpoint import model_id_of
 
-    net = build_dual_verifier(config)
-    net.backbone.load_state_dict(personal_backbone.state_dict())
-    net.global_backbone.load_state_dict(global_backbone.state_dict())
-    net.uv_head.load_state_dict(uv_head.state_dict())
-    return net.eval(), model_id_of(net.state_dict(), config.backbone)
+    net = DualVerifierNet(personal_backbone, global_backbone, uv_head).eval()   # the modules themselves
+    return net, model_id_of(net.state_dict(), config.backbone)
 
 
 def save_dual_verifier(path: str | os.PathLike[str], personal_backbone: torch.nn.Module,
