@@ -84,6 +84,8 @@ def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float)
                 done["n"] += 1
                 log(f"client {dev.client} enrolled ({fields.get('model_choice')}); {done['n']}/{len(devices)}",
                     args.quiet)
+            elif name == "device_failed":
+                log(f"client {dev.client} FAILED: {fields['error']}\n{fields['where']}", False)
 
         t0, fleet_cpu0, server_cpu0 = time.perf_counter(), process_cpu_seconds(), server.cpu_seconds()
         run_fleet(devices, url, operator, args.outliers, on_event)

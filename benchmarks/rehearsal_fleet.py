@@ -345,7 +345,11 @@ def run_device(dev: Device, url: str, operator: Operator, outliers: str = "mad",
         with DeviceState(dev.state_dir) as state, ServerClient(url, timeout=600.0, transport=transport) as client:
             dev.report = gated_agent()(client, state, dev.photos, config, on_event=event, batches=batches).run()
     except Exception as e:      # noqa: BLE001 — reported per device, the rehearsal goes on
+        import traceback
+
         dev.error = f"{type(e).__name__}: {e}"
+        if on_event is not None:    # said now: the others may wait for this device until a phase deadline
+            on_event(dev, "device_failed", {"error": dev.error, "where": traceback.format_exc(limit=-4)})
     finally:
         dev.seconds, dev.cpu_seconds = time.perf_counter() - t0, time.thread_time() - c0
         dev.sent, dev.received = transport.sent, transport.received

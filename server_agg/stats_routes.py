@@ -313,13 +313,16 @@ class StatsDesk:
         if not path.is_file():
             raise NotFound(f"statistics round {round_id} published nothing", code="no_stats")
         key = (int(round_id), path.stat().st_mtime_ns, tuple(done))
-        cache = self.__dict__.setdefault("_published_cache", {})
-        if key not in cache:
+        # requests run on many threads: the cache is replaced whole, never changed in place
+        cached = getattr(self, "_published_cache", {}).get(key)
+        if cached is None:
             load_published(path)                            # validates
             body = {**json.loads(path.read_text()), "round_id": round_id, "published_rounds": done}
-            cache.clear()                                   # one entry per round is all a fleet asks for
-            cache[key] = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
-        return cache[key]
+            cached = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+            self._published_cache = {**getattr(self, "_published_cache", {}), key: cached}
+            if len(self._published_cache) > 8:             # a few rounds' bodies are all a fleet asks for
+                self._published_cache = {key: cached}
+        return cached
 
 
 def install_stats_routes(app: FastAPI, coord: Any, device: Callable[..., str], admin: Callable[..., str],
