@@ -177,3 +177,39 @@ def test_in_memory_verifiers_are_what_the_saved_files_load_as(tmp_path):
     mem, mem_id = dual_verifier_in_memory(a.backbone, b.backbone, b.uv_head, cfg)
     assert mid == lid == mem_id
     assert all(torch.equal(mem.state_dict()[k], loaded.state_dict()[k]) for k in mem.state_dict())
+
+
+def test_a_kept_trainer_and_xi_give_a_fresh_trainers_updates(tmp_path):
+    """A device keeps ξ and its LocalTrainer between rounds (fedfs_sdk/federation/device_models.py):
+    a later round's update from the kept trainer is a fresh trainer's (nothing of the earlier round's
+    weights leaks), and a changed ξ file is loaded again."""
+    import os
+
+    from fedfs_sdk.federation.device_models import device_trainer, device_xi
+    from fedfs_sdk.nn.checkpoint import save_checkpoint
+    from fedfs_sdk.runtime.codes import make_codeword
+    from fedfs_sdk.training.trainer import LocalTrainer, TrainConfig, initial_global_weights
+
+    xi = _xi("tiny", seed=2)
+    save_checkpoint(tmp_path / "xi.safetensors", xi, ModelConfig("tiny"))
+    agent = SimpleNamespace()
+    kept_xi = device_xi(agent, tmp_path / "xi.safetensors")
+    assert device_xi(agent, tmp_path / "xi.safetensors") is kept_xi
+    cfg = ModelConfig("tiny", proj_dim=32, code_length=127)
+    tcfg = TrainConfig(method="fedfs+feduv", scope="top", batch_size=4, seed=0, lr=0.05)
+    x = _photos(xi, 8, seed=5)
+    v, _ = make_codeword(9, 127, rng=np.random.default_rng(0))
+    w1 = initial_global_weights(cfg, kept_xi)
+    r1 = device_trainer(agent, cfg, tcfg, kept_xi).train(w1, x, codeword=v, seed=1)
+    w2 = {k: t + 0.01 * torch.randn_like(t) if k.startswith(("backbone.embed", "uv_head")) else t for k, t in r1.weights.items()}
+    trainer = device_trainer(agent, cfg, tcfg, kept_xi)
+    assert trainer is device_trainer(agent, cfg, tcfg, kept_xi)          # kept
+    kept = trainer.train(w2, x, codeword=v, personal_weights=r1.personal_weights, seed=2)
+    fresh = LocalTrainer(cfg, tcfg, xi=kept_xi).train(w2, x, codeword=v, personal_weights=r1.personal_weights, seed=2)
+    for out in ("weights", "personal_weights"):
+        for k, t in getattr(fresh, out).items():
+            torch.testing.assert_close(getattr(kept, out)[k], t, rtol=1e-6, atol=1e-7)
+    assert device_trainer(agent, cfg, TrainConfig(method="fedfs+feduv", scope="top", batch_size=2), kept_xi) is not trainer
+    save_checkpoint(tmp_path / "xi.safetensors", _xi("tiny", seed=3), ModelConfig("tiny"))   # a new ξ file
+    os.utime(tmp_path / "xi.safetensors", ns=(1, 1))
+    assert device_xi(agent, tmp_path / "xi.safetensors") is not kept_xi

@@ -108,13 +108,13 @@ def public_trunk_backend(self, backend, impostors):  # self: the DeviceAgent
 
     if impostors is None or not isinstance(self.runtime, TorchRuntime) or not has_xi(self):
         return backend
-    from ..nn.checkpoint import load_checkpoint
     from ..runtime.impostor_outputs import impostor_batch
     from .device_features import has_xi_trunk
+    from .device_models import device_xi
     from .public_trunk import PUBLIC_TRUNK, PublicTrunkBackend
 
     xi_file = xi_path(self)
-    xi_net = load_checkpoint(xi_file)[0]
+    xi_net = device_xi(self, xi_file)
     if not has_xi_trunk(backend.verifier, xi_net.backbone):
         return backend
     xi_sha = sha256_hex(xi_file.read_bytes())

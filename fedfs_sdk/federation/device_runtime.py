@@ -159,10 +159,9 @@ class TorchRuntime:
         return weights, meta
 
     def train(self, task: Mapping[str, Any], model: bytes, agent: DeviceContext) -> LocalUpdate:
-        from ..nn.checkpoint import load_checkpoint
         from ..nn.model import ModelConfig
-        from ..training.trainer import LocalTrainer
         from .device_features import training_features
+        from .device_models import device_trainer, device_xi
         from .wire import check_finite, encode_update, encode_weights, train_config_from_json
 
         method = check_method(str(task["method"]))
@@ -171,13 +170,13 @@ class TorchRuntime:
         codeword = agent.state.codeword(int(config.code_length)) if uses_feduv(method) else None
         neg = (negative_codewords(task, int(config.code_length))
                if uses_feduv(method) and train_cfg.objective.lambda_neg > 0 else None)
-        xi = load_checkpoint(agent.xi_file(task.get("xi_sha256")))[0] if uses_fedfs(method) else None
+        xi = device_xi(agent, agent.xi_file(task.get("xi_sha256"))) if uses_fedfs(method) else None
         personal = None
         if uses_fedfs(method):
             loaded = agent.state.load_weights("personal")
             personal = loaded[0] if loaded is not None else None
         images = agent.images_array(int(config.input_size))
-        result = LocalTrainer(config, train_cfg, xi).train(
+        result = device_trainer(agent, config, train_cfg, xi).train(
             self._decode(model)[0], images, personal_weights=personal,
             codeword=codeword, neg_codewords=neg, seed=round_seed(train_cfg.seed, int(task["round_id"])),
             trunk_features=training_features(task, train_cfg, xi, images, agent))

@@ -105,7 +105,7 @@ def xi_moments(agent: Any, task) -> dict[str, np.ndarray]:
     if sha256_hex(Path(path).read_bytes()) != sha:
         raise StatsUnavailable(f"the round's ξ ({sha[:12]}…) is not this device's ξ ({path})")
     specs = {s.name: s for s in task.stats}
-    net = _load_xi(path)
+    net = _load_xi(path, agent)
     x = agent.all_images_array(int(net.backbone.input_size))[agent.holdout_split()[0]]
     e, f = _embed_xi(net, x, FEATURES in specs, agent=agent, xi_sha=sha)
     out: dict[str, np.ndarray] = {}
@@ -119,10 +119,12 @@ def xi_moments(agent: Any, task) -> dict[str, np.ndarray]:
     return out
 
 
-def _load_xi(path: Path):
+def _load_xi(path: Path, agent: Any = None):
+    """ξ, read-only: the agent's kept copy (:mod:`.device_models`) when there is an agent."""
     from ..nn.checkpoint import load_checkpoint
+    from .device_models import device_xi
 
-    return load_checkpoint(path)[0].eval()
+    return (device_xi(agent, path) if agent is not None and hasattr(agent, "__dict__") else load_checkpoint(path)[0]).eval()
 
 
 def _embed_xi(net, x: np.ndarray, features: bool, batch: int | None = None, agent: Any = None,
@@ -225,7 +227,7 @@ def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: st
     names = candidate_names(trained, has_norm)
     seed = int(xi_pub["task"].get("extra", {}).get("draw_seed", 0))
     drawn = in_domain_draws(np.asarray(xi_pub["sums"][FEATURES]), None if own is None else own.get(FEATURES), seed)
-    xi_net = _load_xi(xi_path(agent))
+    xi_net = _load_xi(xi_path(agent), agent)
     try:
         checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold, score,
                                   xi_sha=xi_sha) for name in names]
