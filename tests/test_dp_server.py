@@ -100,16 +100,23 @@ def test_dp_rounds_publish_epsilon_and_the_budget_stops_the_federation(tmp_path)
         srv.stop()
 
 
-def test_dp_settings_are_checked_at_start(tmp_path):
-    """DP without a clip norm (or without δ) is refused with a message naming the flag."""
-    import subprocess
-    import sys
+def test_dp_settings_are_checked_at_start(tmp_path, capsys):
+    """DP without a clip norm (or without δ) is refused with a message naming the flag.
 
-    from conftest_server import ROOT, subprocess_env
+    ``fedfs serve`` runs in this process (the CLI's own ``main``): two subprocesses spent ~10 s
+    each importing what this test module already imported. The port given is held by this test,
+    so a server that did not refuse fails at its bind with another message instead of serving."""
+    import socket
 
-    for extra, needle in ((("--dp-noise-multiplier", "1.0", "--dp-delta", "1e-5"), "max_update_norm"),
-                          (("--dp-noise-multiplier", "1.0", "--max-update-norm", "1"), "dp_delta")):
-        r = subprocess.run([sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--state", str(tmp_path / "s"),
-                            "--port", "0", "--init-backbone", "tiny", "--code-length", "127", *extra],
-                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
-        assert r.returncode != 0 and needle in (r.stdout + r.stderr), r.stderr[-2000:]
+    from fedfs_sdk.cli.main import main as fedfs
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = str(held.getsockname()[1])
+        for extra, needle in ((("--dp-noise-multiplier", "1.0", "--dp-delta", "1e-5"), "max_update_norm"),
+                              (("--dp-noise-multiplier", "1.0", "--max-update-norm", "1"), "dp_delta")):
+            code = fedfs(["serve", "--state", str(tmp_path / "s"), "--host", "127.0.0.1", "--port", port,
+                          "--init-backbone", "tiny", "--code-length", "127", *extra])
+            out = capsys.readouterr()
+            assert code != 0 and needle in (out.out + out.err), out.err[-2000:]
