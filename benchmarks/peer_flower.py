@@ -44,8 +44,9 @@ PAGE = resource.getpagesize()
 
 # ---- process-tree peak RSS ---------------------------------------------------------------
 
-def _tree(root: int) -> tuple[int, set[int]]:
-    """Resident bytes summed over ``root`` and its descendants, and their session ids (from /proc).
+def _tree(root: int) -> tuple[int, set[int], set[int]]:
+    """Resident bytes summed over ``root`` and its descendants, their session ids and their
+    process ids (from /proc).
 
     Sessions matter on a shared Linux machine: with ``kernel.sched_autogroup_enabled=1`` the
     scheduler shares the CPU fairly between *sessions* (autogroups), not processes, so a
@@ -74,7 +75,25 @@ def _tree(root: int) -> tuple[int, set[int]]:
                 total += int(f.read().split()[1]) * PAGE
         except OSError:
             pass
-    return total, {sid[p] for p in tree if p in sid}
+    return total, {sid[p] for p in tree if p in sid}, tree
+
+
+def _sched(pids: set[int], seen: dict[tuple[int, int], tuple[int, int]]) -> None:
+    """Record each thread's ``/proc/PID/task/TID/schedstat`` of ``pids`` in ``seen``:
+    ``(pid, tid) → (ns on a CPU, ns runnable but waiting for one)``. Sampled, so a thread that
+    ends between two samples loses at most one interval's growth."""
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for t in tids:
+            try:
+                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                    run, wait, _ = f.read().split()
+            except (OSError, ValueError):
+                continue
+            seen[(pid, int(t))] = (int(run), int(wait))
 
 
 def run_measured(cmd: list[str], env: dict[str, str], stats: dict | None = None) -> tuple[float, int]:
@@ -82,19 +101,23 @@ def run_measured(cmd: list[str], env: dict[str, str], stats: dict | None = None)
     ``sessions``: how many session ids the tree used (see :func:`_tree`), and ``cpu_s``: the CPU
     seconds (user + system) of the whole tree — every descendant that its parent waited for,
     as ``getrusage(RUSAGE_CHILDREN)`` counts them; on a shared machine this, not wall time, is
-    the cost of the work (run one command at a time: the count is this process's children's)."""
+    the cost of the work (run one command at a time: the count is this process's children's);
+    and ``ready_wait_s``: the seconds the tree's threads were runnable but waiting for a CPU
+    (``schedstat``, summed over threads) — the wall time other people's load took from it."""
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peak = [0]
     sessions: set[int] = set()
+    sched: dict[tuple[int, int], tuple[int, int]] = {}
     done = threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            rss, sids = _tree(proc.pid)
+            rss, sids, pids = _tree(proc.pid)
             peak[0] = max(peak[0], rss)
             sessions.update(sids)
+            _sched(pids, sched)
             done.wait(0.2)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -109,6 +132,7 @@ def run_measured(cmd: list[str], env: dict[str, str], stats: dict | None = None)
     if stats is not None:
         stats["sessions"] = len(sessions)
         stats["cpu_s"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+        stats["ready_wait_s"] = sum(w for _, w in sched.values()) / 1e9
     return wall, peak[0]
 
 

@@ -29,9 +29,12 @@ load a torchrun launch gets up to P× the CPU share of P workers that stay in on
 
 ``warm`` leaves round 1 out (Ray actors start, processes import and allocate during it).
 Wall time is the whole process tree's life (start-up, data; fedfs also evaluates 2 clients against 20 impostor
-images, kept small because the others do not evaluate).
+images and no new users, kept small because the others do not evaluate).
+``waiting for a CPU s``: seconds the tree's threads were runnable but not running
+(``/proc/…/schedstat``, summed over threads) — the share of the wall time that other people's
+load took; a thread's wall time is its CPU + this + time it slept (blocked).
 ``CPU s / update``: user + system CPU seconds of the whole process tree (start-up, data, rounds;
-fedfs's evaluation too) per client update — what the run cost a shared machine, less sensitive
+fedfs's small evaluation too) per client update — what the run cost a shared machine, less sensitive
 to other users' load than the rates. fedfs runs its method with ``select=off``: the default's
 do-no-harm check trains on fewer photos and runs ξ's trunk on every client before round 1 (a
 statistics round outside the timed rounds), which is not the work the other engines do.
@@ -79,20 +82,29 @@ def _torchrun(python: str, n: int) -> list[str]:
     return [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
 
 
-def run_fedfs(a: argparse.Namespace, env: dict[str, str], out: Path, workers: int, threads: int,
-              torchrun: bool = False) -> dict:
+def fedfs_command(a: argparse.Namespace, out: Path, workers: int, threads: int, torchrun: bool = False) -> list[str]:
+    """The ``fedfs simulate`` command of a fedfs variant: the other engines' work (their
+    clients, images, local step and rounds) plus the smallest evaluation the CLI runs."""
     launch = _torchrun(a.fedfs_python, workers) + ["-m"] if torchrun else [a.fedfs_python, "-m"]
     # select=off: the do-no-harm check (the default's select=auto) holds back part of each client's
     # photos and runs a statistics round (ξ's trunk on every client) before round 1 — work the
-    # LocalTrainer of the other engines does not do; off, all engines train the same images
-    cmd = [*launch, "fedfs_sdk.cli.main", "simulate", "--method", f"{a.method}:select=off", "--clients", str(a.clients),
-           "--participation", str(a.participation), "--rounds", str(a.rounds), "--train-per-client", str(a.images),
-           "--local-epochs", "1", "--batch-size", str(a.batch_size), "--eval-clients", "2", "--impostor-pool", "20",
-           "--quiet",
-           "--threads", str(threads), *(["--distributed"] if torchrun else ["--workers", str(workers)]),
-           "--backbone", a.backbone,
-           "--image-size", str(a.image_size), "--pretrained", a.xi_file, "--checkpoint-every", str(a.rounds),
-           "--out", str(out)]
+    # LocalTrainer of the other engines does not do; off, all engines train the same images.
+    # --new-users 0: the synth default (20 new users) makes the final evaluation embed their
+    # warm-up and test images and score them against every other new user's — two thirds of
+    # a 1-round MobileFaceNet run's CPU (45 s of it; 16 s without; issue 32). pfl and Flower
+    # evaluate nothing.
+    return [*launch, "fedfs_sdk.cli.main", "simulate", "--method", f"{a.method}:select=off",
+            "--clients", str(a.clients), "--participation", str(a.participation), "--rounds", str(a.rounds),
+            "--train-per-client", str(a.images), "--local-epochs", "1", "--batch-size", str(a.batch_size),
+            "--eval-clients", "2", "--impostor-pool", "20", "--new-users", "0", "--quiet",
+            "--threads", str(threads), *(["--distributed"] if torchrun else ["--workers", str(workers)]),
+            "--backbone", a.backbone, "--image-size", str(a.image_size), "--pretrained", a.xi_file,
+            "--checkpoint-every", str(a.rounds), "--out", str(out)]
+
+
+def run_fedfs(a: argparse.Namespace, env: dict[str, str], out: Path, workers: int, threads: int,
+              torchrun: bool = False) -> dict:
+    cmd = fedfs_command(a, out, workers, threads, torchrun)
     stats: dict = {}
     wall, rss = run_measured(cmd, env, stats)
     hist = json.loads((out / "results.json").read_text())["methods"][0]["history"]
@@ -222,6 +234,7 @@ def main() -> None:
                 res[name].append(r)
                 print(f"# repeat {rep + 1} {name}: {r['updates_per_s']:.2f} updates/s "
                       f"(warm {r['warm_updates_per_s']:.2f}), wall {r['wall_s']:.1f} s, CPU {r['cpu_s']:.1f} s, "
+                      f"waiting for a CPU {r['ready_wait_s']:.1f} s, load {os.getloadavg()[0]:.1f}, "
                       f"peak RSS {r['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
         ref = next((rs[0]["global"] for n, rs in res.items() if n.startswith("fedfs") and rs), None)
         for rs in res.values():
@@ -235,13 +248,13 @@ def main() -> None:
     for s in skipped:
         print(f"({s})")
     print("| engine (processes × threads) | client-updates/s | warm (rounds 2+) | wall s | CPU s / update | "
-          "peak RSS MB | sessions | ‖w − w_fedfs‖ / ‖w_fedfs − w_0‖ |")
-    print("|---|---|---|---|---|---|---|---|")
+          "waiting for a CPU s | peak RSS MB | sessions | ‖w − w_fedfs‖ / ‖w_fedfs − w_0‖ |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, rs in res.items():
         def col(k: str, fmt: str = ".2f") -> str:
             return spread([r[k] for r in rs], fmt)
         print(f"| {name} | {col('updates_per_s')} | {col('warm_updates_per_s')} | {col('wall_s', '.1f')} | "
-              f"{col('cpu_per_update', '.2f')} | {col('peak_rss_mb', '.0f')} | {max(r.get('sessions', 0) for r in rs)} | "
+              f"{col('cpu_per_update', '.2f')} | {col('ready_wait_s', '.1f')} | {col('peak_rss_mb', '.0f')} | {max(r.get('sessions', 0) for r in rs)} | "
               f"{median(r['diff'] for r in rs):.2g} |")
 
 
