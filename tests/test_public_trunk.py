@@ -1,6 +1,6 @@
 """ξ's trunk features of the public impostor set, shared in a process (fedfs_sdk/federation/public_trunk.py):
-a verifier on ξ's trunk scores the public set from them bit for bit as its full forward does; the
-owner's photos never come from (or go into) the store."""
+a verifier on ξ's trunk gets its outputs on the public set from them bit for bit as its full forward
+gives them; the features are computed once per (ξ, set)."""
 from __future__ import annotations
 
 import copy
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from fedfs_sdk.federation.public_trunk import PublicTrunk, PublicTrunkBackend
+from fedfs_sdk.federation.public_trunk import PublicTrunk, outputs_on_trunk
 from fedfs_sdk.nn.model import DualVerifierNet, FaceNet, FedUVHead, ModelConfig, VerifierNet
-from fedfs_sdk.runtime.impostor_outputs import CHUNK, impostor_outputs
+from fedfs_sdk.runtime.impostor_outputs import CHUNK, PublicOutputs, impostor_outputs
 from fedfs_sdk.runtime.inference import TorchBackend
 
 
@@ -20,7 +20,7 @@ def _batch(size: int, n: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("backbone", ["tiny", "mobilefacenet-affine"])
-def test_public_set_scores_from_shared_trunk_features_are_the_full_forwards(backbone):
+def test_public_set_outputs_from_shared_trunk_features_are_the_full_forwards(backbone):
     torch.manual_seed(0)
     xi = FaceNet(ModelConfig(backbone)).eval()
     size = int(xi.backbone.input_size)
@@ -30,21 +30,21 @@ def test_public_set_scores_from_shared_trunk_features_are_the_full_forwards(back
         personal.embed.weight.add_(0.05 * torch.randn_like(personal.embed.weight))
     head = FedUVHead(int(xi.backbone.embedding_dim), 127)
     store = PublicTrunk()
-    store.fill("x", xi, "set", lambda: public, CHUNK)
-    store.fill("x", xi, "set", lambda: 1 / 0, CHUNK)     # a second device: nothing computed (nor the batch made)
-    assert store.fills == 1
+    feats = store.features("x", xi, "set", lambda: public, CHUNK)
+    assert store.features("x", xi, "set", lambda: 1 / 0, CHUNK) is feats      # a second device: nothing computed
+    assert store.fills == 1 and len(feats) == -(-public.shape[0] // CHUNK)
     for net in (VerifierNet(personal, head).eval(), DualVerifierNet(personal, glob, head).eval()):
         plain = TorchBackend(net, "m")
-        fast = PublicTrunkBackend(plain, "x", store)
-        want, got = impostor_outputs(plain, public), impostor_outputs(fast, public)
-        assert fast.public_hits == len(got) and len(got) == -(-public.shape[0] // CHUNK)
+        want, got = impostor_outputs(plain, public), outputs_on_trunk(plain, feats)
+        assert len(want) == len(got)
         for a, b in zip(want, got):
             assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
-        owner = _batch(size, 3, seed=2)                   # not public: the full forward, no store entry
-        hits = fast.public_hits
-        assert all(np.array_equal(fast.run(owner)[k], plain.run(owner)[k]) for k in plain.outputs)
-        assert fast.public_hits == hits
-    # another ξ's features never serve this one
-    other = PublicTrunkBackend(TorchBackend(VerifierNet(personal, head).eval(), "m"), "another-xi", store)
-    impostor_outputs(other, public)
-    assert other.public_hits == 0
+            assert not any(v.flags.writeable for v in b.values())           # shared: read-only
+        # the process's cache of a public model's outputs takes them as its way to compute an entry
+        cache = PublicOutputs()
+        cached = cache.get(plain, public, compute=lambda: outputs_on_trunk(plain, feats))
+        assert cache.get(plain, public, compute=lambda: 1 / 0) is cached and cache.misses == 1
+    # another ξ (or another set) is another entry, computed again
+    store.features("another-xi", xi, "set", lambda: public, CHUNK)
+    store.features("x", xi, "another-set", lambda: public, CHUNK)
+    assert store.fills == 3

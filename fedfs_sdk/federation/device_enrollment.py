@@ -67,8 +67,7 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
             chosen, selection = unchecked_choice(self)
         if fallback is not None:
             selection = {**selection, "fallback": fallback}
-    backend = public_trunk_backend(self, self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen),
-                                   impostors)
+    backend = self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen)
     mode, template_output = candidate_mode(method, score, model, chosen)
     codeword = device_codeword(self, info["config"].get("code_length")) if mode == "codeword" else None
     in_domain = None
@@ -79,7 +78,8 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
         xi = xi_verifier(xi_path(self)) if has_xi(self) else backend
         in_domain = evidence_for_backend(self.config.far_stats, backend, xi,
                                          impostors or (load_impostors(self.config.impostors) if self.config.impostors else None))
-    shared = shared_impostor_outputs(chosen, backend, impostors)
+    shared = shared_impostor_outputs(chosen, backend, impostors,
+                                     compute=trunk_impostor_outputs(self, backend, impostors))
     enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
                         detect_face=self.config.detect_face, outliers=self.config.outliers,
                         template_output=template_output, far=self.config.far, impostors=impostors, in_domain=in_domain,
@@ -100,39 +100,41 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     return enrollment
 
 
-def public_trunk_backend(self, backend, impostors):  # self: the DeviceAgent
-    """``backend`` scoring the public impostor set from ξ's trunk features of it, shared in the
-    process (:mod:`.public_trunk`), where the verifier runs on ξ's trunk (``scope="top"``) on the torch
-    runtime; else ``backend`` as it is. The owner's photos still run the full forward."""
+def trunk_impostor_outputs(self, backend, impostors):  # self: the DeviceAgent
+    """A function computing ``backend``'s outputs on the public impostor set from ξ's trunk features
+    of it, shared in the process (:mod:`.public_trunk`) — where the verifier runs on ξ's trunk
+    (``scope="top"``) on the torch runtime; else None (the full forward runs, in ``enroll``)."""
     from .device_runtime import TorchRuntime, xi_path
 
     if impostors is None or not isinstance(self.runtime, TorchRuntime) or not has_xi(self):
-        return backend
+        return None
     from ..runtime.impostor_outputs import impostor_batch
     from .device_features import has_xi_trunk
     from .device_models import device_xi
-    from .public_trunk import PUBLIC_TRUNK, PublicTrunkBackend
+    from .public_trunk import PUBLIC_TRUNK, outputs_on_trunk
 
     xi_file = xi_path(self)
     xi_net = device_xi(self, xi_file)
     if not has_xi_trunk(backend.verifier, xi_net.backbone):
-        return backend
-    xi_sha = sha256_hex(xi_file.read_bytes())
-    PUBLIC_TRUNK.fill(xi_sha, xi_net, f"{impostors.digest()}@{backend.input_size}",
-                      lambda: impostor_batch(backend, impostors))
-    return PublicTrunkBackend(backend, xi_sha)
-
-
-def shared_impostor_outputs(candidate: str, backend, impostors, cache=None):
-    """The outputs of a *public* candidate's model on the public impostor set, from the process's
-    cache (:data:`~fedfs_sdk.runtime.impostor_outputs.PUBLIC_OUTPUTS`: computed once for every device
-    of the process); None — computed by the device itself — for its own model (``personalized``: θ_c
-    never enters a cache another device reads) or without impostors."""
-    if impostors is None or candidate not in PUBLIC_CANDIDATES:
         return None
+    xi_sha = sha256_hex(xi_file.read_bytes())
+    return lambda: outputs_on_trunk(backend, PUBLIC_TRUNK.features(
+        xi_sha, xi_net, f"{impostors.digest()}@{backend.input_size}", lambda: impostor_batch(backend, impostors)))
+
+
+def shared_impostor_outputs(candidate: str, backend, impostors, cache=None, compute=None):
+    """``backend``'s outputs on the public impostor set when they need not come from its full
+    forward: a *public* candidate's from the process's cache
+    (:data:`~fedfs_sdk.runtime.impostor_outputs.PUBLIC_OUTPUTS`: computed once — by ``compute`` when given — for every device of the process); the device's own
+    model's (``personalized``: θ_c never enters a cache another device reads) by ``compute``; else
+    None (``enroll`` runs the full forward), and None without impostors."""
+    if impostors is None:
+        return None
+    if candidate not in PUBLIC_CANDIDATES:
+        return compute() if compute is not None else None
     from ..runtime.impostor_outputs import PUBLIC_OUTPUTS
 
-    return (PUBLIC_OUTPUTS if cache is None else cache).get(backend, impostors)
+    return (PUBLIC_OUTPUTS if cache is None else cache).get(backend, impostors, compute=compute)
 
 
 def choose_model(self, method: str, model: bytes, version: int, score: str, verify: str,  # self: the DeviceAgent
@@ -240,5 +242,5 @@ def candidate_mode(method: str, score: str, verify: str, candidate: str) -> tupl
     return "template", ("uv" if verify != "both" else "embedding")
 
 
-__all__ = ["enroll_device", "PUBLIC_CANDIDATES", "shared_impostor_outputs", "choose_model", "candidate_mode", "has_xi",
+__all__ = ["enroll_device", "PUBLIC_CANDIDATES", "shared_impostor_outputs", "trunk_impostor_outputs", "choose_model", "candidate_mode", "has_xi",
            "public_impostors", "fetch_xi", "unchecked_choice"]

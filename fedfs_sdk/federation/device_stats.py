@@ -268,7 +268,9 @@ def in_domain_check(agent: Any, name: str, method: str, model: bytes, version: i
 
     backend = agent.runtime.verifier(method, model, agent, version, verify, candidate=name, persist=False)
     net = backend.verifier
-    _require_xi_trunk(net, xi_net.backbone, name)
+    exact = has_xi_trunk(net, xi_net.backbone)             # ξ's trunk bit for bit (tasks naming scope=top)
+    if not exact:
+        _require_xi_trunk(net, xi_net.backbone, name)      # else within the secure sum's rounding, or refused
     if name == "global" and score == "head-template" and uses_feduv(method) and isinstance(net, VerifierNet) \
             and net.uv_head is not None and not net.project:
         net = VerifierNet(net.backbone, net.uv_head, project=True).eval()     # the simulator's global spec
@@ -276,7 +278,8 @@ def in_domain_check(agent: Any, name: str, method: str, model: bytes, version: i
 
         backend = TorchBackend(net, backend.model_id, device=getattr(backend, "device", "cpu"))
     x = agent.all_images_array(backend.input_size)
-    if xi_sha is not None and getattr(backend, "device", "cpu") == "cpu" and has_xi_trunk(net, xi_net.backbone):
+    # (the head-template wrap above keeps the trunk: `exact` still holds)
+    if xi_sha is not None and getattr(backend, "device", "cpu") == "cpu" and exact:
         chunk = int(getattr(backend, "batch_size", 256))      # backend.run's chunks: the same computation
         tr, ho = (embeddings_on_xi_trunk(agent, net, xi_sha, xi_net, np.ascontiguousarray(x[i]), chunk)
                   for i in (train, hold))

@@ -186,9 +186,10 @@ def model_id_of(state: dict[str, torch.Tensor], architecture: str | None = None)
     return h.hexdigest()[:16]
 
 
-def _verifier_face_net(backbone: torch.nn.Module, config: ModelConfig,
-                       uv_head: torch.nn.Module | None = None) -> tuple[FaceNet, ModelConfig, str]:
-    """The FaceNet (no projection) a verifier file holds, its config and its model id."""
+def save_verifier(path: str | os.PathLike[str], backbone: torch.nn.Module, config: ModelConfig,
+                  uv_head: torch.nn.Module | None = None, meta: dict[str, Any] | None = None) -> str:
+    """Save what verifies on the device — the (personalized) backbone and, for FedUV, the
+    global head ``W`` — as a FaceNet checkpoint without projection. Returns its model id."""
     from dataclasses import replace
 
     vcfg = replace(config.resolved(), proj_dim=None, code_length=config.code_length if uv_head is not None else None)
@@ -196,14 +197,7 @@ def _verifier_face_net(backbone: torch.nn.Module, config: ModelConfig,
     model.backbone.load_state_dict(backbone.state_dict())
     if uv_head is not None:
         model.uv_head.load_state_dict(uv_head.state_dict())
-    return model, vcfg, model_id_of(model.state_dict(), vcfg.backbone)
-
-
-def save_verifier(path: str | os.PathLike[str], backbone: torch.nn.Module, config: ModelConfig,
-                  uv_head: torch.nn.Module | None = None, meta: dict[str, Any] | None = None) -> str:
-    """Save what verifies on the device — the (personalized) backbone and, for FedUV, the
-    global head ``W`` — as a FaceNet checkpoint without projection. Returns its model id."""
-    model, vcfg, mid = _verifier_face_net(backbone, config, uv_head)
+    mid = model_id_of(model.state_dict(), vcfg.backbone)
     save_checkpoint(path, model, vcfg, {**(meta or {}), "role": "verifier", "model_id": mid})
     return mid
 

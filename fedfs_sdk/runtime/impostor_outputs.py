@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -76,7 +76,10 @@ class PublicOutputs:
         return (str(backend.model_id), type(getattr(backend, "verifier", backend)).__name__,
                 tuple(getattr(backend, "outputs", ())), int(backend.input_size), _set_key(impostors), int(chunk))
 
-    def get(self, backend: InferenceBackend, impostors: Any, chunk: int = CHUNK) -> tuple[dict[str, np.ndarray], ...]:
+    def get(self, backend: InferenceBackend, impostors: Any, chunk: int = CHUNK,
+            compute: Callable[[], tuple[dict[str, np.ndarray], ...]] | None = None) -> tuple[dict[str, np.ndarray], ...]:
+        """The entry, computed on a miss by ``compute`` (the same outputs by another route, e.g. from
+        shared trunk features: :mod:`fedfs_sdk.federation.public_trunk`) or :func:`impostor_outputs`."""
         k = self.key(backend, impostors, chunk)
         with self._lock:
             if k in self._entries:
@@ -89,7 +92,7 @@ class PublicOutputs:
                 if k in self._entries:
                     self.hits += 1
                     return self._entries[k]
-            out = impostor_outputs(backend, impostors, chunk)
+            out = compute() if compute is not None else impostor_outputs(backend, impostors, chunk)
             with self._lock:
                 self.misses += 1
                 self._entries[k] = out
