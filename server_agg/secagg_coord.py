@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.federation.secagg import DevicePolicy, RefusedError, RoundFailedError, SecAggResult
 from fedfs_sdk.federation.secagg.dp_input import DP_INPUT
-from fedfs_sdk.federation.secagg.http_device import params_from_task, task_context
+from fedfs_sdk.federation.secagg.http_device import params_from_task, secure_tensors, task_context
 from fedfs_sdk.federation.secagg.params import PROTOCOL_V2
 from fedfs_sdk.federation.secagg.revocation import SERVER_FILENAME, RevocationList
 
 from .errors import Conflict, Forbidden, Gone, NotFound
 from .frozen_trunk import keep_frozen_trunk
-from .secagg_rounds import SecAggRound, ca_of, task_fields, unflatten
+from .secagg_rounds import SecAggRound, ca_of, expand_top, secure_layout, task_fields, unflatten
 
 if TYPE_CHECKING:
     from .rounds import OpenRound
@@ -53,7 +53,8 @@ class SecAggCoordinator:
         if len(selected) < policy.secagg_min_devices:
             raise Conflict(f"a secure-aggregation round needs at least secagg_min_devices = "
                            f"{policy.secagg_min_devices} devices; {len(selected)} sampled", code="too_few_devices")
-        fields = task_fields(policy, {k: tuple(t.shape) for k, t in model.weights.items()}, len(selected))
+        tensors, masked = secure_layout(policy, model.weights)
+        fields = task_fields(policy, {k: tuple(t.shape) for k, t in masked.items()}, len(selected), tensors)
         fields = self._secagg_checked(policy, fields, round_id, len(selected))
         sr = SecAggRound(round_id, selected, fields, self._secagg_path(round_id), opened,
                          opened + policy.round_timeout_s, task_context({**task, "secagg": fields}), ca_of(policy))
@@ -170,11 +171,12 @@ class SecAggCoordinator:
             # of the previous input, where the mean is over Σ n' and the weights are n'/ŵ
             scale = float(result.total_samples) if r.secagg.fields.get("input") == DP_INPUT else \
                 float(result.total_samples) / float(r.task["dp"]["weight_cap"])  # type: ignore[union-attr]
-            r.acc.add_secure_sum(result.mean.astype("float64") * scale, len(result.survivors))
+            full = expand_top(result.mean.astype("float64"), model.weights, secure_tensors(r.secagg.fields))
+            r.acc.add_secure_sum(full * scale, len(result.survivors))
             distributed = r.secagg.min_inputs > 0  # type: ignore[union-attr]
             weights = r.acc.result(add_noise=not distributed)
         else:
-            weights = unflatten(result.mean, model.weights)
+            weights = unflatten(result.mean, model.weights, secure_tensors(r.secagg.fields))
         # scope=top: the trunk comes back as it went out, not with the fixed-point rounding (or DP noise)
         weights = keep_frozen_trunk(weights, model.weights, r.policy.train)
         dp = self._dp_statement(r.policy, r.task.get("dp"))  # type: ignore[attr-defined]  # as a plain round's

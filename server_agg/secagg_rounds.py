@@ -34,7 +34,7 @@ from fedfs_sdk.federation.secagg import (PROTOCOL_V2, CaPublicKey, RoundFailedEr
                                          to_json)
 from fedfs_sdk.federation.secagg import messages as M
 from fedfs_sdk.federation.secagg.dp_input import DP_INPUT
-from fedfs_sdk.federation.secagg.http_device import layout_digest, params_from_task, task_context
+from fedfs_sdk.federation.secagg.http_device import layout_digest, params_from_task, select_tensors, task_context
 
 from .errors import ApiError, Forbidden
 from .store import atomic_write
@@ -77,8 +77,19 @@ def ca_of(policy: Any) -> CaPublicKey | None:
     return CaPublicKey.from_json(raw) if raw else None
 
 
-def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int) -> dict[str, Any]:
-    """``task["secagg"]`` of a new round (without the per-device ``device`` index)."""
+def secure_layout(policy: Any, weights: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """``(tensors, the tensors of weights a round masks)``: under a ``train.scope = "top"``
+    policy only what that scope trains (``"top"``) — the trunk comes back as it went out
+    (:mod:`.frozen_trunk`), so it is neither masked nor sent; otherwise every tensor."""
+    if (getattr(policy, "train", None) or {}).get("scope") == "top":
+        return "top", select_tensors(weights, "top")
+    return "all", dict(weights)
+
+
+def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int,
+                tensors: str = "all") -> dict[str, Any]:
+    """``task["secagg"]`` of a new round (without the per-device ``device`` index); ``shapes``
+    are the masked tensors' (``tensors``: :func:`secure_layout`)."""
     dim = int(sum(int(np.prod(s)) for s in shapes.values()))
     fields = {"dim": dim, "threshold": policy.secagg_threshold, "neighbours": policy.secagg_neighbours,
               "clip": float(policy.secagg_clip), "scale_bits": int(policy.secagg_scale_bits),
@@ -86,6 +97,8 @@ def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int
               "min_devices": int(policy.secagg_min_devices), "layout_sha256": layout_digest(
                   {k: tuple(int(x) for x in s) for k, s in shapes.items()}),
               "phase_timeout_s": float(policy.secagg_phase_timeout_s)}
+    if tensors != "all":       # absent means all: rounds of devices that predate the field are unchanged
+        fields["tensors"] = tensors
     ca = ca_of(policy)
     if ca is not None:       # authenticated: t against the invited n, signed keys, consistency check
         fields.update(protocol=PROTOCOL_V2, participants=max(2, int(n_devices)), ca_key_id=ca.key_id)
@@ -106,23 +119,48 @@ def revoked_serials(fields: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(str(s) for s in doc.get("revoked", [])) if isinstance(doc, Mapping) else frozenset()
 
 
-def unflatten(mean: np.ndarray, reference: Mapping[str, Any]) -> dict[str, Any]:
+def unflatten(mean: np.ndarray, reference: Mapping[str, Any], tensors: str = "all") -> dict[str, Any]:
     """The averaged vector back into tensors of ``reference``'s layout and dtypes (sorted
-    names, C order — :func:`fedfs_sdk.federation.secagg.http_device.flatten_update`'s order)."""
+    names, C order — :func:`fedfs_sdk.federation.secagg.http_device.flatten_update`'s order).
+    ``tensors="top"``: the vector holds only the top's tensors; the others are ``reference``'s
+    own (copies) — what a round that trains the top averages them to."""
     import torch
 
     from .aggregate import _cast_back
 
     out, at = {}, 0
-    for k in sorted(reference):
-        ref = reference[k]
+    masked = select_tensors(reference, tensors)
+    if tensors != "all":
+        out = {k: v.detach().clone() for k, v in reference.items() if k not in masked}
+    for k in sorted(masked):
+        ref = masked[k]
         n = ref.numel()
         chunk = torch.from_numpy(np.ascontiguousarray(mean[at:at + n], dtype=np.float64)).reshape(ref.shape)
         out[k] = _cast_back(chunk, ref.dtype)
         at += n
     if at != mean.size:
-        raise InputError(f"the unmasked vector has {mean.size} values, the model {at}")
+        raise InputError(f"the unmasked vector has {mean.size} values, the model's masked tensors {at}")
     return out
+
+
+def expand_top(vec: np.ndarray, reference: Mapping[str, Any], tensors: str) -> np.ndarray:
+    """A ``tensors`` vector as one over every tensor of ``reference`` (sorted names, C order),
+    0 where it holds nothing: the unmasked sum of a DP round that masked the top only, in the
+    layout :meth:`server_agg.dp.DpFedAvg.add_secure_sum` reads (the trunk's ``Δ`` is 0)."""
+    if tensors == "all":
+        return vec
+    masked = select_tensors(reference, tensors)
+    parts, at = [], 0
+    for k in sorted(reference):
+        n = int(reference[k].numel())
+        if k in masked:
+            parts.append(np.asarray(vec[at:at + n], dtype=np.float64))
+            at += n
+        else:
+            parts.append(np.zeros(n))
+    if at != vec.size:
+        raise InputError(f"the unmasked vector has {vec.size} values, the model's masked tensors {at}")
+    return np.concatenate(parts) if parts else np.zeros(0)
 
 
 class SecAggRound:
@@ -325,4 +363,4 @@ class SecAggRound:
             p.unlink(missing_ok=True)
 
 
-__all__ = ["SecAggRound", "task_fields", "unflatten", "secagg_error", "STEP_OF", "ca_of", "task_context"]
+__all__ = ["SecAggRound", "task_fields", "secure_layout", "expand_top", "unflatten", "secagg_error", "STEP_OF", "ca_of", "task_context"]

@@ -111,6 +111,10 @@ def check_rounds(tmp_path: Path, srv, rounds: int, frozen_trunk: bool = False) -
         assert not any(e["path"].endswith("/update") for e in index)
         masked = [e for e in index if e["path"].endswith("/secagg/masked-input")]
         assert len(masked) == rounds
+        if frozen_trunk:   # only the top's tensors were masked and sent: 8-byte words, the weight word last
+            top = sum(a.size for k, a in read_safetensors((tmp_path / f"rec{d}" / "r1.safetensors").read_bytes())[0]
+                      .items() if is_top_key(k))
+            assert [len((tmp_path / f"audit{d}" / e["file"]).read_bytes()) for e in masked] == [8 * (top + 1)] * rounds
         sent = [(tmp_path / f"audit{d}" / e["file"]).read_bytes() for e in index if e["file"]]
         for rnd in range(1, rounds + 1):
             body = (tmp_path / f"rec{d}" / f"r{rnd}.safetensors").read_bytes()

@@ -279,14 +279,17 @@ def test_torch_device_agents_run_a_secure_dp_round(tmp_path):
     """Three real :class:`DeviceAgent` processes (torch runtime, real local training) in a
     secure DP round at σ = 0: the published change is ``Σ w_k·clip_C(w_c − w)/(q·N)`` of
     the updates their runtime produced, with ``w_k = min(n/ŵ, 1)``; no plain update left a
-    device (the audit copies of every request body are searched)."""
+    device (the audit copies of every request body are searched). The task trains
+    ``scope="top"``: only the top's clipped change is masked and sent, and the trunk is
+    published as it was (noise or rounding never reach it)."""
+    from fedfs_sdk.training.top_keys import is_top_key
     from test_secagg_devices import COUNTS, TRAIN, run_devices
 
     cap, clip = 6, 0.05                                   # n = 5, 7, 9 → w_k = 5/6, 1, 1
     srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--code-length", "127", "--method", "feduv",
                        "--rounds", "1", "--min-participants", "3", "--secure-aggregation",
-                       "--secagg-phase-timeout", "60", "--train", json.dumps(TRAIN), "--max-update-norm", str(clip),
-                       "--dp-noise-multiplier", "0", "--dp-delta", str(DELTA), "--dp-weight-cap", str(cap))
+                       "--secagg-phase-timeout", "60", "--train", json.dumps({**TRAIN, "scope": "top"}),
+                       "--max-update-norm", str(clip), "--dp-noise-multiplier", "0", "--dp-delta", str(DELTA), "--dp-weight-cap", str(cap))
     try:
         ref_bytes, ref, _ = _model(srv, 1)
         run_devices(tmp_path, srv.url, rounds=1)
@@ -312,9 +315,14 @@ def test_torch_device_agents_run_a_secure_dp_round(tmp_path):
         assert max(norms) <= clip * (1 + 1e-6)                # the runtime already clipped before encoding
         assert min(norms) >= clip * 0.999, norms               # … and clipping was active (updates ≫ C)
         assert json.loads(meta["meta"])["dp"]["epsilon"] == "inf"
+        trunk = [k for k in ref if not is_top_key(k)]
+        assert trunk and all(np.array_equal(pub[k], ref[k]) for k in trunk)
+        n_top = sum(np.asarray(ref[k]).size for k in ref if is_top_key(k))
         for d in range(3):                                    # no plain update in any request body
             index = [json.loads(x) for x in (tmp_path / f"audit{d}" / "index.jsonl").read_text().splitlines()]
             assert not any(e["path"].endswith("/update") for e in index)
+            masked = [e for e in index if e["path"].endswith("/secagg/masked-input")]
+            assert [len((tmp_path / f"audit{d}" / e["file"]).read_bytes()) for e in masked] == [8 * (n_top + 1)]
             sent = [(tmp_path / f"audit{d}" / e["file"]).read_bytes() for e in index if e["file"]]
             w32 = np.concatenate([np.asarray(v, np.float32).ravel() for _, v in
                                   sorted(read_safetensors((tmp_path / f"rec{d}" / "r1.safetensors").read_bytes())[0].items())])

@@ -20,7 +20,6 @@ what sits after it: the backbone's embedding layer (``embed``) and its normaliza
 from __future__ import annotations
 
 import copy
-import re
 from typing import Mapping
 
 import torch
@@ -28,13 +27,11 @@ from torch import nn
 
 from ..errors import InputError
 from ..nn.model import FaceOutputs
+from .top_keys import is_top_key, top_entries
 
 SCOPES: tuple[str, ...] = ("all", "top")
 """``all``: every parameter of ϕ trains (FedFS as printed); ``top``: the embedding layer, its
 normalization, the FedFS projection and the FedUV head train, the trunk stays ξ's."""
-
-_TOP = re.compile(r"(^|\.)(embed|embed_norm)\.|^(proj|uv_head)\.")
-
 
 def check_scope(scope: str) -> str:
     if scope not in SCOPES:
@@ -51,15 +48,9 @@ def check_splittable(backbone: nn.Module) -> None:
                          "scope='top' needs one (use scope='all')")
 
 
-def is_top_key(name: str) -> bool:
-    """True for the state-dict entries ``scope="top"`` trains (``backbone.embed.*``,
-    ``backbone.embed_norm.*``, ``global_backbone.embed*.*``, ``proj.*``, ``uv_head.*``)."""
-    return _TOP.search(name) is not None
-
-
 def top_state(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The entries of ``weights`` that a top-only model holds."""
-    return {k: v for k, v in weights.items() if is_top_key(k)}
+    return top_entries(weights)
 
 
 class Trunk(nn.Module):

@@ -72,11 +72,13 @@ def noise_request(noise: Any, dp: Any, max_devices: int) -> int | None:
 
 
 def dp_input(w: np.ndarray, n: int, reference: bytes, dp: Any, layout_sha256: str | None = None,
-             noise_min_inputs: int | None = None, kind: str = DP_INPUT) -> tuple[np.ndarray, int]:
+             noise_min_inputs: int | None = None, kind: str = DP_INPUT, tensors: str = "all") -> tuple[np.ndarray, int]:
     """``(vector, weight)`` for the encoder in a DP secure round: ``Δ = clip_C(w_c − w)`` over the
     floating tensors (0 on integer buffers, which DP-FedAvg does not average), then
     ``(w_k·Δ + z, 1)`` for ``dp_weighted_delta`` or ``(Δ + ŵ·z/n', n')`` for ``dp_clipped_delta``
-    — either way the unmasked sum carries ``Σ w_k Δ_k + Σ z`` in units of the estimator.
+    — either way the unmasked sum carries ``Σ w_k Δ_k + Σ z`` in units of the estimator. ``w`` and
+    the reference are the round's ``tensors`` (``"top"``: the trunk, whose ``Δ`` is 0, is not sent;
+    the clip norm is the same).
 
     The clip runs here in float64 on the flattened update (the body holds ``w + Δ`` rounded to
     float32, whose ``Δ`` may sit an ulp above ``C``): this is the device's own guarantee, the
@@ -88,7 +90,7 @@ def dp_input(w: np.ndarray, n: int, reference: bytes, dp: Any, layout_sha256: st
 
     if kind not in DP_INPUTS:
         raise InputError(f"unknown DP secure input {kind!r}")
-    flat_ref, floating = flatten_arrays(load(reference), layout_sha256, "the reference model")
+    flat_ref, floating = flatten_arrays(load(reference), layout_sha256, "the reference model", tensors)
     if flat_ref.size != w.size:
         raise InputError(f"the global model has {flat_ref.size} values, the update {w.size}")
     delta = np.where(floating, np.asarray(w, dtype=np.float64) - flat_ref, 0.0)

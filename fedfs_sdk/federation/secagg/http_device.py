@@ -21,7 +21,11 @@ refused (the transport is TLS's job: an on-path attacker sees and may alter plai
 The private keys, the self-mask seed and the shares others sent stay in the session's
 memory: nothing of them is written to disk or sent except as the protocol says (a device
 that restarts mid-round has dropped out of it). The update body is flattened here, in the
-same order the server unflattens the sum: tensors sorted by name, each in C order.
+same order the server unflattens the sum: tensors sorted by name, each in C order. A round
+whose model trains only its top (``scope="top"``) says ``task["secagg"]["tensors"] = "top"``:
+only the tensors that scope trains enter the vector (:func:`secure_tensors`) — the trunk comes
+back unchanged, so masking it would cost ~12× the bytes and PRG work of a MobileFaceNet's top
+and tell the sum nothing.
 """
 from __future__ import annotations
 
@@ -44,12 +48,32 @@ from .identity import DeviceIdentity
 from .params import PROTOCOL_V1, PROTOCOL_V2, SecAggParams
 from .policy import ABSOLUTE_MIN_ROSTER, DevicePolicy
 from .round_log import RoundLog
+from ...training.top_keys import top_entries
 
 TASK_FIELDS = ("dim", "threshold", "neighbours", "clip", "scale_bits", "max_devices", "max_samples",
                "min_devices", "layout_sha256")
 DEVICE_MIN_DEVICES = ABSOLUTE_MIN_ROSTER
 """A device refuses a secure round with fewer devices than this: with 2, the other device
 learns this one's update from the published sum (see :class:`DevicePolicy` for the setting)."""
+
+
+TENSOR_SETS = ("all", "top")
+"""What a secure weight round's vector holds (``task["secagg"]["tensors"]``, absent: ``all``):
+every tensor of the model, or only those ``scope="top"`` trains
+(:func:`fedfs_sdk.training.top_keys.is_top_key`)."""
+
+
+def secure_tensors(fields: Mapping[str, Any]) -> str:
+    """``task["secagg"]["tensors"]`` checked (absent: ``"all"``); :class:`InputError` otherwise."""
+    which = fields.get("tensors", "all")
+    if which not in TENSOR_SETS:
+        raise InputError(f"task['secagg']['tensors'] is {which!r}; this device knows {TENSOR_SETS}")
+    return str(which)
+
+
+def select_tensors(arrays: Mapping[str, Any], tensors: str) -> dict[str, Any]:
+    """The entries of ``arrays`` a round with ``tensors`` (:data:`TENSOR_SETS`) masks."""
+    return top_entries(arrays) if tensors == "top" else dict(arrays)
 
 
 def layout_digest(shapes: Mapping[str, tuple[int, ...]]) -> str:
@@ -66,6 +90,7 @@ def params_from_task(round_id: int, fields: Mapping[str, Any]) -> SecAggParams:
     missing = [k for k in TASK_FIELDS if k not in fields]
     if missing:
         raise InputError(f"task['secagg'] lacks {missing}")
+    secure_tensors(fields)
     protocol = fields.get("protocol", PROTOCOL_V1)
     if protocol not in (PROTOCOL_V1, PROTOCOL_V2):
         raise InputError(f"task['secagg'] asks for protocol {protocol!r}; this device speaks {PROTOCOL_V1} and "
@@ -112,22 +137,25 @@ def check_secure_transport(url: str) -> None:
                               "host other than loopback; use https:// (fedfs serve --tls-cert/--tls-key)")
 
 
-def flatten_update(body: bytes, layout_sha256: str | None = None) -> tuple[np.ndarray, int]:
-    """``(w as one float64 vector, |D_c|)`` of a ``fedfs-update/1`` body, tensors sorted by
-    name. With ``layout_sha256``, the body's layout must be the server's model layout."""
+def flatten_update(body: bytes, layout_sha256: str | None = None, tensors: str = "all") -> tuple[np.ndarray, int]:
+    """``(w as one float64 vector, |D_c|)`` of a ``fedfs-update/1`` body, the round's
+    ``tensors`` (:data:`TENSOR_SETS`) sorted by name. With ``layout_sha256``, their layout must
+    be the server's."""
     from safetensors.numpy import load
 
     from ..wire_format import parse_update_metadata, read_header
 
     meta = parse_update_metadata(read_header(body)[1])
-    vec, _ = flatten_arrays(load(body), layout_sha256, "the trained update")
+    vec, _ = flatten_arrays(load(body), layout_sha256, "the trained update", tensors)
     return vec, meta.num_samples
 
 
 def flatten_arrays(arrays: Mapping[str, np.ndarray], layout_sha256: str | None,
-                   what: str) -> tuple[np.ndarray, np.ndarray]:
-    """``(one float64 vector, which of its entries are floating)`` of ``arrays``, tensors sorted
-    by name — the secure layout both sides share; with ``layout_sha256`` it must be the round's."""
+                   what: str, tensors: str = "all") -> tuple[np.ndarray, np.ndarray]:
+    """``(one float64 vector, which of its entries are floating)`` of the round's ``tensors`` of
+    ``arrays``, sorted by name — the secure layout both sides share; with ``layout_sha256`` it
+    must be the round's."""
+    arrays = select_tensors(arrays, tensors)
     if layout_sha256 is not None and layout_digest({k: a.shape for k, a in arrays.items()}) != layout_sha256:
         raise InputError(f"{what}'s tensors differ from the round's model layout (layout_sha256)")
     keys = sorted(arrays)
@@ -165,6 +193,11 @@ class SecAggSession:
         self.policy = policy if policy is not None else DevicePolicy()
         self.index = int(fields["device"])  # type: ignore[index]
         self.layout_sha256 = str(fields["layout_sha256"])  # type: ignore[index]
+        self.tensors = secure_tensors(fields)  # type: ignore[arg-type]
+        if self.tensors == "top" and (task.get("train") or {}).get("scope") != "top":
+            # the server would keep the trunk this device trains: a task that contradicts itself
+            raise SecAggRoundLost("refused", f"round {self.round_id} masks only the top's tensors but its task "
+                                  "does not train with scope='top'")
         self.dp = dp_of_task(task)
         self.dp_kind = str(fields.get("input") or DP_INPUT) if self.dp is not None else None  # type: ignore[union-attr]
         self.caller_dp = dp is not None
@@ -264,13 +297,14 @@ class SecAggSession:
         model (its checkpoint bytes) — is required."""
         if self.caller_dp:
             raise InputError("this session's DP is the caller's (a statistics round): it masks vectors, not updates")
-        w, n = flatten_update(update_body, self.layout_sha256)
+        w, n = flatten_update(update_body, self.layout_sha256, self.tensors)
         if self.dp is not None:
             if reference is None:
                 raise InputError("a DP secure round masks w_c − w: pass the round's global model as reference")
             if self.noise_min_inputs:        # the threshold the roster gave: a sum of t inputs may be unmasked
                 self._local(self._check_noise, self.device._t)
-            w, n = dp_input(w, n, reference, self.dp, self.layout_sha256, self.noise_min_inputs, self.dp_kind or DP_INPUT)
+            w, n = dp_input(w, n, reference, self.dp, self.layout_sha256, self.noise_min_inputs,
+                            self.dp_kind or DP_INPUT, self.tensors)
         return self.masked_vector(w, n)
 
     def masked_vector(self, w: np.ndarray, n: int) -> dict[str, Any]:
@@ -318,4 +352,5 @@ class SecAggSession:
 
 
 __all__ = ["SecAggSession", "SecAggRoundLost", "params_from_task", "flatten_update", "layout_digest", "TASK_FIELDS",
+           "TENSOR_SETS", "secure_tensors", "select_tensors",
            "DP_INPUT", "DP_INPUT_V1", "dp_of_task", "dp_input", "task_context", "check_secure_transport", "is_loopback"]
