@@ -22,7 +22,8 @@ from fedfs_sdk.federation.secagg.revocation import SERVER_FILENAME, RevocationLi
 
 from .errors import Conflict, Forbidden, Gone, NotFound
 from .frozen_trunk import keep_frozen_trunk
-from .secagg_rounds import SecAggRound, ca_of, expand_top, secure_layout, task_fields, unflatten
+from .secagg_rounds import SecAggRound, ca_of, task_fields
+from .secure_layout import expand_top, secure_layout, unflatten
 
 if TYPE_CHECKING:
     from .rounds import OpenRound

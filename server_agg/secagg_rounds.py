@@ -10,11 +10,13 @@ every device expected in it answered, or at its deadline (whoever has not answer
 dropped); ``finalize`` yields only ``Σ n·w / Σ n`` of the survivors, which the coordinator
 publishes as the next version.
 
-Crash safety: after every accepted message and every phase close the whole state —
+Crash safety: at the round's opening and every phase close the whole state —
 :func:`fedfs_sdk.federation.secagg.snapshot` of the core (public keys, routed ciphertexts until
 delivered, the running sum of masked vectors, unmask shares), the roster / unmask request
-and the phase deadline — is written atomically to ``STATE/secagg/rNNNNNN.json``. A restarted
-server restores it and goes on from there (a phase whose deadline passed while it was down
+and the phase deadline — is written atomically to ``STATE/secagg/rNNNNNN.json``; every message
+accepted in between is appended to that snapshot's journal (:mod:`.secagg_journal`) before the
+device is answered, and a masked input rewrites the running sum's file. A restarted server
+restores the snapshot, replays its journal and goes on from there (a phase whose deadline passed while it was down
 closes at the first tick); an unreadable file fails the round cleanly. The file never holds
 an individual update in the clear: only masked vectors, and only summed.
 """
@@ -34,9 +36,10 @@ from fedfs_sdk.federation.secagg import (PROTOCOL_V2, CaPublicKey, RoundFailedEr
                                          to_json)
 from fedfs_sdk.federation.secagg import messages as M
 from fedfs_sdk.federation.secagg.dp_input import DP_INPUT
-from fedfs_sdk.federation.secagg.http_device import layout_digest, params_from_task, select_tensors, task_context
+from fedfs_sdk.federation.secagg.http_device import layout_digest, params_from_task, task_context
 
 from .errors import ApiError, Forbidden
+from .secagg_journal import Journal
 from .store import atomic_write
 
 log = logging.getLogger("fedfs.server")
@@ -77,15 +80,6 @@ def ca_of(policy: Any) -> CaPublicKey | None:
     return CaPublicKey.from_json(raw) if raw else None
 
 
-def secure_layout(policy: Any, weights: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-    """``(tensors, the tensors of weights a round masks)``: under a ``train.scope = "top"``
-    policy only what that scope trains (``"top"``) — the trunk comes back as it went out
-    (:mod:`.frozen_trunk`), so it is neither masked nor sent; otherwise every tensor."""
-    if (getattr(policy, "train", None) or {}).get("scope") == "top":
-        return "top", select_tensors(weights, "top")
-    return "all", dict(weights)
-
-
 def task_fields(policy: Any, shapes: Mapping[str, Sequence[int]], n_devices: int,
                 tensors: str = "all") -> dict[str, Any]:
     """``task["secagg"]`` of a new round (without the per-device ``device`` index); ``shapes``
@@ -119,50 +113,6 @@ def revoked_serials(fields: Mapping[str, Any]) -> frozenset[str]:
     return frozenset(str(s) for s in doc.get("revoked", [])) if isinstance(doc, Mapping) else frozenset()
 
 
-def unflatten(mean: np.ndarray, reference: Mapping[str, Any], tensors: str = "all") -> dict[str, Any]:
-    """The averaged vector back into tensors of ``reference``'s layout and dtypes (sorted
-    names, C order — :func:`fedfs_sdk.federation.secagg.http_device.flatten_update`'s order).
-    ``tensors="top"``: the vector holds only the top's tensors; the others are ``reference``'s
-    own (copies) — what a round that trains the top averages them to."""
-    import torch
-
-    from .aggregate import _cast_back
-
-    out, at = {}, 0
-    masked = select_tensors(reference, tensors)
-    if tensors != "all":
-        out = {k: v.detach().clone() for k, v in reference.items() if k not in masked}
-    for k in sorted(masked):
-        ref = masked[k]
-        n = ref.numel()
-        chunk = torch.from_numpy(np.ascontiguousarray(mean[at:at + n], dtype=np.float64)).reshape(ref.shape)
-        out[k] = _cast_back(chunk, ref.dtype)
-        at += n
-    if at != mean.size:
-        raise InputError(f"the unmasked vector has {mean.size} values, the model's masked tensors {at}")
-    return out
-
-
-def expand_top(vec: np.ndarray, reference: Mapping[str, Any], tensors: str) -> np.ndarray:
-    """A ``tensors`` vector as one over every tensor of ``reference`` (sorted names, C order),
-    0 where it holds nothing: the unmasked sum of a DP round that masked the top only, in the
-    layout :meth:`server_agg.dp.DpFedAvg.add_secure_sum` reads (the trunk's ``Δ`` is 0)."""
-    if tensors == "all":
-        return vec
-    masked = select_tensors(reference, tensors)
-    parts, at = [], 0
-    for k in sorted(reference):
-        n = int(reference[k].numel())
-        if k in masked:
-            parts.append(np.asarray(vec[at:at + n], dtype=np.float64))
-            at += n
-        else:
-            parts.append(np.zeros(n))
-    if at != vec.size:
-        raise InputError(f"the unmasked vector has {vec.size} values, the model's masked tensors {at}")
-    return np.concatenate(parts) if parts else np.zeros(0)
-
-
 class SecAggRound:
     """The protocol state of one open secure round, persisted at ``path``."""
 
@@ -186,31 +136,64 @@ class SecAggRound:
         self.request: dict[str, Any] | None = None           # the unmask request
         self.check: dict[str, Any] | None = None             # the consistency request (authenticated rounds)
         self._sum_saved = -1          # masked inputs in the sum file last written
+        self._generation = 0          # full snapshots written; the journal of accepted messages since is …j<gen>
+        self._journal: Journal | None = None
 
     # ---- persistence -------------------------------------------------------------------
     def _sum_path(self, count: int) -> Path:
         return self.path.with_name(f"{self.path.stem}.sum{count}")
 
-    def save(self) -> None:
-        """Write the state atomically. The running sum of masked vectors (8·(dim + 1) bytes)
-        goes to its own raw file, written only when a masked input changed it and named by
-        the number of inputs in it, so the JSON — written after it — always names a complete
-        sum; the older sum file is deleted after the JSON that replaces it."""
-        core = snapshot(self.srv)
-        raw = core.pop("sum")
+    def _journal_path(self, generation: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}.j{generation}")
+
+    def _write_sum(self) -> str | None:
+        """The running sum of masked vectors (8·(dim + 1) bytes) in its own raw file named by the
+        number of inputs in it, written only when a masked input changed it (overwriting a stale
+        file of a crash); its name, or None before the first masked input."""
+        if self.srv._sum is None:
+            return None
         count = len(self.srv._masked_from)
-        if raw is not None and count != self._sum_saved:   # overwrites a stale file of a crashed save
-            atomic_write(self._sum_path(count), raw)
+        if count != self._sum_saved:
+            atomic_write(self._sum_path(count), self.srv._sum.astype("<u8").tobytes())
             self._sum_saved = count
-        core["sum_file"] = self._sum_path(count).name if raw is not None else None
+        return self._sum_path(count).name
+
+    def save(self) -> None:
+        """Write the whole state atomically as a new generation: the sum file first, then the
+        JSON naming it and the generation's (empty) journal; older sum and journal files are
+        deleted after the JSON that replaces them. Called when the round opens and at each phase
+        close; in between, :meth:`receive` appends to the journal (:mod:`.secagg_journal`)."""
+        core = snapshot(self.srv)
+        core.pop("sum")
+        core["sum_file"] = self._write_sum()
+        if self._journal is not None:
+            self._journal.close()
+        self._generation += 1
+        journal = self._journal_path(self._generation)
+        journal.unlink(missing_ok=True)          # a crashed earlier save may have left one: it holds nothing of this
+        self._journal = Journal(journal)
         doc = {"format": FORMAT, "round_id": self.round_id, "participants": self.participants,
                "fields": self.fields, "deadline": self.deadline, "masked_deadline": self.masked_deadline,
                "roster": self.roster, "request": self.request, "check": self.check, "core": core,
-               "context": self.context.decode("latin-1"), "ca": self.ca.to_json() if self.ca else None}
+               "context": self.context.decode("latin-1"), "ca": self.ca.to_json() if self.ca else None,
+               "journal": journal.name}
         atomic_write(self.path, to_json(doc).encode())
-        for old in self.path.parent.glob(f"{self.path.stem}.sum*"):
-            if old.name != core["sum_file"]:
+        for old in self.path.parent.glob(f"{self.path.stem}.*"):
+            if old != self.path and old.name not in (core["sum_file"], journal.name):
                 old.unlink(missing_ok=True)
+
+    def _record(self, idx: int, step: str, payload: bytes) -> None:
+        """Make an accepted message durable: its record in the journal; a masked input's sum file
+        first (the record then carries no payload), the previous sum file deleted after it."""
+        assert self._journal is not None, "save() opens the journal"
+        if step == "masked-input":
+            previous = self._sum_saved
+            self._write_sum()
+            self._journal.append(step, idx)
+            if previous >= 0 and previous != self._sum_saved:
+                self._sum_path(previous).unlink(missing_ok=True)
+        else:
+            self._journal.append(step, idx, payload)
 
     @classmethod
     def load(cls, path: Path, round_id: int) -> "SecAggRound":
@@ -235,9 +218,32 @@ class SecAggRound:
             r.srv = restore(r.params, core, context=r.context, ca=ca)
             r.srv.revoked = revoked_serials(r.fields)
             r._sum_saved = len(r.srv._masked_from) if name is not None else -1
+            if doc.get("journal"):       # absent in files of servers before the journal: nothing to replay
+                r._generation = int(str(doc["journal"]).rsplit(".j", 1)[1])
+                r._journal = Journal(r._journal_path(r._generation))
+                r._replay(r._journal)
+            else:
+                r.save()
         except (KeyError, TypeError, ValueError, OSError, SecAggError, FedFSError) as e:
             raise InputError(f"secure round {round_id}: {path} is corrupt: {e}") from None
         return r
+
+    def _replay(self, journal: Journal) -> None:
+        """Apply the journal's messages again; a masked input's is the sum file of its count."""
+        masked: set[int] = set()
+        for step, idx, payload in journal.records():
+            if step == "masked-input":
+                masked.add(idx)
+            else:
+                self.srv.receive(self._message(idx, step, payload))
+        if masked:
+            self.srv._masked_from |= masked
+            count = len(self.srv._masked_from)
+            raw = self._sum_path(count).read_bytes()
+            if len(raw) != 8 * self.params.words:
+                raise ValueError(f"{self._sum_path(count).name} has {len(raw)} bytes, expected {8 * self.params.words}")
+            self.srv._sum = np.frombuffer(raw, dtype="<u8").astype(np.uint64)
+            self._sum_saved = count
 
     # ---- devices -----------------------------------------------------------------------
     def index_of(self, device_id: str) -> int:
@@ -258,25 +264,29 @@ class SecAggRound:
         """One device message for URL step ``step`` (``advertise``, ``share-keys``,
         ``masked-input``, ``unmask``); a 4xx :class:`ApiError` leaves the round unchanged."""
         idx = self.index_of(device_id)
-        if step == "masked-input":
-            msg: Any = {"type": M.MASKED_INPUT, "round": self.round_id, "device": idx, "y": payload}
-        else:
-            try:
-                msg = from_json(payload)
-            except SecAggError as e:
-                raise secagg_error(e) from None
-            if msg.get("type") != STEP_OF[step] and msg.get("type") in STEP_OF.values():
-                raise ApiError(f"a {msg.get('type')!r} message was sent to the {step!r} endpoint",
-                               code="wrong_endpoint")
-            if msg.get("device") != idx:
-                raise Forbidden(f"the message names device {msg.get('device')!r}; this token is device {idx} "
-                                f"of round {self.round_id}", code="device_mismatch")
+        msg = self._message(idx, step, payload)
         try:
             self.srv.receive(msg)
         except SecAggError as e:
             raise secagg_error(e) from None
-        self.save()
+        self._record(idx, step, payload)
         return {"round_id": self.round_id, "device": idx, "step": step, "phase": self.srv.step}
+
+    def _message(self, idx: int, step: str, payload: bytes) -> Any:
+        """The protocol message of device ``idx``'s request body for URL step ``step``."""
+        if step == "masked-input":
+            return {"type": M.MASKED_INPUT, "round": self.round_id, "device": idx, "y": payload}
+        try:
+            msg = from_json(payload)
+        except SecAggError as e:
+            raise secagg_error(e) from None
+        if msg.get("type") != STEP_OF[step] and msg.get("type") in STEP_OF.values():
+            raise ApiError(f"a {msg.get('type')!r} message was sent to the {step!r} endpoint",
+                           code="wrong_endpoint")
+        if msg.get("device") != idx:
+            raise Forbidden(f"the message names device {msg.get('device')!r}; this token is device {idx} "
+                            f"of round {self.round_id}", code="device_mismatch")
+        return msg
 
     def view(self, device_id: str, poll_s: float) -> dict[str, Any]:
         """What ``device_id`` needs now: the phase, its deadline, and the roster (share-keys
@@ -358,9 +368,11 @@ class SecAggRound:
         return None
 
     def remove(self) -> None:
+        if self._journal is not None:
+            self._journal.close()
         self.path.unlink(missing_ok=True)
-        for p in self.path.parent.glob(f"{self.path.stem}.sum*"):
+        for p in self.path.parent.glob(f"{self.path.stem}.*"):
             p.unlink(missing_ok=True)
 
 
-__all__ = ["SecAggRound", "task_fields", "secure_layout", "expand_top", "unflatten", "secagg_error", "STEP_OF", "ca_of", "task_context"]
+__all__ = ["SecAggRound", "task_fields", "secagg_error", "STEP_OF", "ca_of", "task_context"]

@@ -41,7 +41,8 @@ def test_a_top_round_masks_only_the_top_and_unflattens_onto_the_previous_trunk()
     from types import SimpleNamespace
 
     from fedfs_sdk.federation.secagg.http_device import flatten_arrays, layout_digest
-    from server_agg.secagg_rounds import expand_top, secure_layout, task_fields, unflatten
+    from server_agg.secagg_rounds import task_fields
+    from server_agg.secure_layout import expand_top, secure_layout, unflatten
 
     prev = _weights(0.0)
     policy = SimpleNamespace(train={"scope": "top"}, secagg_threshold=None, secagg_neighbours=None, secagg_clip=1.0,

@@ -22,10 +22,11 @@ from scipy import stats
 
 from conftest_server import read_safetensors, start_server, wait_open, wait_round
 from fedfs_sdk.training.ort_device import encode_update
-from fedfs_sdk.federation.secagg import DevicePolicy, FixedPoint, from_json
+from fedfs_sdk.federation.secagg import DevicePolicy, FixedPoint
 from fedfs_sdk.federation.secagg.http_device import DP_INPUT, SecAggRoundLost, SecAggSession
 from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient
 from server_agg.dp import epsilon
+from server_agg.secagg_rounds import SecAggRound
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -142,8 +143,7 @@ def _secure_round(srv, state, devs: list[Dev], rnd: int, rng) -> tuple[dict, dic
     assert [a["num_samples"] for a in acks] == [1] * N          # w_k·Δ with weight word 1: Σn' is never formed
     fp = FixedPoint(clip=CLIP, scale_bits=24, max_devices=N, max_samples=1)
     snap_path = state / "secagg" / f"r{rnd:06d}.json"
-    snap = from_json(snap_path.read_bytes())
-    summed = np.frombuffer((snap_path.parent / snap["core"]["sum_file"]).read_bytes(), dtype="<u8")
+    summed = SecAggRound.load(snap_path, rnd).srv._sum      # the snapshot, its journal and the sum file
     plain = [fp.encode(d.weight * d.clipped, 1)[0] for d in devs]
     assert np.count_nonzero(summed == sum(plain)) <= 2          # self masks still on the stored sum
     blobs = _state_blobs(state)

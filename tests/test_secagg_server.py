@@ -23,6 +23,7 @@ from fedfs_sdk.federation.server_client import RetryPolicy, ServerClient
 from fedfs_sdk.training.ort_device import encode_update
 from fedfs_sdk.federation.secagg import DevicePolicy, FixedPoint, from_json, to_json
 from fedfs_sdk.federation.secagg.http_device import SecAggSession, flatten_update
+from server_agg.secagg_rounds import SecAggRound
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -141,9 +142,10 @@ def test_server_sees_only_masked_vectors_and_publishes_fedavg(tmp_path):
             snap_path = tmp_path / "server" / "secagg" / "r000001.json"
             snap = from_json(snap_path.read_bytes())
             seen["snap"] = snap
-            summed = np.frombuffer((snap_path.parent / snap["core"]["sum_file"]).read_bytes(), dtype="<u8")
+            summed = SecAggRound.load(snap_path, 1).srv._sum     # the snapshot, its journal and the sum file
             words = sum(fp.encode(d.w, d.n)[0] for d in maskers)      # Σ enc(n·w) mod 2^64 (unmasked)
             assert summed.size == words.size
+            # the last masked input closed the phase: a new snapshot, the journal of its messages gone
             assert sorted(p.name for p in snap_path.parent.iterdir()) == ["r000001.json", f"r000001.sum{N}"]
             # the stored running sum still carries the self masks: no coordinate matches the plain sum
             assert np.count_nonzero(summed == words) <= 2
