@@ -107,6 +107,15 @@ def run(args: argparse.Namespace) -> int:
         from .model_source import default_method
 
         overrides["method"] = default_method(xi is not None)   # the simulator's default where ξ is given
+    if new_state and xi is not None and "scope" not in dict(overrides.get("train") or {}):
+        # … and its scope, named in the task: the trunk then stays ξ's bit for bit (frozen_trunk.py),
+        # a secure round masks only the top, and devices train on ξ's cached trunk features. ORT
+        # artifacts train every layer and refuse it: their federation names --train '{"scope": "all"}'.
+        from fedfs_sdk.training.methods import DEFAULT_SCOPE
+
+        method = str(overrides.get("method") or RoundPolicy().method)
+        if method in DEFAULT_SCOPE:
+            overrides["train"] = {**dict(overrides.get("train") or {}), "scope": DEFAULT_SCOPE[method]}
     try:
         start_policy = RoundPolicy().updated(overrides)
     except InputError as e:

@@ -100,7 +100,9 @@ def test_an_imported_xi_alone_starts_the_simulators_default(tmp_path):
         for k, v in xi.backbone.state_dict().items():
             assert torch.equal(weights["backbone." + k], v), k      # ϕ starts from ξ, layer for layer
         with srv.admin() as a:
-            assert a.get("/v1/admin/config").json()["method"] == "fedfs+feduv"
+            config = a.get("/v1/admin/config").json()
+            # … and its scope, named in every task: the trunk stays ξ's, a secure round masks the top only
+            assert config["method"] == "fedfs+feduv" and config["train"]["scope"] == "top"
         token = httpx.post(srv.url + "/v1/devices").json()["token"]
         got = httpx.get(srv.url + "/v1/impostors", headers={"Authorization": f"Bearer {token}"})
         assert got.status_code == 200 and got.content == (tmp_path / "imp.npz").read_bytes()
@@ -139,7 +141,9 @@ def test_builtin_dlib_resnet_by_name(tmp_path):
         ref = load_builtin("dlib-resnet")[0].backbone.state_dict()
         assert all(torch.equal(weights["backbone." + k], v) for k, v in ref.items())
         with srv.admin() as a:
-            assert a.get("/v1/admin/config").json()["method"] == "fedfs+feduv"
+            config = a.get("/v1/admin/config").json()
+            # … and its scope, named in every task: the trunk stays ξ's, a secure round masks the top only
+            assert config["method"] == "fedfs+feduv" and config["train"]["scope"] == "top"
     finally:
         srv.stop()
 

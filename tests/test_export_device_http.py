@@ -41,7 +41,7 @@ def test_artifact_only_devices_run_rounds_over_http(tmp_path) -> None:
     ck = checkpoints()
     srv = start_server(tmp_path / "server", "--init-model", str(ck["global"]), "--xi", str(ck["xi"]),
                        "--method", "fedfs+feduv", "--rounds", "2", "--min-participants", "2",
-                       "--train", json.dumps(TRAIN))
+                       "--train", json.dumps({**TRAIN, "scope": "all"}))   # artifacts train every layer
     counts = (6, 10)
     try:
         procs = []

@@ -59,7 +59,9 @@ def ort_settings_for(task: Mapping[str, Any], info: Mapping[str, Any]) -> OrtTra
             problems.append(f"train.{k}={scalars[k]}: the ORT training artifacts run plain SGD only")
     if scalars.get("scope", info.get("scope", "all")) != info.get("scope", "all"):
         problems.append(f"train.scope={scalars['scope']}: the ORT training artifact trains "
-                        f"{'every layer' if info.get('scope', 'all') == 'all' else 'the top only'} (its scope is baked in)")
+                        f"{'every layer' if info.get('scope', 'all') == 'all' else 'the top only'} (its scope is baked in; "
+                        f"a federation of such devices starts its server with --train "
+                        f"'{{\"scope\": \"{info.get('scope', 'all')}\"}}')")
     lr = float(scalars["lr"]) if scalars.get("lr") is not None else DEFAULT_LR[method]
     if not lr > 0:
         problems.append(f"train.lr must be > 0, got {lr}")
