@@ -16,9 +16,9 @@ delivered, the running sum of masked vectors, unmask shares), the roster / unmas
 and the phase deadline — is written atomically to ``STATE/secagg/rNNNNNN.json``; every message
 accepted in between is appended to that snapshot's journal (:mod:`.secagg_journal`) before the
 device is answered, and a masked input rewrites the running sum's file. A restarted server
-restores the snapshot, replays its journal and goes on from there (a phase whose deadline passed while it was down
-closes at the first tick); an unreadable file fails the round cleanly. The file never holds
-an individual update in the clear: only masked vectors, and only summed.
+restores the snapshot, replays its journal and goes on from there (a phase whose deadline
+passed while it was down closes at the first tick); an unreadable file fails the round
+cleanly. No file holds an individual update in the clear: only masked vectors, and only summed.
 """
 from __future__ import annotations
 
