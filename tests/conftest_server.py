@@ -67,6 +67,28 @@ def cli_in_process(*args: str, env: dict[str, str] | None = None) -> subprocess.
     return subprocess.CompletedProcess(["fedfs", *args], code, out.getvalue(), err.getvalue())
 
 
+def refused_serve(*args: str, port: int | None = None) -> subprocess.CompletedProcess[str]:
+    """``fedfs serve ARGS`` expected to refuse before it binds (flags, a new state's model), run in
+    this process by :func:`cli_in_process` on ``port`` — by default one this call holds and listens
+    on, so a server that did not refuse fails at its bind ("cannot listen on …") instead of serving.
+    The server's loggers (``setup_logging`` routes ``fedfs`` and uvicorn to a handler of its own,
+    not propagating) are put back afterwards: later tests' ``caplog`` must still see ``fedfs.*``."""
+    import logging
+
+    names = ("fedfs", "uvicorn", "uvicorn.error", "uvicorn.access")
+    saved = [(lg, lg.handlers[:], lg.level, lg.propagate, lg.disabled) for lg in map(logging.getLogger, names)]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+            if port is None:
+                held.bind(("127.0.0.1", 0))
+                held.listen()
+                port = held.getsockname()[1]
+            return cli_in_process("serve", "--host", "127.0.0.1", "--admin-token", ADMIN, *args, "--port", str(port))
+    finally:
+        for lg, handlers, level, propagate, disabled in saved:
+            lg.handlers[:], lg.level, lg.propagate, lg.disabled = handlers, level, propagate, disabled
+
+
 def self_signed_cert(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:
     """A self-signed TLS certificate for ``host`` (and localhost), made here with
     ``cryptography``: ``(cert.pem, key.pem)``. Devices pin it (``fedfs device --tls-ca``)."""
