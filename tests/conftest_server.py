@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -39,13 +40,16 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def cli_in_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def cli_in_process(*args: str, env: dict[str, str] | None = None,
+                   main: "Callable[[list[str]], int] | None" = None) -> subprocess.CompletedProcess[str]:
     """``fedfs ARGS`` through ``fedfs_sdk.cli.main.main`` in this process, giving what a subprocess
     would: the exit code (argparse's ``SystemExit`` included), stdout and stderr. For tests of what a
     command does, where a new interpreter (seconds of torch import each) is not what is tested; each
     command keeps real-subprocess tests elsewhere. An uncaught exception is not turned into a
-    traceback on stderr: it fails the test where it is raised."""
-    from fedfs_sdk.cli.main import main
+    traceback on stderr: it fails the test where it is raised. ``main``: another command's entry
+    point (``fedfs_sdk.cli.import_model.main``)."""
+    if main is None:
+        from fedfs_sdk.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
     saved = {k: os.environ.get(k) for k in env or {}}
