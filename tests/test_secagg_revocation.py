@@ -93,18 +93,14 @@ def test_session_requires_the_list_with_max_age(tmp_path):
 def test_cli_revoke_signs_a_growing_list(tmp_path):
     from fedfs_sdk.federation.secagg import CaPublicKey
 
-    from conftest_server import cli_in_process
-
-    def fedfs(*a: str, real: bool = False) -> str:
-        """``real``: a process of its own, as a user runs it; else fedfs's main in this one."""
+    def fedfs(*a: str) -> str:
         r = subprocess.run([sys.executable, "-m", "fedfs_sdk.cli.main", *a], cwd=ROOT, env=subprocess_env(),
-                           capture_output=True, text=True, timeout=120) if real else cli_in_process(*a)
+                           capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         return r.stdout
 
     fedfs("ca", "init", "--dir", str(tmp_path / "ca"))
-    assert "number 1: 1 certificate(s)" in fedfs("ca", "revoke", "--ca", str(tmp_path / "ca"), "--serial", "abc",
-                                                 real=True)
+    assert "number 1: 1 certificate(s)" in fedfs("ca", "revoke", "--ca", str(tmp_path / "ca"), "--serial", "abc")
     out = fedfs("ca", "revoke", "--ca", str(tmp_path / "ca"), "--out", str(tmp_path / "srv.json"))
     assert "number 2: 1 certificate(s)" in out
     crl = RevocationList.load(tmp_path / "srv.json")
