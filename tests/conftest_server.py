@@ -5,6 +5,8 @@ Imported explicitly by tests/test_server_*.py (not a pytest conftest).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -15,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -35,6 +38,59 @@ def subprocess_env() -> dict[str, str]:
     env.setdefault("FEDFS_CACHE_DIR", str(ROOT / ".fedfs_cache"))
     env["OMP_NUM_THREADS"] = "1"   # several processes share 2 cores
     return env
+
+
+def cli_in_process(*args: str, env: dict[str, str] | None = None,
+                   main: "Callable[[list[str]], int] | None" = None) -> subprocess.CompletedProcess[str]:
+    """``fedfs ARGS`` through ``fedfs_sdk.cli.main.main`` in this process, giving what a subprocess
+    would: the exit code (argparse's ``SystemExit`` included), stdout and stderr. For tests of what a
+    command does, where a new interpreter (seconds of torch import each) is not what is tested; each
+    command keeps real-subprocess tests elsewhere. An uncaught exception is not turned into a
+    traceback on stderr: it fails the test where it is raised. ``main``: another command's entry
+    point (``fedfs_sdk.cli.import_model.main``)."""
+    if main is None:
+        from fedfs_sdk.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["fedfs", *args], code, out.getvalue(), err.getvalue())
+
+
+def refused_serve(*args: str, port: int | None = None) -> subprocess.CompletedProcess[str]:
+    """``fedfs serve ARGS`` expected to refuse before it binds (flags, a new state's model), run in
+    this process by :func:`cli_in_process` on ``port`` — by default one this call holds and listens
+    on, so a server that did not refuse fails at its bind ("cannot listen on …") instead of serving.
+    The server's loggers (``setup_logging`` routes ``fedfs`` and uvicorn to a handler of its own,
+    not propagating) are put back afterwards: later tests' ``caplog`` must still see ``fedfs.*``."""
+    import logging
+
+    names = ("fedfs", "uvicorn", "uvicorn.error", "uvicorn.access")
+    saved = [(lg, lg.handlers[:], lg.level, lg.propagate, lg.disabled) for lg in map(logging.getLogger, names)]
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+            if port is None:
+                held.bind(("127.0.0.1", 0))
+                held.listen()
+                port = held.getsockname()[1]
+            return cli_in_process("serve", "--host", "127.0.0.1", "--admin-token", ADMIN, *args, "--port", str(port))
+    finally:
+        for lg, handlers, level, propagate, disabled in saved:
+            lg.handlers[:], lg.level, lg.propagate, lg.disabled = handlers, level, propagate, disabled
 
 
 def self_signed_cert(folder: Path, host: str = "127.0.0.1") -> tuple[Path, Path]:

@@ -1,6 +1,7 @@
 """Operating-system refusals (a file where a folder is needed, a full or read-only device)
 end a ``fedfs`` command with ``fedfs <cmd>: error: <message>`` and exit code 2 — never a
-traceback. Real subprocesses, as a user runs them."""
+traceback. Real subprocesses, as a user runs them (``fedfs serve``'s refusal, before its bind, in
+this process on a held port: :func:`conftest_server.refused_serve`)."""
 from __future__ import annotations
 
 import subprocess
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest_server import ROOT, subprocess_env, write_images
+from conftest_server import ROOT, refused_serve, subprocess_env, write_images
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,8 +31,8 @@ def assert_clean_error(r: subprocess.CompletedProcess, command: str, *words: str
 def test_serve_on_a_file(tmp_path):
     f = tmp_path / "not-a-dir"
     f.write_text("x")
-    assert_clean_error(fedfs("serve", "--state", str(f), "--port", "0", "--init-backbone", "tiny",
-                             "--code-length", "127"), "serve", str(f), "not a directory")
+    assert_clean_error(refused_serve("--state", str(f), "--init-backbone", "tiny", "--code-length", "127"),
+                       "serve", str(f), "not a directory")
 
 
 def test_simulate_out_is_a_file(tmp_path):

@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +11,6 @@ from fedfs_sdk.nn.checkpoint import (FORMAT, checkpoint_from_bytes, load_checkpo
                                   save_checkpoint, write_safetensors_atomic)
 from fedfs_sdk.errors import CheckpointError, FedFSError
 from fedfs_sdk.nn.model import FaceNet, ModelConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def net() -> FaceNet:
@@ -94,9 +88,10 @@ def test_cli_shows_one_line_for_a_checkpoint_without_model_config(tmp_path: Path
     import cv2
     import numpy as np
     cv2.imwrite(str(img), np.zeros((32, 32, 3), np.uint8))
-    r = subprocess.run([sys.executable, "-m", "fedfs_sdk.cli.main", "enroll", "--model", str(p), "--images",
-                        str(tmp_path), "--out", str(tmp_path / "o.enr"), "--key-file", str(tmp_path / "k")],
-                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    from conftest_server import cli_in_process       # fedfs's main here (enroll's real runs: test_core_cli)
+
+    r = cli_in_process("enroll", "--model", str(p), "--images", str(tmp_path), "--out", str(tmp_path / "o.enr"),
+                       "--key-file", str(tmp_path / "k"))
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "has no model_config" in r.stderr
     assert issubclass(CheckpointError, FedFSError)

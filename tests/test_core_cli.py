@@ -1,4 +1,6 @@
-"""The `fedfs` command line as a user runs it: real processes, real files."""
+"""The `fedfs` command line as a user runs it: real files; real processes for ``--help``, ``info``
+and one enroll and verify (:func:`fedfs`), the CLI's own ``main`` in this process for the rest
+(``fedfs_here``: each subprocess spent seconds importing torch again)."""
 from __future__ import annotations
 
 import os
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest_server import cli_in_process as fedfs_here
 from fedfs_sdk.nn.checkpoint import save_verifier
 from fedfs_sdk.nn.model import FaceNet, ModelConfig
 
@@ -62,7 +65,7 @@ def test_enroll_then_verify_exit_codes(workspace: Path) -> None:
     assert ok.returncode == 0 and ok.stdout.startswith("ACCEPT"), ok.stdout + ok.stderr
     scores = []
     for f in sorted((d / "other").iterdir()):
-        r = fedfs("verify", "--enrollment", str(d / "owner.enr"), str(f), env={"FEDFS_KEY_FILE": str(d / "key")})
+        r = fedfs_here("verify", "--enrollment", str(d / "owner.enr"), str(f), env={"FEDFS_KEY_FILE": str(d / "key")})
         assert r.returncode in (0, 1), r.stderr
         scores.append(float(r.stdout.split("score=")[1].split()[0]))
     assert max(scores) < float(ok.stdout.split("score=")[1].split()[0])
@@ -71,39 +74,39 @@ def test_enroll_then_verify_exit_codes(workspace: Path) -> None:
 def test_cli_errors_are_clear_and_keep_state(workspace: Path) -> None:
     d = workspace
     key = d / "errors.key"
-    r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
-              "--out", str(d / "errors.enr"), "--key-file", str(key))
+    r = fedfs_here("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
+                   "--out", str(d / "errors.enr"), "--key-file", str(key))
     assert r.returncode == 0, r.stderr                      # this test's own enrollment and key
     before = (d / "errors.enr").read_bytes()
-    r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "other"),
-              "--out", str(d / "x.enr"), "--key-file", str(key))
+    r = fedfs_here("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "other"),
+                   "--out", str(d / "x.enr"), "--key-file", str(key))
     assert r.returncode == 2 and "at least 10" in r.stderr and "Traceback" not in r.stderr
     assert not (d / "x.enr").exists()
-    r = fedfs("verify", "--enrollment", str(d / "errors.enr"), "--key-file", str(key), str(d / "missing.png"))
+    r = fedfs_here("verify", "--enrollment", str(d / "errors.enr"), "--key-file", str(key), str(d / "missing.png"))
     assert r.returncode == 2 and "image not found" in r.stderr and "Traceback" not in r.stderr
     (d / "wrong.key").write_bytes(os.urandom(32))
-    r = fedfs("verify", "--enrollment", str(d / "errors.enr"), "--key-file", str(d / "wrong.key"),
-              str(d / "owner" / "00.png"))
+    r = fedfs_here("verify", "--enrollment", str(d / "errors.enr"), "--key-file", str(d / "wrong.key"),
+                   str(d / "owner" / "00.png"))
     assert r.returncode == 2 and "tampered with or the key is wrong" in r.stderr
-    r = fedfs("enroll", "--model", str(d / "nope.safetensors"), "--images", str(d / "owner"),
-              "--out", str(d / "y.enr"), "--key-file", str(key))
+    r = fedfs_here("enroll", "--model", str(d / "nope.safetensors"), "--images", str(d / "owner"),
+                   "--out", str(d / "y.enr"), "--key-file", str(key))
     assert r.returncode == 2 and "model not found" in r.stderr
-    r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
-              "--out", str(d / "errors.enr"), "--key-file", str(key))
+    r = fedfs_here("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
+                   "--out", str(d / "errors.enr"), "--key-file", str(key))
     assert r.returncode == 2 and "overwrite" in r.stderr and "Traceback" not in r.stderr
     assert (d / "errors.enr").read_bytes() == before       # refused, untouched
-    assert fedfs("verify", "--enrollment", str(d / "errors.enr"), "--key-file", str(key),
-                 str(d / "owner" / "00.png")).returncode == 0
+    assert fedfs_here("verify", "--enrollment", str(d / "errors.enr"), "--key-file", str(key),
+                      str(d / "owner" / "00.png")).returncode == 0
 
 
 def test_failed_enroll_leaves_no_key_file_and_creates_no_state_folder(workspace: Path) -> None:
     d = workspace
-    r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "other"),
-              "--out", str(d / "k.enr"), "--key-file", str(d / "new.key"))
+    r = fedfs_here("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "other"),
+                   "--out", str(d / "k.enr"), "--key-file", str(d / "new.key"))
     assert r.returncode == 2 and "at least 10" in r.stderr
     assert not (d / "new.key").exists() and not (d / "k.enr").exists()
-    r = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
-              "--out", str(d / "k.enr"), "--key-file", str(d / "new.key"), "--device-state", str(d / "typo-state"))
+    r = fedfs_here("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
+                   "--out", str(d / "k.enr"), "--key-file", str(d / "new.key"), "--device-state", str(d / "typo-state"))
     assert r.returncode == 2 and "no device state" in r.stderr and "Traceback" not in r.stderr
     assert not (d / "typo-state").exists() and not (d / "new.key").exists()
 
@@ -127,8 +130,8 @@ def test_enroll_reads_the_codeword_with_the_device_key(tmp_path: Path) -> None:
 
 
 def test_device_rejects_negative_rounds(tmp_path: Path) -> None:
-    r = fedfs("device", "--server", "http://127.0.0.1:9", "--images", str(tmp_path / "img"),
-              "--state", str(tmp_path / "state"), "--rounds", "-1")
+    r = fedfs_here("device", "--server", "http://127.0.0.1:9", "--images", str(tmp_path / "img"),
+                   "--state", str(tmp_path / "state"), "--rounds", "-1")
     assert r.returncode == 2 and "--rounds must be ≥ 0" in r.stderr and not (tmp_path / "state").exists()
 
 
@@ -139,12 +142,13 @@ def test_enroll_head_template_then_verify(workspace: Path) -> None:
     torch.manual_seed(1)
     m = FaceNet(ModelConfig("tiny", code_length=127)).eval()
     save_verifier(d / "uv_verifier.safetensors", m.backbone, m.config, m.uv_head)
-    r = fedfs("enroll", "--model", str(d / "uv_verifier.safetensors"), "--images", str(d / "owner"),
-              "--out", str(d / "uv.enr"), "--key-file", str(d / "uv.key"), "--template-output", "uv")
+    r = fedfs_here("enroll", "--model", str(d / "uv_verifier.safetensors"), "--images", str(d / "owner"),
+                   "--out", str(d / "uv.enr"), "--key-file", str(d / "uv.key"), "--template-output", "uv")
     assert r.returncode == 0, r.stderr
     assert "mode=template on uv" in r.stdout
-    ok = fedfs("verify", "--enrollment", str(d / "uv.enr"), "--key-file", str(d / "uv.key"), str(d / "owner" / "00.png"))
+    ok = fedfs_here("verify", "--enrollment", str(d / "uv.enr"), "--key-file", str(d / "uv.key"),
+                    str(d / "owner" / "00.png"))
     assert ok.returncode == 0 and ok.stdout.startswith("ACCEPT"), ok.stdout + ok.stderr
-    bad = fedfs("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
-                "--out", str(d / "nohead.enr"), "--key-file", str(d / "uv.key"), "--template-output", "uv")
+    bad = fedfs_here("enroll", "--model", str(d / "verifier.safetensors"), "--images", str(d / "owner"),
+                     "--out", str(d / "nohead.enr"), "--key-file", str(d / "uv.key"), "--template-output", "uv")
     assert bad.returncode == 2 and "FedUV head" in bad.stderr and not (d / "nohead.enr").exists()

@@ -4,14 +4,11 @@ said) when there is none; its preconditions are checked before it registers; an 
 records its preprocessing and verification applies it. Real server processes on 127.0.0.1."""
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
-from conftest_server import ROOT, start_server, subprocess_env, write_images
+from conftest_server import cli_in_process, start_server, write_images
 from fedfs_sdk.nn.checkpoint import save_checkpoint
 from fedfs_sdk.nn.model import FaceNet, ModelConfig
 from shared_assets import LFW
@@ -24,9 +21,9 @@ def test_enroll_with_too_few_photos_is_refused_before_registering(tmp_path):
     srv = start_server(tmp_path / "server", "--init-backbone", "tiny", "--rounds", "1", "--min-participants", "1")
     try:
         write_images(tmp_path / "me", 3, seed=0)
-        cmd = [sys.executable, "-m", "fedfs_sdk.cli.main", "device", "--server", srv.url, "--images",
-               str(tmp_path / "me"), "--state", str(tmp_path / "dev"), "--enroll", "--wait-timeout", "30"]
-        r = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+        # `fedfs device` in this process (its real-subprocess runs: test_server_e2e, test_dp_device, …)
+        r = cli_in_process("device", "--server", srv.url, "--images", str(tmp_path / "me"),
+                           "--state", str(tmp_path / "dev"), "--enroll", "--wait-timeout", "30")
         assert r.returncode == 2, r.stdout + r.stderr
         assert "q=0.9 needs at least 10 photos of the owner, got 3" in r.stderr, r.stderr
         assert srv.status()["devices"] == 0 and not (tmp_path / "dev").exists()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest_server import ADMIN, ROOT, start_server, subprocess_env
+from conftest_server import ADMIN, ROOT, refused_serve, start_server, subprocess_env
 from fedfs_sdk.federation.wire import decode_weights
 from fedfs_sdk.nn.checkpoint import save_checkpoint
 from fedfs_sdk.nn.model import FaceNet, ModelConfig
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """``fedfs serve`` expected to refuse to start (returns once it exits)."""
+    """``fedfs serve`` expected to refuse to start (returns once it exits), as a user runs it; the
+    other refusals run in this process (:func:`refused_serve`: a subprocess import costs seconds)."""
     cmd = [sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--admin-token", ADMIN, "--port", "0", *args]
     return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
@@ -64,8 +65,8 @@ def test_a_xi_of_another_architecture_is_refused_in_one_line(tmp_path, flags, na
 
 def test_a_xi_of_other_tensor_shapes_is_refused_naming_both(tmp_path):
     checkpoint(tmp_path / "xi.safetensors", "tiny", embedding_dim=64)
-    r = serve("--state", str(tmp_path / "new"), "--xi", str(tmp_path / "xi.safetensors"),
-              "--init-backbone", "tiny", "--embedding-dim", "32")
+    r = refused_serve("--state", str(tmp_path / "new"), "--xi", str(tmp_path / "xi.safetensors"),
+                      "--init-backbone", "tiny", "--embedding-dim", "32")
     assert r.returncode == 2 and "tiny (32-d, 32 px)" in r.stderr and "tiny (64-d, 32 px)" in r.stderr, r.stderr
     assert not (tmp_path / "new").exists()
 
@@ -77,7 +78,8 @@ def test_a_xi_of_other_tensor_shapes_is_refused_naming_both(tmp_path):
 def test_what_is_not_a_fedfs_checkpoint_is_refused_with_the_fix(tmp_path, spec, why):
     (tmp_path / "model.onnx").write_bytes(b"\x08\x07not really onnx")
     for flag in ("--xi", "--init-model"):
-        r = serve("--state", str(tmp_path / "new"), flag, str(tmp_path / spec) if spec.endswith(".onnx") else spec)
+        r = refused_serve("--state", str(tmp_path / "new"), flag,
+                          str(tmp_path / spec) if spec.endswith(".onnx") else spec)
         assert r.returncode == 2 and why in r.stderr and flag in r.stderr, r.stderr
         assert not (tmp_path / "new").exists()
 

@@ -352,6 +352,9 @@ def test_import_model_command_writes_a_checkpoint_and_names_missing_keys(tmp_pat
     import subprocess
     import sys
 
+    from conftest_server import cli_in_process
+    from fedfs_sdk.cli.import_model import main as import_main
+
     src = _trained_like(6)
     torch.save(src.backbone.state_dict(), tmp_path / "full.pth")
     torch.save(dict(list(src.backbone.state_dict().items())[:-1]), tmp_path / "part.pth")
@@ -364,12 +367,12 @@ def test_import_model_command_writes_a_checkpoint_and_names_missing_keys(tmp_pat
     x = _images(1)
     with torch.no_grad():
         assert torch.equal(model(x).embedding, src(x).embedding)
-    bad = subprocess.run(cmd + [str(tmp_path / "part.pth"), "--out", str(tmp_path / "p.safetensors")],
-                         capture_output=True, text=True, timeout=300)
+    # the refusal and --partial through the command's main in this process (the run above is the real one)
+    bad = cli_in_process(str(tmp_path / "part.pth"), "--out", str(tmp_path / "p.safetensors"), main=import_main)
     assert bad.returncode == 2 and "embed_norm.bias" in bad.stderr and "--partial" in bad.stderr
     assert not (tmp_path / "p.safetensors").exists()
-    part = subprocess.run(cmd + [str(tmp_path / "part.pth"), "--out", str(tmp_path / "p.safetensors"), "--partial"],
-                          capture_output=True, text=True, timeout=300)
+    part = cli_in_process(str(tmp_path / "part.pth"), "--out", str(tmp_path / "p.safetensors"), "--partial",
+                          main=import_main)
     assert part.returncode == 0 and "model keys left at their initial values: embed_norm.bias" in part.stdout
 
 
@@ -396,12 +399,11 @@ def test_channel_affine_and_the_affine_backbone() -> None:
 
 
 def test_import_model_command_folds_a_batchnorm_state_dict(bn_net: nn.Module, tmp_path: Path) -> None:
-    import subprocess
-    import sys
+    from conftest_server import cli_in_process
+    from fedfs_sdk.cli.import_model import main as import_main
 
-    torch.save(bn_net.state_dict(), tmp_path / "bn.pth")
-    r = subprocess.run([sys.executable, "-m", "fedfs_sdk.cli.import_model", str(tmp_path / "bn.pth"),
-                        "--out", str(tmp_path / "xi.safetensors")], capture_output=True, text=True, timeout=300)
+    torch.save(bn_net.state_dict(), tmp_path / "bn.pth")      # the command's main in this process
+    r = cli_in_process(str(tmp_path / "bn.pth"), "--out", str(tmp_path / "xi.safetensors"), main=import_main)
     assert r.returncode == 0, r.stderr
     assert "folded 50 BatchNorm layers" in r.stdout and "mobilefacenet-affine" in r.stdout
     xi, meta = load_checkpoint(tmp_path / "xi.safetensors")

@@ -408,14 +408,9 @@ def test_unreadable_saved_state_fails_the_round_cleanly(tmp_path):
 
 def test_secure_aggregation_refuses_max_update_norm_without_dp(tmp_path):
     """A norm bound without DP would need the server to see each update: refused at start."""
-    import subprocess
-    import sys
+    from conftest_server import refused_serve
 
-    from conftest_server import ROOT, subprocess_env
-
-    r = subprocess.run([sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--state", str(tmp_path / "s"),
-                        "--init-backbone", "tiny", "--code-length", "127", "--secure-aggregation",
-                        "--max-update-norm", "1.0", "--port", "0"], cwd=ROOT, env=subprocess_env(),
-                       capture_output=True, text=True, timeout=120)
+    r = refused_serve("--state", str(tmp_path / "s"), "--init-backbone", "tiny", "--code-length", "127",
+                      "--secure-aggregation", "--max-update-norm", "1.0")
     assert r.returncode != 0 and "max_update_norm" in r.stderr
     assert not (tmp_path / "s").exists()

@@ -1,6 +1,7 @@
 """``fedfs serve`` start-up: one server per state (lock), a busy port or a method the model
 cannot run is refused before the state is written, the admin endpoints refuse such a
-combination too, and only devices seen recently are sampled. Real server subprocesses."""
+combination too, and only devices seen recently are sampled. Real server subprocesses (refusals
+before the bind: ``fedfs serve``'s main in this process, on a port the test holds)."""
 from __future__ import annotations
 
 import socket
@@ -12,7 +13,7 @@ import httpx
 import pytest
 import torch
 
-from conftest_server import ADMIN, ROOT, free_port, start_server, subprocess_env
+from conftest_server import ADMIN, ROOT, free_port, refused_serve, start_server, subprocess_env
 from fedfs_sdk.nn.model import FaceNet, ModelConfig
 from fedfs_sdk.federation.wire import MODEL_FORMAT, encode_weights
 
@@ -20,7 +21,9 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """``fedfs serve`` expected to refuse to start (returns once it exits)."""
+    """``fedfs serve`` expected to refuse to start (returns once it exits), in a process of its own:
+    for refusals that come after the bind (a state another server holds, a stored model). Those
+    before it run in this process (:func:`refused_serve`: a subprocess import costs seconds)."""
     cmd = [sys.executable, "-m", "fedfs_sdk.cli.main", "serve", "--admin-token", ADMIN, *args]
     return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
@@ -56,8 +59,8 @@ def test_a_busy_port_writes_no_state(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = serve("--state", str(tmp_path / "new"), "--port", str(port), "--init-backbone", "tiny",
-                  "--code-length", "127")
+        r = refused_serve("--state", str(tmp_path / "new"), "--init-backbone", "tiny", "--code-length", "127",
+                          port=port)
     assert r.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
     assert not (tmp_path / "new").exists()
 
@@ -69,7 +72,7 @@ def test_a_busy_port_writes_no_state(tmp_path):
     (["--method", "fedfs", "--proj-dim", "32"], "--xi"),             # FedFS starts the backbone from ξ
 ])
 def test_a_method_the_initial_model_cannot_run_is_refused(tmp_path, flags, missing):
-    r = serve("--state", str(tmp_path / "new"), "--port", "0", "--init-backbone", "tiny", *flags)
+    r = refused_serve("--state", str(tmp_path / "new"), "--init-backbone", "tiny", *flags)
     assert r.returncode == 2 and "fedfs serve: error:" in r.stderr and missing in r.stderr, r.stderr
     assert not (tmp_path / "new").exists()
 
@@ -131,8 +134,8 @@ def test_a_proj_dim_that_xi_cannot_train_is_refused(tmp_path, method, code):
     with --proj-dim 64 used to open round 1 and every device died with ``set proj_dim = 32``."""
     xi = tmp_path / "xi.safetensors"
     xi.write_bytes(checkpoint_bytes(embedding_dim=64))
-    r = serve("--state", str(tmp_path / "new"), "--port", "0", "--method", method, "--init-backbone", "tiny",
-              "--embedding-dim", "64", "--proj-dim", "64", *code, "--xi", str(xi))
+    r = refused_serve("--state", str(tmp_path / "new"), "--method", method, "--init-backbone", "tiny",
+                      "--embedding-dim", "64", "--proj-dim", "64", *code, "--xi", str(xi))
     assert r.returncode == 2, r.stderr
     assert "--proj-dim 64 cannot be trained with this ξ" in r.stderr and "give --proj-dim 32" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "new").exists()
