@@ -32,7 +32,7 @@ def test_public_set_outputs_from_shared_trunk_features_are_the_full_forwards(bac
     store = PublicTrunk()
     feats = store.features("x", xi, "set", lambda: public, CHUNK)
     assert store.features("x", xi, "set", lambda: 1 / 0, CHUNK) is feats      # a second device: nothing computed
-    assert store.fills == 1 and len(feats) == -(-public.shape[0] // CHUNK)
+    assert store.misses == 1 and len(feats) == -(-public.shape[0] // CHUNK)
     for net in (VerifierNet(personal, head).eval(), DualVerifierNet(personal, glob, head).eval()):
         plain = TorchBackend(net, "m")
         want, got = impostor_outputs(plain, public), outputs_on_trunk(plain, feats)
@@ -47,4 +47,4 @@ def test_public_set_outputs_from_shared_trunk_features_are_the_full_forwards(bac
     # another ξ (or another set) is another entry, computed again
     store.features("another-xi", xi, "set", lambda: public, CHUNK)
     store.features("x", xi, "another-set", lambda: public, CHUNK)
-    assert store.fills == 3
+    assert store.misses == 3

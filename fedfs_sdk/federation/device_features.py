@@ -15,9 +15,9 @@ backbone's own modules in the backbone's own order, on chunks of the size the fu
 bit-equal to it (tests/test_device_features.py), for a verifier and for the dual verifier
 (``verify=both``: θ_c's and w's backbones, both on ξ's trunk under ``scope="top"``). Local
 training's batches are smaller than the chunk: there the features equal a per-batch trunk pass
-within float rounding (every backbone normalizes each sample by itself). A candidate whose trunk is not ξ's bit for bit (the global model
-of rounds whose tasks name no scope: the secure sum's fixed-point rounding moves it by ≤ 4·10⁻⁹)
-runs its own full forward.
+within float rounding (every backbone normalizes each sample by itself). A candidate whose trunk
+is not ξ's bit for bit (the global model of rounds whose tasks name no scope: the secure sum's
+fixed-point rounding moves it by ≤ 4·10⁻⁹) runs its own full forward.
 """
 from __future__ import annotations
 

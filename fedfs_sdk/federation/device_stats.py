@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import FedFSError, InputError
 from ..stats.in_domain import CHECKS, EMBEDDING, FEATURES, candidate_names, check_contributions, decide, in_domain_draws
+from .device_models import device_xi
 
 STATS_DIR = "stats"
 
@@ -105,7 +106,7 @@ def xi_moments(agent: Any, task) -> dict[str, np.ndarray]:
     if sha256_hex(Path(path).read_bytes()) != sha:
         raise StatsUnavailable(f"the round's ξ ({sha[:12]}…) is not this device's ξ ({path})")
     specs = {s.name: s for s in task.stats}
-    net = _load_xi(path, agent)
+    net = device_xi(agent, path).eval()                   # the agent's kept ξ (read-only)
     x = agent.all_images_array(int(net.backbone.input_size))[agent.holdout_split()[0]]
     e, f = _embed_xi(net, x, FEATURES in specs, agent=agent, xi_sha=sha)
     out: dict[str, np.ndarray] = {}
@@ -117,14 +118,6 @@ def xi_moments(agent: Any, task) -> dict[str, np.ndarray]:
     if unknown:
         raise StatsUnavailable(f"statistics {sorted(unknown)} are unknown to this device")
     return out
-
-
-def _load_xi(path: Path, agent: Any = None):
-    """ξ, read-only: the agent's kept copy (:mod:`.device_models`) when there is an agent."""
-    from ..nn.checkpoint import load_checkpoint
-    from .device_models import device_xi
-
-    return (device_xi(agent, path) if agent is not None and hasattr(agent, "__dict__") else load_checkpoint(path)[0]).eval()
 
 
 def _embed_xi(net, x: np.ndarray, features: bool, batch: int | None = None, agent: Any = None,
@@ -227,7 +220,7 @@ def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: st
     names = candidate_names(trained, has_norm)
     seed = int(xi_pub["task"].get("extra", {}).get("draw_seed", 0))
     drawn = in_domain_draws(np.asarray(xi_pub["sums"][FEATURES]), None if own is None else own.get(FEATURES), seed)
-    xi_net = _load_xi(xi_path(agent), agent)
+    xi_net = device_xi(agent, xi_path(agent)).eval()
     try:
         checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold, score,
                                   xi_sha=xi_sha) for name in names]

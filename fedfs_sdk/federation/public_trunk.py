@@ -18,57 +18,36 @@ is the backbone's own modules (tests/test_public_trunk.py).
 """
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
 
 from ..runtime.impostor_outputs import CHUNK
+from ..runtime.shared_entries import SharedEntries
 
 
-class PublicTrunk:
+class PublicTrunk(SharedEntries):
     """Thread-safe, bounded store of ξ's trunk features of public impostor sets, one tuple of chunk
     tensors per (ξ's sha256, the set's name, chunk). Devices asking at once wait for the first."""
 
     def __init__(self, max_entries: int = 4) -> None:
-        self.max_entries = int(max_entries)
-        self._lock = threading.Lock()
-        self._fill_lock = threading.Lock()
-        self._entries: OrderedDict[tuple, tuple] = OrderedDict()
-        self.fills = 0
+        super().__init__(max_entries)
 
     def features(self, xi_sha: str, xi_net, public_set: str, public_batch: Callable[[], np.ndarray],
                  chunk: int = CHUNK) -> tuple:
         """ξ's trunk features of ``public_batch()`` — the public impostor set only, named by
         ``public_set`` (its digest and input size) — one tensor per chunk of ``chunk`` photos."""
-        import torch
+        def compute() -> tuple:
+            import torch
 
-        from ..training.scope import Trunk
+            from ..training.scope import Trunk
 
-        key = (str(xi_sha), str(public_set), int(chunk))
-        with self._lock:
-            if key in self._entries:
-                return self._entries[key]
-        with self._fill_lock:                # one device computes, the others wait and find it
-            with self._lock:
-                if key in self._entries:
-                    return self._entries[key]
             batch, trunk = public_batch(), Trunk(xi_net.backbone).eval()
             with torch.inference_mode():
-                feats = tuple(trunk(torch.from_numpy(np.ascontiguousarray(batch[a:a + chunk])))
-                              for a in range(0, batch.shape[0], chunk))
-            with self._lock:
-                self._entries[key] = feats
-                while len(self._entries) > self.max_entries:
-                    self._entries.popitem(last=False)
-                self.fills += 1
-            return feats
+                return tuple(trunk(torch.from_numpy(np.ascontiguousarray(batch[a:a + chunk])))
+                             for a in range(0, batch.shape[0], chunk))
 
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.fills = 0
+        return self.entry((str(xi_sha), str(public_set), int(chunk)), compute)
 
 
 PUBLIC_TRUNK = PublicTrunk()

@@ -16,14 +16,13 @@ same chunking: the same floating-point operations).
 """
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
 from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import InputError
 from .inference import InferenceBackend
+from .shared_entries import SharedEntries
 
 CHUNK = 64
 """Photos per forward when scoring impostors (what ``enroll`` used before there was a cache)."""
@@ -57,7 +56,7 @@ def _set_key(impostors: Any) -> str:
     return hashlib.sha256(np.ascontiguousarray(impostors, dtype=np.float32).tobytes()).hexdigest()
 
 
-class PublicOutputs:
+class PublicOutputs(SharedEntries):
     """Thread-safe, bounded cache of a *public* model's :func:`impostor_outputs`.
 
     Keyed by the backend's ``model_id`` (a hash of every weight and the architecture), its class,
@@ -66,11 +65,7 @@ class PublicOutputs:
     models every device holds byte for byte may be passed (the caller says which: see module doc)."""
 
     def __init__(self, max_entries: int = 8) -> None:
-        self.max_entries = int(max_entries)
-        self._lock = threading.Lock()
-        self._entries: OrderedDict[tuple, tuple[dict[str, np.ndarray], ...]] = OrderedDict()
-        self._computing: dict[tuple, threading.Lock] = {}
-        self.hits = self.misses = 0
+        super().__init__(max_entries)
 
     def key(self, backend: InferenceBackend, impostors: Any, chunk: int = CHUNK) -> tuple:
         return (str(backend.model_id), type(getattr(backend, "verifier", backend)).__name__,
@@ -80,31 +75,8 @@ class PublicOutputs:
             compute: Callable[[], tuple[dict[str, np.ndarray], ...]] | None = None) -> tuple[dict[str, np.ndarray], ...]:
         """The entry, computed on a miss by ``compute`` (the same outputs by another route, e.g. from
         shared trunk features: :mod:`fedfs_sdk.federation.public_trunk`) or :func:`impostor_outputs`."""
-        k = self.key(backend, impostors, chunk)
-        with self._lock:
-            if k in self._entries:
-                self._entries.move_to_end(k)
-                self.hits += 1
-                return self._entries[k]
-            gate = self._computing.setdefault(k, threading.Lock())
-        with gate:                                   # one computes, the others wait for it
-            with self._lock:
-                if k in self._entries:
-                    self.hits += 1
-                    return self._entries[k]
-            out = compute() if compute is not None else impostor_outputs(backend, impostors, chunk)
-            with self._lock:
-                self.misses += 1
-                self._entries[k] = out
-                while len(self._entries) > self.max_entries:
-                    self._entries.popitem(last=False)
-                self._computing.pop(k, None)
-            return out
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.hits = self.misses = 0
+        return self.entry(self.key(backend, impostors, chunk),
+                          compute if compute is not None else lambda: impostor_outputs(backend, impostors, chunk))
 
 
 PUBLIC_OUTPUTS = PublicOutputs()
