@@ -32,7 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="training artifacts to build: feduv, fedfs, fedfs+feduv (default: all the checkpoint supports)")
     p.add_argument("--train", default=None,
                    help="local-training settings as JSON or a JSON file: the 'train' object of a server round "
-                        "(lr, head_lr, local_epochs, batch_size, objective); default: the papers' values")
+                        "(lr, head_lr, local_epochs, batch_size, objective, scope); default: the papers' values and "
+                        "scope 'top' (the artifacts train the top on the exported trunk's features, as the "
+                        "server's default rounds ask); '{\"scope\": \"all\"}' trains every layer")
     p.add_argument("--coreml-precision", default="fp16,fp32", help="fp16 and/or fp32, comma-separated")
     p.add_argument("--calibration", default=None,
                    help="folder of aligned face images for int8 calibration (default: generated SynthFaces)")

@@ -30,6 +30,7 @@ from fedfs_sdk.training.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_
 
 from .common import FORMAT_ORT_TRAINING, OPSET, ExportError, captured_native_stderr, quiet_onnxruntime
 from .onnx_inference import check_runtime_compatible
+from .ort_top import FEATURES_INPUT, check_top_exportable, export_trunk, feature_dim, top_models
 from .training_graphs import (PREFIX_GLOBAL, PREFIX_PERSONAL, PREFIX_XI, FedFSStep, FedUVStep,
                               head_scale_for)
 
@@ -57,8 +58,9 @@ def supported_methods(global_model: FaceNet, xi: nn.Module | None) -> list[str]:
     return out
 
 
-def _dummy_inputs(step: nn.Module, input_size: int, code_length: int | None, batch: int = 4) -> tuple:
-    x = torch.zeros(batch, 3, input_size, input_size)
+def _dummy_inputs(step: nn.Module, input_size: int, code_length: int | None, batch: int = 4,
+                  features: int | None = None) -> tuple:
+    x = torch.zeros(batch, 3, input_size, input_size) if features is None else torch.zeros(batch, features)
     args: list[torch.Tensor] = [x]
     for name in step.input_names[1:]:
         if name == "alpha":
@@ -71,7 +73,7 @@ def _dummy_inputs(step: nn.Module, input_size: int, code_length: int | None, bat
 
 
 def _dynamic_axes(step: nn.Module) -> dict[str, dict[int, str]]:
-    axes: dict[str, dict[int, str]] = {"x": {0: "batch"}}
+    axes: dict[str, dict[int, str]] = {step.input_names[0]: {0: "batch"}}
     if "alpha" in step.input_names:
         axes["alpha"] = {0: "batch", 1: "batch"}
         axes["alpha_next"] = {0: "batch", 1: "batch"}
@@ -111,11 +113,14 @@ def _gradient_path_ops(model: onnx.ModelProto, trainable: set[str], loss: str) -
 
 def build_step(method: str, global_model: FaceNet, *, xi: nn.Module | None = None,
                objective: ObjectiveConfig = ObjectiveConfig(), lr: float | None = None,
-               head_lr: float | None = None) -> tuple[nn.Module, float]:
+               head_lr: float | None = None, scope: str = "all") -> tuple[nn.Module, float]:
     """The loss module of ``method`` and its head scale ``a`` (see training_graphs);
-    ``head_lr=None`` is the device default :data:`~fedfs_sdk.training.trainer.DEFAULT_HEAD_LR`."""
+    ``head_lr=None`` is the device default :data:`~fedfs_sdk.training.trainer.DEFAULT_HEAD_LR`.
+    ``scope="top"``: the same losses over the models' tops, fed trunk features (:mod:`export.ort_top`)."""
     if method not in METHODS:
         raise ExportError(f"unknown method {method!r}; choose from {METHODS}")
+    if scope not in ("all", "top"):
+        raise ExportError(f"scope must be 'all' or 'top', got {scope!r}")
     eff_lr = lr if lr is not None else DEFAULT_LR[method]
     eff_head_lr = head_lr if head_lr is not None else DEFAULT_HEAD_LR
     if objective.lambda_neg > 0 and method == "fedfs+feduv":
@@ -126,6 +131,11 @@ def build_step(method: str, global_model: FaceNet, *, xi: nn.Module | None = Non
         if global_model.uv_head is None:
             raise ExportError("feduv artifacts need a checkpoint with a FedUV head (code_length)")
         scale = head_scale_for(eff_lr, eff_head_lr)
+        if scope == "top":
+            check_top_exportable(global_model, None)
+            step = FedUVStep(top_models(global_model, None, None)[0], objective, head_scale=scale)
+            step.x_name = FEATURES_INPUT
+            return step, scale
         return FedUVStep(global_model, objective, head_scale=scale), scale
     if xi is None:
         raise ExportError(f"{method} artifacts need the frozen pre-trained model ξ (pass --xi)")
@@ -143,6 +153,11 @@ def build_step(method: str, global_model: FaceNet, *, xi: nn.Module | None = Non
     personal = FaceNet(personal_config(global_model.config))
     personal.load_state_dict({k: t for k, t in global_model.state_dict().items() if not k.startswith("uv_head.")})
     scale = head_scale_for(eff_lr, eff_head_lr) if uses_feduv(method) else 1.0
+    if scope == "top":
+        check_top_exportable(global_model, xi)
+        step = FedFSStep(method, *top_models(global_model, personal, xi), objective, head_scale=scale)
+        step.x_name = FEATURES_INPUT
+        return step, scale
     return FedFSStep(method, global_model, personal, xi, objective, head_scale=scale), scale
 
 
@@ -205,7 +220,7 @@ def export_training_artifacts(method: str, global_model: FaceNet, out_dir: str |
                               lr: float | None = None, head_lr: float | None = None,
                               local_epochs: int | None = None, batch_size: int = 32,
                               model_id: str = "", model_version: str = "unversioned",
-                              xi_sha256: str | None = None) -> dict[str, Any]:
+                              xi_sha256: str | None = None, scope: str = "all") -> dict[str, Any]:
     """Write the ORT training artifacts of ``method`` into ``out_dir`` (created).
 
     ``lr``/``head_lr``/``local_epochs`` default to the method's paper values
@@ -213,13 +228,18 @@ def export_training_artifacts(method: str, global_model: FaceNet, out_dir: str |
     ``head_lr/lr`` is baked into the graph (FedUV methods); the device may change ``lr``
     and the head's rate follows it. ``xi_sha256`` (of ξ's checkpoint file) is recorded so a
     device can check that the ξ baked into the artifact (frozen) is the one a round task
-    names. Returns the ``artifact.json`` content.
+    names. ``scope="top"`` trains the top on ``trunk.onnx``'s features (:mod:`export.ort_top`).
+    Returns the ``artifact.json`` content.
     """
     out = Path(out_dir)
     eff_lr = float(lr if lr is not None else DEFAULT_LR[method])
-    step, scale = build_step(method, global_model, xi=xi, objective=objective, lr=eff_lr, head_lr=head_lr)
+    step, scale = build_step(method, global_model, xi=xi, objective=objective, lr=eff_lr, head_lr=head_lr,
+                             scope=scope)
     cfg = global_model.config
-    trainable, frozen = build_artifacts(step, _dummy_inputs(step, cfg.input_size, cfg.code_length), out, method)
+    feats = feature_dim(global_model.backbone) if scope == "top" else None
+    trainable, frozen = build_artifacts(step, _dummy_inputs(step, cfg.input_size, cfg.code_length, features=feats),
+                                        out, method)
+    trunk = export_trunk(global_model.backbone, out, method) if scope == "top" else None
 
     def keys(prefix: str, names: list[str]) -> list[str]:
         return [n[len(prefix):] for n in names if n.startswith(prefix)]
@@ -233,6 +253,8 @@ def export_training_artifacts(method: str, global_model: FaceNet, out_dir: str |
         "model_config": json.loads(cfg.to_json()),
         "input_size": int(cfg.input_size),
         "code_length": int(cfg.code_length or 0),
+        "scope": scope,
+        "trunk": trunk,       # scope=top: trunk.onnx (x → features) and the sha256 of the trunk it holds
         "inputs": step.input_names,
         "outputs": step.output_names,
         "soft_labels": ({"input": "alpha", "output": "alpha_next",
@@ -273,6 +295,6 @@ def train_config_of(info: dict[str, Any]) -> TrainConfig:
     obj = info["objective"]
     return TrainConfig(method=info["method"], lr=info["lr"], head_lr=info["head_lr"],
                        local_epochs=info["local_epochs"], batch_size=info["batch_size"],
-                       scope=info.get("scope", "all"),        # the artifacts train every layer
+                       scope=info.get("scope", "all"),        # older artifacts (no scope) train every layer
                        objective=ObjectiveConfig(fedfs=FedFSLossConfig(**obj["fedfs"]),
                                                  uv_weight=obj["uv_weight"], lambda_neg=obj["lambda_neg"]))

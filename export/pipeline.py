@@ -55,7 +55,10 @@ class ExportOptions:
         methods: training methods to build artifacts for (default: all the checkpoint supports).
         train: local-training settings, the ``train`` object of a server round task
             (:func:`fedfs_sdk.federation.wire.train_config_from_json`): lr, head_lr, local_epochs,
-            batch_size, objective. Defaults are the methods' paper values.
+            batch_size, objective, scope. Defaults are the methods' paper values and the methods'
+            default scope (:data:`~fedfs_sdk.training.methods.DEFAULT_SCOPE`, ``top``: the artifact
+            trains the top on ``trunk.onnx``'s features, :mod:`export.ort_top`) — what a server's
+            round asks unless it names another scope.
         coreml_precisions: ``fp16`` and/or ``fp32``.
         calibration: folder of face images for int8 calibration (default: SynthFaces).
         evaluate_int8: also measure the int8 AUROC change on a SynthFaces set.
@@ -242,7 +245,7 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
 
         for m in methods:  # dimension checks (ξ vs proj_dim, input sizes) before any file is written
             build_step(m, model, xi=xi, objective=train_cfgs[m].objective, lr=train_cfgs[m].effective_lr,
-                       head_lr=train_cfgs[m].head_lr)
+                       head_lr=train_cfgs[m].head_lr, scope=train_cfgs[m].effective_scope)
 
     with staged(out) as tmp:
         artifacts: dict[str, Any] = {}
@@ -318,8 +321,8 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
                     m, model, tmp / rel, xi=xi, objective=cfg.objective, lr=cfg.effective_lr,
                     head_lr=cfg.head_lr, local_epochs=cfg.effective_epochs, batch_size=cfg.batch_size,
                     model_id=mid, model_version=version,
-                    xi_sha256=xi_ckpt.sha256 if xi_ckpt is not None else None)
-                per_method[m] = {"folder": rel, "inputs": info["inputs"], "outputs": info["outputs"],
+                    xi_sha256=xi_ckpt.sha256 if xi_ckpt is not None else None, scope=cfg.effective_scope)
+                per_method[m] = {"folder": rel, "scope": info["scope"], "inputs": info["inputs"], "outputs": info["outputs"],
                                  "lr": info["lr"], "head_lr": info["head_lr"], "local_epochs": info["local_epochs"],
                                  "batch_size": info["batch_size"], "soft_labels": info["soft_labels"]}
             artifacts["ort-training"] = {"methods": per_method, "runtime": "onnxruntime-training 1.19.2 C API "

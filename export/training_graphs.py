@@ -93,6 +93,10 @@ class FedUVStep(nn.Module):
     ``[U, c]`` when ``λ_neg > 0``. Outputs ``loss``, ``l_pos`` (and ``l_neg``).
     """
 
+    x_name = "x"
+    """The first input: images ``x``, or ``features`` — the trunk's output — for a ``scope="top"``
+    step over :class:`~fedfs_sdk.training.scope.TopFaceNet` models (:mod:`export.ort_top`)."""
+
     def __init__(self, global_model: FaceNet, objective: ObjectiveConfig, head_scale: float = 1.0) -> None:
         super().__init__()
         if global_model.uv_head is None:
@@ -103,7 +107,7 @@ class FedUVStep(nn.Module):
 
     @property
     def input_names(self) -> list[str]:
-        return ["x", "codeword"] + (["neg_codewords"] if self.lambda_neg > 0 else [])
+        return [self.x_name, "codeword"] + (["neg_codewords"] if self.lambda_neg > 0 else [])
 
     @property
     def output_names(self) -> list[str]:
@@ -127,6 +131,9 @@ class FedFSStep(nn.Module):
     ``codeword`` for the combined method. Outputs ``loss``, ``alpha_next`` and the parts.
     """
 
+    x_name = "x"
+    """As :attr:`FedUVStep.x_name` (``features`` under ``scope="top"``: ξ is then its top alone)."""
+
     def __init__(self, method: str, global_model: FaceNet, personal_model: FaceNet, xi: nn.Module,
                  objective: ObjectiveConfig, head_scale: float = 1.0) -> None:
         super().__init__()
@@ -149,7 +156,7 @@ class FedFSStep(nn.Module):
 
     @property
     def input_names(self) -> list[str]:
-        return ["x", "alpha"] + (["codeword"] if uses_feduv(self.method) else [])
+        return [self.x_name, "alpha"] + (["codeword"] if uses_feduv(self.method) else [])
 
     @property
     def output_names(self) -> list[str]:

@@ -90,14 +90,27 @@ def calibration_folder() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def full_export() -> tuple[Path, dict]:
-    """The tiny checkpoint exported in every format, all three training methods."""
+    """The tiny checkpoint exported in every format, all three training methods, with artifacts
+    that train every layer (``scope="all"``: the papers' FedFS / FedUV client step)."""
     from export.pipeline import ExportOptions, run_export
 
     ck = checkpoints()
     out = TMP / "export-all"
     manifest = run_export(ck["global"], out, ExportOptions(
         formats=("onnx", "onnx-int8", "coreml", "ort-training"), xi=str(ck["xi"]),
-        calibration=str(calibration_folder())))
+        calibration=str(calibration_folder()), train={"scope": "all"}))
+    return out, manifest
+
+
+@functools.lru_cache(maxsize=None)
+def top_export() -> tuple[Path, dict]:
+    """The tiny checkpoint exported as ``fedfs export --formats onnx,ort-training`` does by default:
+    artifacts that train the top on ``trunk.onnx``'s features (``scope="top"``, the methods' default)."""
+    from export.pipeline import ExportOptions, run_export
+
+    ck = checkpoints()
+    out = TMP / "export-top"
+    manifest = run_export(ck["global"], out, ExportOptions(formats=("onnx", "ort-training"), xi=str(ck["xi"])))
     return out, manifest
 
 

@@ -2,23 +2,27 @@
 --artifacts` processes that cannot import torch. They register, train fedfs+feduv from the ORT
 training artifacts for 2 rounds, upload, and enroll with the ONNX verifier; the server's FedAvg
 equals the weighted average of what went over the wire, and a device's first update equals the
-torch LocalTrainer's on the same images and codeword."""
+torch LocalTrainer's on the same images and codeword. Both as deployed by default (the server's
+rounds and the export's artifacts train the top on ξ's trunk, ``scope="top"``) and with every
+layer training (``scope="all"``)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from conftest_export import NO_TORCH_PRELUDE, TINY, TOL, checkpoints, full_export, tiny_weights, xi_model
+from conftest_export import NO_TORCH_PRELUDE, TINY, TOL, checkpoints, full_export, tiny_weights, top_export, xi_model
 from conftest_server import (ROOT, assert_published_fedavg, audited_uploads, start_server, subprocess_env,
                              write_images)
 from fedfs_sdk.federation.device_runtime import ort_settings_for, round_seed
 from fedfs_sdk.federation.device_state import DeviceState
 from fedfs_sdk.errors import InputError
 from fedfs_sdk.training.methods import DEFAULT_LR
+from fedfs_sdk.training.top_keys import is_top_key
 from fedfs_sdk.training.ort_device import TrainingArtifact
 from fedfs_sdk.runtime.preprocess import list_images, preprocess
 from fedfs_sdk.training.trainer import LocalTrainer
@@ -36,12 +40,14 @@ sys.exit(rc)
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_artifact_only_devices_run_rounds_over_http(tmp_path) -> None:
-    out, _ = full_export()
+@pytest.mark.parametrize("scope", ["top", "all"])
+def test_artifact_only_devices_run_rounds_over_http(tmp_path, scope: str) -> None:
+    # top: `fedfs export` and `fedfs serve --xi` as they are, no flag; all: both told to train every layer
+    out, _ = top_export() if scope == "top" else full_export()
     ck = checkpoints()
     srv = start_server(tmp_path / "server", "--init-model", str(ck["global"]), "--xi", str(ck["xi"]),
                        "--method", "fedfs+feduv", "--rounds", "2", "--min-participants", "2",
-                       "--train", json.dumps({**TRAIN, "scope": "all"}))   # artifacts train every layer
+                       "--train", json.dumps(TRAIN if scope == "top" else {**TRAIN, "scope": "all"}))
     counts = (6, 10)
     try:
         procs = []
@@ -77,13 +83,22 @@ def test_artifact_only_devices_run_rounds_over_http(tmp_path) -> None:
         assert [r["runtime"] for r in info["rounds"]] == ["ort", "ort"]
         x = preprocess([str(p) for p in list_images(tmp_path / "img0")], TINY.resolved().input_size)
         # the device seeds round r's batch order with round_seed(train.seed, r); train.seed defaults to 0
-        # the ORT artifact trains every layer (its scope is baked in): the reference does too
-        ref = LocalTrainer(TINY, train_config_from_json("fedfs+feduv", {**TRAIN, "scope": "all"}), xi=xi_model()).train(
+        # the ORT artifact's scope is baked in; the task and the torch reference read the same one
+        with srv.admin() as a:
+            assert a.get("/v1/admin/config").json()["train"]["scope"] == scope
+        ref = LocalTrainer(TINY, train_config_from_json("fedfs+feduv", {**TRAIN, "scope": scope}), xi=xi_model()).train(
             tiny_weights(), x, codeword=codeword, seed=round_seed(0, 1))
         got = dict(uploads[1][0][0])
         diff = max(float(np.abs(got[k] - ref.weights[k].numpy()).max()) for k in got)
         moved = max(float((ref.weights[k] - tiny_weights()[k]).abs().max()) for k in got)
         assert moved > 1e-3 and diff <= TOL, (moved, diff)
+        trunk = [k for k in got if not is_top_key(k)]
+        kept = [k for k in trunk if np.array_equal(got[k], tiny_weights()[k].numpy())]
+        if scope == "top":      # the top trained on trunk.onnx's features; the trunk went back as received
+            assert trunk and kept == trunk
+            assert max(float(np.abs(got[k] - tiny_weights()[k].numpy()).max()) for k in got if is_top_key(k)) > 1e-3
+        else:
+            assert len(kept) < len(trunk)
 
         # θ_c, the codeword and the enrollment stayed on the device: no request body holds them.
         for f in ("personal.safetensors", "secrets.json", "enrollment.fedfs"):
@@ -135,10 +150,13 @@ def test_ort_runtime_checks_the_task_against_the_artifact() -> None:
 
     bad = [({"head_lr": 1.0}, "head_lr/lr"), ({"momentum": 0.9}, "plain SGD"),
            ({"objective": {"fedfs": {"gamma": 3.0}}}, "objective.fedfs.gamma"),
-           ({"objective": {"uv_weight": 2.0}}, "objective.uv_weight")]
+           ({"objective": {"uv_weight": 2.0}}, "objective.uv_weight"),
+           # this artifact trains every layer; a default round trains the top: both fixes are named
+           ({"scope": "top"}, "export the artifacts with --train '{\"scope\": \"top\"}', or start the server "
+                              "with --train '{\"scope\": \"all\"}'")]
     for extra, words in bad:
         task, info = _task(**TRAIN, **extra)
-        with pytest.raises(InputError, match=words.replace(".", r"\.").replace("/", "/")):
+        with pytest.raises(InputError, match=re.escape(words)):
             ort_settings_for(task, info)
     task, info = _task(**TRAIN)
     with pytest.raises(InputError, match="model_config.code_length"):

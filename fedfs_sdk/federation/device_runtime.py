@@ -280,6 +280,7 @@ class OrtRuntime:
                                   "write one with `fedfs export --formats onnx,ort-training`")
         self.intra_op_threads = intra_op_threads
         self._trainers: dict[tuple[str, OrtTrainSettings], Any] = {}
+        self._features: tuple[tuple[str, str], np.ndarray] | None = None   # scope=top: (trunk, photos) → features
 
     def check(self, enroll: bool = False) -> int:
         """Check the export folder before the device registers: every ``ort-training/*``
@@ -339,7 +340,8 @@ class OrtRuntime:
         codeword = agent.state.codeword(art.code_length) if uses_feduv(method) else None
         neg = negative_codewords(task, art.code_length) if uses_feduv(method) and settings.lambda_neg > 0 else None
         personal = agent.state.load_arrays("personal") if uses_fedfs(method) else None
-        up = trainer.train(weights, agent.images_array(art.input_size), personal_weights=personal,
+        images = agent.images_array(art.input_size)
+        up = trainer.train(weights, images, personal_weights=personal, features=self._trunk_features(trainer, images),
                            codeword=codeword, neg_codewords=neg, seed=round_seed(settings.seed, int(task["round_id"])))
         metrics = dict(up.metrics)
         upload = clip_upload(up.weights, weights, task, metrics)   # DP round: w_c − w clipped to C (float64)
@@ -351,6 +353,20 @@ class OrtRuntime:
 
             personal_bytes = save({k: np.ascontiguousarray(v) for k, v in up.personal_weights.items()})
         return LocalUpdate(body, up.num_samples, metrics, personal_bytes)   # θ_c stays on the device
+
+    def _trunk_features(self, trainer: Any, images: np.ndarray) -> np.ndarray | None:
+        """A ``scope="top"`` artifact's trunk features of the device's photos, computed once: the
+        photos and the trunk (its sha256) do not change between rounds, so later rounds train the
+        top alone, as the torch runtime does (:mod:`.device_features`). None for ``scope="all"``."""
+        trunk = trainer.artifact.trunk
+        if trunk is None:
+            return None
+        import hashlib
+
+        key = (str(trunk["sha256"]), hashlib.sha256(np.ascontiguousarray(images).tobytes()).hexdigest())
+        if self._features is None or self._features[0] != key:
+            self._features = (key, trainer.trunk_features(images))
+        return self._features[1]
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
                  verify: str | None = None, candidate: str = "personalized", persist: bool = True) -> "InferenceBackend":

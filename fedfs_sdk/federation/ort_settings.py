@@ -57,11 +57,12 @@ def ort_settings_for(task: Mapping[str, Any], info: Mapping[str, Any]) -> OrtTra
     for k in ("momentum", "weight_decay"):
         if scalars.get(k):
             problems.append(f"train.{k}={scalars[k]}: the ORT training artifacts run plain SGD only")
-    if scalars.get("scope", info.get("scope", "all")) != info.get("scope", "all"):
+    baked = info.get("scope", "all")
+    if scalars.get("scope", baked) != baked:
         problems.append(f"train.scope={scalars['scope']}: the ORT training artifact trains "
-                        f"{'every layer' if info.get('scope', 'all') == 'all' else 'the top only'} (its scope is baked in; "
-                        f"a federation of such devices starts its server with --train "
-                        f"'{{\"scope\": \"{info.get('scope', 'all')}\"}}')")
+                        f"{'every layer' if baked == 'all' else 'the top only'} (its scope is baked in; export the "
+                        f"artifacts with --train '{{\"scope\": \"{scalars['scope']}\"}}', or start the server with "
+                        f"--train '{{\"scope\": \"{baked}\"}}')")
     lr = float(scalars["lr"]) if scalars.get("lr") is not None else DEFAULT_LR[method]
     if not lr > 0:
         problems.append(f"train.lr must be > 0, got {lr}")

@@ -44,7 +44,17 @@ class TrainingArtifact:
             raise CheckpointError(f"{p / 'artifact.json'} is unreadable: {e}") from e
         if info.get("format") != ARTIFACT_FORMAT:
             raise CheckpointError(f"{p} has artifact format {info.get('format')!r}, expected {ARTIFACT_FORMAT!r}")
-        return cls(p, info)
+        art = cls(p, info)
+        if art.scope not in ("all", "top"):
+            raise CheckpointError(f"{p / 'artifact.json'} names scope {art.scope!r}; this fedfs knows 'all' and 'top'")
+        if art.scope == "top":
+            trunk = info.get("trunk")
+            if not isinstance(trunk, dict) or not all(trunk.get(k) for k in ("file", "feature_dim", "sha256")):
+                raise CheckpointError(f"{p / 'artifact.json'} is a scope='top' artifact without its trunk "
+                                      "(file, feature_dim, sha256): export again")
+            if not (p / str(trunk["file"])).is_file():
+                raise CheckpointError(f"{p} is not a complete ORT training artifact: missing {trunk['file']}")
+        return art
 
     @property
     def method(self) -> str:
@@ -53,6 +63,16 @@ class TrainingArtifact:
     @property
     def uses_soft_labels(self) -> bool:
         return self.info.get("soft_labels") is not None
+
+    @property
+    def scope(self) -> str:
+        """``all`` (the training graph takes images) or ``top`` (it takes ``trunk.onnx``'s features)."""
+        return str(self.info.get("scope") or "all")
+
+    @property
+    def trunk(self) -> dict[str, Any] | None:
+        """``scope="top"``: the trunk graph (``file``, ``input``, ``output``, ``feature_dim``, ``sha256``)."""
+        return self.info.get("trunk") if self.scope == "top" else None
 
     @property
     def input_size(self) -> int:

@@ -18,6 +18,12 @@ One round on the device (FedFS Alg. 1 client step / FedUV Alg. 1):
    ``state_dict`` keys — the upload format (:func:`encode_update`) — and ``θ_c``, which
    stays on the device.
 
+A ``scope="top"`` artifact (the methods' default, :mod:`export.ort_top`) trains the top alone: the
+device runs the artifact's ``trunk.onnx`` once over its photos (:meth:`OrtDeviceTrainer.trunk_features`;
+a caller keeps them across rounds) and steps 2–3 run on those features, as the torch trainer does
+with ``trunk_features``. The server's model must carry the trunk the artifact was exported with
+(``artifact.json`` ``trunk.sha256``); the trunk goes back up as received.
+
 Differences from :class:`fedfs_sdk.training.trainer.LocalTrainer`: batches are shuffled with numpy
 (not torch's generator), and only plain SGD exists (ORT's optimizer graph): momentum and
 weight decay must be 0.
@@ -38,6 +44,10 @@ from ..federation.wire_format import MODEL_FORMAT, UPDATE_FORMAT, read_header, u
 from .numpy_weights import (Weights, decode_model, dual_verifier_weights, encode_update, load_weights,  # noqa: F401
                             save_weights, verifier_weights)  # (re-exported: the numpy weights and wire moved down)
 from .ort_artifact import ARTIFACT_FORMAT, TrainingArtifact, artifact_subdir  # noqa: F401 (re-exported)
+from .top_keys import trunk_sha256
+
+TRUNK_BATCH = 32
+"""Images per ``trunk.onnx`` run (bounds its activation memory on a phone)."""
 
 
 @dataclass
@@ -105,6 +115,8 @@ class OrtDeviceTrainer:
                                   f"eval or optimizer graph damaged or from another export: "
                                   f"{str(e).splitlines()[0][:300]}); export again") from None
         self._optimizer.set_learning_rate(self.lr)
+        self._so = so
+        self._trunk_session: Any = None            # scope=top: trunk.onnx, opened on first use
         self._global_base: Weights | None = None
         self._personal_base: Weights | None = None
         if list(self._module.input_names(True)) != self._inputs:
@@ -162,16 +174,28 @@ class OrtDeviceTrainer:
             out[key] = (self._param(name) * np.float32(self._scales.get(name, 1.0))).astype(np.float32)
         return out
 
+    def _check_trunk(self, weights: Weights, what: str) -> None:
+        """``scope="top"``: ``weights`` must hold the trunk ``trunk.onnx`` was exported with — the
+        top trains on that trunk's features, so another trunk's model would get a top that does not fit it."""
+        trunk = self.artifact.trunk
+        if trunk is not None and trunk_sha256(weights) != trunk["sha256"]:
+            raise InputError(f"{what}: the trunk differs from the one this scope='top' artifact was exported with "
+                             f"(sha256 {trunk_sha256(weights)[:12]}… vs {str(trunk['sha256'])[:12]}…); the server's "
+                             "model is not the exported one's — export the artifacts from the server's model")
+
     def load_weights(self, global_weights: Mapping[str, Any], personal_weights: Mapping[str, Any] | None = None) -> None:
         """Put ``w`` (and ``θ_c``; from ``w`` without the head when None) into the training state.
 
-        Both are checked in full first (:meth:`_checked`); on bad input nothing changes."""
+        Both are checked in full first (:meth:`_checked`, and under ``scope="top"`` their trunks
+        against the artifact's); on bad input nothing changes."""
         g = self._checked("global", global_weights, "global weights")
+        self._check_trunk(g, "global weights")
         personal = None
         if self.artifact.uses_soft_labels:
             src = personal_weights if personal_weights is not None else {
                 k: v for k, v in g.items() if not k.startswith("uv_head.")}
             personal = self._checked("personal", src, "personalized weights")
+            self._check_trunk(personal, "personalized weights")
         self._write("global", g)
         if personal is not None:
             self._write("personal", personal)
@@ -197,7 +221,7 @@ class OrtDeviceTrainer:
                neg_codewords: np.ndarray | None) -> list[np.ndarray]:
         feeds = []
         for name in self._inputs:
-            if name == "x":
+            if name == self._inputs[0]:        # images x, or (scope=top) trunk features
                 feeds.append(x)
             elif name == "alpha":
                 feeds.append(alpha)
@@ -211,8 +235,9 @@ class OrtDeviceTrainer:
 
     def step(self, x: np.ndarray, codeword: np.ndarray | None = None,
              neg_codewords: np.ndarray | None = None) -> dict[str, float]:
-        """One SGD step on batch ``x`` (float32 ``[B,3,S,S]``, validated by :meth:`train`)
-        with the weights in the state (:meth:`load_weights`). Returns the loss parts."""
+        """One SGD step on batch ``x`` (float32 ``[B,3,S,S]``, or ``[B,F]`` trunk features for a
+        ``scope="top"`` artifact; validated by :meth:`train`) with the weights in the state
+        (:meth:`load_weights`). Returns the loss parts."""
         if self._global_base is None:
             raise InputError("no weights loaded yet: call load_weights() first")
         x = np.ascontiguousarray(x, dtype=np.float32)
@@ -264,14 +289,54 @@ class OrtDeviceTrainer:
                              f"(e.g. {n[bad][0]!r})")
         return n
 
+    def trunk_features(self, images: np.ndarray) -> np.ndarray:
+        """``scope="top"``: the trunk's features ``[N, F]`` of ``images`` (``trunk.onnx``, in batches
+        of :data:`TRUNK_BATCH`). A device computes them once: its photos and the trunk do not change."""
+        trunk = self.artifact.trunk
+        if trunk is None:
+            raise InputError(f"the {self.method} artifact trains every layer (scope='all'): it has no trunk graph")
+        x = check_batch(images, self.artifact.input_size)
+        if self._trunk_session is None:
+            ort = import_onnxruntime()
+            try:
+                self._trunk_session = ort.InferenceSession(str(self.artifact.path / trunk["file"]), self._so,
+                                                           providers=["CPUExecutionProvider"])
+            except Exception as e:  # noqa: BLE001 — a damaged graph file
+                raise CheckpointError(f"ONNX Runtime cannot load {self.artifact.path / trunk['file']} "
+                                      f"({str(e).splitlines()[0][:300]}); export again") from None
+        name_in, name_out = trunk.get("input", "x"), trunk.get("output", "features")
+        parts = [self._trunk_session.run([name_out], {name_in: np.ascontiguousarray(x[i:i + TRUNK_BATCH])})[0]
+                 for i in range(0, x.shape[0], TRUNK_BATCH)]
+        out = np.concatenate(parts) if parts else np.zeros((0, int(trunk["feature_dim"])), np.float32)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+    def _checked_features(self, features: Any, images: np.ndarray) -> np.ndarray:
+        """``features`` after checking they are the trunk's output of ``images``: one float row per
+        image of width ``F``, finite, and the first image's row recomputed (as the torch trainer checks)."""
+        n, width = int(images.shape[0]), int(self.artifact.trunk["feature_dim"])
+        f = np.asarray(features)
+        if f.ndim != 2 or f.shape != (n, width) or not np.issubdtype(f.dtype, np.floating):
+            raise InputError(f"features must be a float [{n}, {width}] array (one row per image), "
+                             f"got {f.dtype} {list(f.shape)}")
+        f = np.ascontiguousarray(f, dtype=np.float32)
+        ref = self.trunk_features(images[:1])
+        if not np.isfinite(f).all() or not np.allclose(f[:1], ref, rtol=1e-4, atol=1e-4):
+            raise InputError("features are not this artifact's trunk output of these images (the first row differs, "
+                             "or a value is not finite): compute them with trunk_features() on the same photos")
+        return f
+
     def train(self, global_weights: Mapping[str, Any], images: np.ndarray, *,
               personal_weights: Mapping[str, Any] | None = None, codeword: Any = None,
-              neg_codewords: Any = None, seed: int = 0) -> DeviceUpdate:
+              neg_codewords: Any = None, seed: int = 0, features: Any = None) -> DeviceUpdate:
         """One local update (FedFS Alg. 1 client / FedUV Alg. 1 client) from the artifacts.
 
         ``images``: float32 ``[N, 3, S, S]`` from :func:`fedfs_sdk.runtime.preprocess.preprocess`.
+        ``features`` (``scope="top"``): :meth:`trunk_features` of ``images``, kept by the caller
+        across rounds (computed here when None); ignored by a ``scope="all"`` artifact.
         """
         x_all = check_batch(images, self.artifact.input_size)
+        if self.artifact.trunk is not None:     # scope=top: the top trains on the trunk's output
+            x_all = (self.trunk_features(x_all) if features is None else self._checked_features(features, x_all))
         n = x_all.shape[0]
         if n == 0:
             raise InputError("no images to train on")

@@ -6,8 +6,11 @@ select the same tensors the torch trainer trains.
 """
 from __future__ import annotations
 
+import hashlib
 import re
-from typing import Mapping, TypeVar
+from typing import Any, Mapping, TypeVar
+
+import numpy as np
 
 _TOP = re.compile(r"(^|\.)(embed|embed_norm)\.|^(proj|uv_head)\.")
 
@@ -25,4 +28,17 @@ def top_entries(arrays: Mapping[str, V]) -> dict[str, V]:
     return {k: v for k, v in arrays.items() if is_top_key(k)}
 
 
-__all__ = ["is_top_key", "top_entries"]
+def trunk_sha256(weights: Mapping[str, Any]) -> str:
+    """sha256 of the trunk of a backbone state dict: every ``backbone.*`` entry :func:`is_top_key`
+    rejects, in sorted key order, as ``key NUL float32-little-endian-bytes``. What a ``scope="top"``
+    ORT artifact records of the trunk it was exported with (``trunk.onnx``) and what a device
+    computes of the model a server sends, so it never trains a top on another trunk's features."""
+    h = hashlib.sha256()
+    for key in sorted(k for k in weights if k.startswith("backbone.") and not is_top_key(k)):
+        v = weights[key]
+        arr = np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v, dtype="<f4")
+        h.update(key.encode() + b"\0" + np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
+
+
+__all__ = ["is_top_key", "top_entries", "trunk_sha256"]
