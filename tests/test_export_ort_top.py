@@ -161,3 +161,74 @@ def test_the_default_export_trains_the_top_and_the_runtime_runs_the_trunk_once()
     first = rt._trunk_features(trainer, x)
     assert rt._trunk_features(trainer, x) is first and calls == [5]   # the same photos: no second trunk pass
     assert rt._trunk_features(trainer, y).shape[0] == 4 and calls == [5, 4]
+
+
+def test_an_artifact_only_device_contributes_xis_statistics_like_a_torch_device(tmp_path) -> None:
+    """A statistics round of ξ (``xi.embedding``, ``xi.features``) on the ONNX runtime: embeddings from the
+    export's verifier graph with ξ written in, features from the top artifact's trunk.onnx — the same
+    contribution as the torch runtime's on the same photos (hold-out excluded), to float32 rounding."""
+    from conftest_server import write_images
+    from fedfs_sdk.federation.agent import DeviceAgent
+    from fedfs_sdk.federation.device_config import DeviceConfig
+    from fedfs_sdk.federation.device_runtime import OrtRuntime, TorchRuntime
+    from fedfs_sdk.federation.device_state import DeviceState
+    from fedfs_sdk.federation.device_stats import contribution
+    from fedfs_sdk.federation.server_client import ServerClient
+    from fedfs_sdk.federation.wire_format import sha256_hex
+    from fedfs_sdk.stats import EMBEDDING_BOUND, FEATURE_BOUND, feature_length
+    from fedfs_sdk.stats.in_domain import EMBEDDING, FEATURES
+    from fedfs_sdk.stats.transport import StatSpec, StatsTask
+    from conftest_export import checkpoints
+
+    out, _ = top_export()
+    xi_file = checkpoints()["xi"]
+    sha = sha256_hex(xi_file.read_bytes())
+    images = [str(p) for p in write_images(tmp_path / "img", 9, seed=3)]
+    task = StatsTask(1, 1, (StatSpec(EMBEDDING, "embedding", 2 * 64 + 1, EMBEDDING_BOUND),
+                            StatSpec(FEATURES, "features", feature_length(64), FEATURE_BOUND)),
+                     extra={"xi_sha256": sha})
+    got = {}
+    for name, runtime in (("ort", OrtRuntime(out)), ("torch", TorchRuntime("cpu"))):
+        cfg = DeviceConfig(xi_path=xi_file, enroll=True, artifacts=out if name == "ort" else None)
+        agent = DeviceAgent(ServerClient("http://127.0.0.1:9"), DeviceState(tmp_path / name), images, cfg,
+                            runtime=runtime)
+        got[name] = contribution(agent, task)
+    assert set(got["ort"]) == {EMBEDDING, FEATURES}
+    n = len(images) - len(agent.holdout_split()[1])
+    assert got["ort"][EMBEDDING][-1] == got["torch"][EMBEDDING][-1] == n     # the training photos only
+    for k in (EMBEDDING, FEATURES):
+        scale = max(1.0, float(np.abs(got["torch"][k]).max()))
+        assert float(np.abs(got["ort"][k] - got["torch"][k]).max()) / scale <= 1e-5, k
+    # … and in a process that cannot import torch, as on a phone
+    from conftest_export import run_device_script
+
+    code = f"""
+import json, numpy as np
+from fedfs_sdk.federation.agent import DeviceAgent
+from fedfs_sdk.federation.device_config import DeviceConfig
+from fedfs_sdk.federation.device_runtime import OrtRuntime
+from fedfs_sdk.federation.device_state import DeviceState
+from fedfs_sdk.federation.device_stats import contribution
+from fedfs_sdk.federation.server_client import ServerClient
+from fedfs_sdk.stats.transport import StatsTask
+from pathlib import Path
+task = StatsTask.from_json(json.loads({json.dumps(task.to_json())!r}))
+agent = DeviceAgent(ServerClient("http://127.0.0.1:9"), DeviceState(Path({str(tmp_path / 'nt')!r})), {images!r},
+                    DeviceConfig(xi_path=Path({str(xi_file)!r}), enroll=True, artifacts=Path({str(out)!r})),
+                    runtime=OrtRuntime({str(out)!r}))
+got = contribution(agent, task)
+print(json.dumps({{k: v.tolist() for k, v in got.items()}}))
+"""
+    no_torch = {k: np.asarray(v) for k, v in json.loads(run_device_script(code).strip().splitlines()[-1]).items()}
+    for k in (EMBEDDING, FEATURES):
+        assert np.array_equal(no_torch[k], got["ort"][k]), k
+    # a device whose ξ is another file than the one the artifacts were exported with: no trunk of it to run
+    from fedfs_sdk.nn.checkpoint import save_checkpoint
+
+    other_xi = tmp_path / "other-xi.safetensors"
+    save_checkpoint(other_xi, xi_model(), xi_model().config, {"role": "another ξ"})
+    other = StatsTask(2, 1, task.stats, extra={"xi_sha256": sha256_hex(other_xi.read_bytes())})
+    agent = DeviceAgent(ServerClient("http://127.0.0.1:9"), DeviceState(tmp_path / "o"), images,
+                        DeviceConfig(xi_path=other_xi, enroll=True, artifacts=out), runtime=OrtRuntime(out))
+    with pytest.raises(InputError, match="no scope='top' ORT artifact exported with the round's ξ"):
+        contribution(agent, other)

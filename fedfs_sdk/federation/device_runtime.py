@@ -280,7 +280,8 @@ class OrtRuntime:
                                   "write one with `fedfs export --formats onnx,ort-training`")
         self.intra_op_threads = intra_op_threads
         self._trainers: dict[tuple[str, OrtTrainSettings], Any] = {}
-        self._features: tuple[tuple[str, str], np.ndarray] | None = None   # scope=top: (trunk, photos) → features
+        self._trunks: dict[str, Any] = {}              # artifact folder → its TrunkGraph (scope=top)
+        self._features: dict[tuple[str, str], np.ndarray] = {}     # (trunk sha256, photos' sha256) → features
 
     def check(self, enroll: bool = False) -> int:
         """Check the export folder before the device registers: every ``ort-training/*``
@@ -341,7 +342,8 @@ class OrtRuntime:
         neg = negative_codewords(task, art.code_length) if uses_feduv(method) and settings.lambda_neg > 0 else None
         personal = agent.state.load_arrays("personal") if uses_fedfs(method) else None
         images = agent.images_array(art.input_size)
-        up = trainer.train(weights, images, personal_weights=personal, features=self._trunk_features(trainer, images),
+        feats = self.trunk_features(art, images) if art.trunk is not None else None
+        up = trainer.train(weights, images, personal_weights=personal, features=feats,
                            codeword=codeword, neg_codewords=neg, seed=round_seed(settings.seed, int(task["round_id"])))
         metrics = dict(up.metrics)
         upload = clip_upload(up.weights, weights, task, metrics)   # DP round: w_c − w clipped to C (float64)
@@ -354,19 +356,57 @@ class OrtRuntime:
             personal_bytes = save({k: np.ascontiguousarray(v) for k, v in up.personal_weights.items()})
         return LocalUpdate(body, up.num_samples, metrics, personal_bytes)   # θ_c stays on the device
 
-    def _trunk_features(self, trainer: Any, images: np.ndarray) -> np.ndarray | None:
-        """A ``scope="top"`` artifact's trunk features of the device's photos, computed once: the
-        photos and the trunk (its sha256) do not change between rounds, so later rounds train the
-        top alone, as the torch runtime does (:mod:`.device_features`). None for ``scope="all"``."""
-        trunk = trainer.artifact.trunk
-        if trunk is None:
-            return None
+    def trunk_features(self, artifact: Any, images: np.ndarray) -> np.ndarray:
+        """A ``scope="top"`` artifact's trunk features of ``images``, computed once: the photos and the
+        trunk (its sha256) do not change between rounds, so later rounds train the top alone, and a
+        statistics round of ξ reuses them, as the torch runtime does (:mod:`.device_features`)."""
         import hashlib
 
-        key = (str(trunk["sha256"]), hashlib.sha256(np.ascontiguousarray(images).tobytes()).hexdigest())
-        if self._features is None or self._features[0] != key:
-            self._features = (key, trainer.trunk_features(images))
-        return self._features[1]
+        from ..training.ort_device import TrunkGraph
+
+        key = str(artifact.path)
+        if key not in self._trunks:
+            self._trunks[key] = TrunkGraph(artifact, self.intra_op_threads)
+        trunk = self._trunks[key]
+        fkey = (trunk.sha256, hashlib.sha256(np.ascontiguousarray(images).tobytes()).hexdigest())
+        if fkey not in self._features:
+            if len(self._features) >= 4:      # a device's photo sets: training, hold-out-less, all
+                self._features.pop(next(iter(self._features)))
+            self._features[fkey] = trunk.features(images)
+        return self._features[fkey]
+
+    def xi_statistics(self, agent: DeviceContext, xi_file: Path, xi_sha: str, positions: np.ndarray,
+                      features: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """ξ's embeddings (and trunk features) of the owner's photos at ``positions``, for a statistics
+        round (:func:`~fedfs_sdk.federation.device_stats.xi_moments`) — torch-free: the embeddings from the
+        export's ``onnx/verifier.onnx`` with ξ's backbone written in, the features from the ``trunk.onnx``
+        of a ``scope="top"`` artifact exported with this ξ (its trunk is ξ's). :class:`InputError` names
+        what the export lacks."""
+        from ..runtime.onnx_backend import OnnxBackend
+        from ..training.ort_device import TrainingArtifact
+
+        arts = [TrainingArtifact.load(p) for p in sorted((self.root / "ort-training").iterdir()) if p.is_dir()]
+        with_xi = [a for a in arts if a.info.get("xi_sha256") == xi_sha and a.trunk is not None]
+        if features and not with_xi:
+            raise InputError(f"{self.root} has no scope='top' ORT artifact exported with the round's ξ "
+                             f"({xi_sha[:12]}…): its trunk graph gives ξ's trunk features; export with --xi and the "
+                             "default scope")
+        onnx = self.root / "onnx" / "verifier.onnx"
+        if not onnx.is_file():
+            raise InputError(f"{self.root} has no onnx/verifier.onnx to embed with ξ; export with --formats onnx,ort-training")
+        from safetensors.numpy import load_file
+
+        xi = {k: v for k, v in load_file(str(xi_file)).items() if k.startswith("backbone.")}
+        try:        # another architecture's weights are refused by name or shape, never loaded into other layers
+            backend = OnnxBackend(onnx, weights=xi, intra_op_threads=self.intra_op_threads)
+        except InputError as e:
+            raise InputError(f"ξ's backbone does not fit the exported verifier graph ({e}): the ONNX runtime cannot "
+                             "embed with ξ (use the torch runtime, or a ξ of the global model's architecture)") from None
+        x = agent.all_images_array(backend.input_size)[positions]
+        e = backend.run(np.ascontiguousarray(x))["embedding"]
+        f = self.trunk_features(with_xi[0], x) if features else None
+        return np.asarray(e, dtype=np.float32), f
+
 
     def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
                  verify: str | None = None, candidate: str = "personalized", persist: bool = True) -> "InferenceBackend":

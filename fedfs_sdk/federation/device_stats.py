@@ -14,9 +14,11 @@ enrollment (issue 29) — the rule of the simulator's ``check=in-domain``, from 
   :func:`~fedfs_sdk.stats.in_domain.decide`. When statistics are missing it raises
   :class:`StatsUnavailable` naming why, and the caller falls back (public impostors, else ξ).
 
-The torch runtime runs all of it. The ORT runtime (an export folder) has no trunk output: it cannot
-compute trunk features or score drawn ones, so it neither contributes ξ's moments nor runs the
-in-domain check (it falls back, saying so).
+The torch runtime runs all of it. The ORT runtime (an export folder) contributes ξ's moments —
+embeddings from the export's verifier graph with ξ's backbone, trunk features from a ``scope="top"``
+artifact's ``trunk.onnx`` (:meth:`~.device_runtime.OrtRuntime.xi_statistics`) — but cannot score drawn
+trunk features through a candidate's top (the export has no top graph), so it does not run the
+in-domain check at enrollment (it falls back, saying so).
 """
 from __future__ import annotations
 
@@ -96,9 +98,6 @@ def xi_moments(agent: Any, task) -> dict[str, np.ndarray]:
     from .device_runtime import TorchRuntime
     from .wire_format import sha256_hex
 
-    if not isinstance(agent.runtime, TorchRuntime):
-        raise StatsUnavailable(f"the {agent.runtime.name} runtime has no trunk output to compute ξ's statistics "
-                               "(the export's verifier graph ends at the embedding)")
     sha = task.extra.get("xi_sha256")
     if not sha:
         raise StatsUnavailable("the statistics round names no ξ (xi_sha256)")
@@ -106,9 +105,14 @@ def xi_moments(agent: Any, task) -> dict[str, np.ndarray]:
     if sha256_hex(Path(path).read_bytes()) != sha:
         raise StatsUnavailable(f"the round's ξ ({sha[:12]}…) is not this device's ξ ({path})")
     specs = {s.name: s for s in task.stats}
-    net = device_xi(agent, path).eval()                   # the agent's kept ξ (read-only)
-    x = agent.all_images_array(int(net.backbone.input_size))[agent.holdout_split()[0]]
-    e, f = _embed_xi(net, x, FEATURES in specs, agent=agent, xi_sha=sha)
+    if isinstance(agent.runtime, TorchRuntime):
+        net = device_xi(agent, path).eval()                   # the agent's kept ξ (read-only)
+        x = agent.all_images_array(int(net.backbone.input_size))[agent.holdout_split()[0]]
+        e, f = _embed_xi(net, x, FEATURES in specs, agent=agent, xi_sha=sha)
+    elif hasattr(agent.runtime, "xi_statistics"):          # ONNX Runtime: verifier.onnx with ξ, trunk.onnx
+        e, f = agent.runtime.xi_statistics(agent, Path(path), sha, agent.holdout_split()[0], FEATURES in specs)
+    else:
+        raise StatsUnavailable(f"the {agent.runtime.name} runtime cannot compute ξ's statistics")
     out: dict[str, np.ndarray] = {}
     if EMBEDDING in specs:
         out[EMBEDDING] = embedding_moments(e, specs[EMBEDDING].bound, task.max_photos)

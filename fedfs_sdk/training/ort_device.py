@@ -50,6 +50,41 @@ TRUNK_BATCH = 32
 """Images per ``trunk.onnx`` run (bounds its activation memory on a phone)."""
 
 
+class TrunkGraph:
+    """A ``scope="top"`` artifact's ``trunk.onnx`` (images ``[N,3,S,S]`` → features ``[N,F]``),
+    run in batches of :data:`TRUNK_BATCH`; torch-free. The trainer trains on its output, and an
+    artifact exported with ξ gives ξ's trunk features for a statistics round (its trunk is ξ's)."""
+
+    def __init__(self, artifact: TrainingArtifact, intra_op_threads: int | None = None) -> None:
+        trunk = artifact.trunk
+        if trunk is None:
+            raise InputError(f"the {artifact.method} artifact trains every layer (scope='all'): it has no trunk graph")
+        self.artifact, self.info = artifact, trunk
+        ort = import_onnxruntime()
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if intra_op_threads is not None:
+            so.intra_op_num_threads = int(intra_op_threads)
+        try:
+            self.session = ort.InferenceSession(str(artifact.path / trunk["file"]), so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001 — a damaged graph file
+            raise CheckpointError(f"ONNX Runtime cannot load {artifact.path / trunk['file']} "
+                                  f"({str(e).splitlines()[0][:300]}); export again") from None
+
+    @property
+    def sha256(self) -> str:
+        """:func:`~fedfs_sdk.training.top_keys.trunk_sha256` of the trunk inside."""
+        return str(self.info["sha256"])
+
+    def features(self, images: np.ndarray) -> np.ndarray:
+        x = check_batch(images, self.artifact.input_size)
+        name_in, name_out = self.info.get("input", "x"), self.info.get("output", "features")
+        parts = [self.session.run([name_out], {name_in: np.ascontiguousarray(x[i:i + TRUNK_BATCH])})[0]
+                 for i in range(0, x.shape[0], TRUNK_BATCH)]
+        out = np.concatenate(parts) if parts else np.zeros((0, int(self.info["feature_dim"])), np.float32)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+
 @dataclass
 class DeviceUpdate:
     """Result of one local update. Only ``weights`` and ``num_samples`` are uploaded."""
@@ -115,8 +150,8 @@ class OrtDeviceTrainer:
                                   f"eval or optimizer graph damaged or from another export: "
                                   f"{str(e).splitlines()[0][:300]}); export again") from None
         self._optimizer.set_learning_rate(self.lr)
-        self._so = so
-        self._trunk_session: Any = None            # scope=top: trunk.onnx, opened on first use
+        self._threads = intra_op_threads
+        self._trunk: TrunkGraph | None = None      # scope=top: trunk.onnx, opened on first use
         self._global_base: Weights | None = None
         self._personal_base: Weights | None = None
         if list(self._module.input_names(True)) != self._inputs:
@@ -292,23 +327,9 @@ class OrtDeviceTrainer:
     def trunk_features(self, images: np.ndarray) -> np.ndarray:
         """``scope="top"``: the trunk's features ``[N, F]`` of ``images`` (``trunk.onnx``, in batches
         of :data:`TRUNK_BATCH`). A device computes them once: its photos and the trunk do not change."""
-        trunk = self.artifact.trunk
-        if trunk is None:
-            raise InputError(f"the {self.method} artifact trains every layer (scope='all'): it has no trunk graph")
-        x = check_batch(images, self.artifact.input_size)
-        if self._trunk_session is None:
-            ort = import_onnxruntime()
-            try:
-                self._trunk_session = ort.InferenceSession(str(self.artifact.path / trunk["file"]), self._so,
-                                                           providers=["CPUExecutionProvider"])
-            except Exception as e:  # noqa: BLE001 — a damaged graph file
-                raise CheckpointError(f"ONNX Runtime cannot load {self.artifact.path / trunk['file']} "
-                                      f"({str(e).splitlines()[0][:300]}); export again") from None
-        name_in, name_out = trunk.get("input", "x"), trunk.get("output", "features")
-        parts = [self._trunk_session.run([name_out], {name_in: np.ascontiguousarray(x[i:i + TRUNK_BATCH])})[0]
-                 for i in range(0, x.shape[0], TRUNK_BATCH)]
-        out = np.concatenate(parts) if parts else np.zeros((0, int(trunk["feature_dim"])), np.float32)
-        return np.ascontiguousarray(out, dtype=np.float32)
+        if self._trunk is None:
+            self._trunk = TrunkGraph(self.artifact, self._threads)
+        return self._trunk.features(images)
 
     def _checked_features(self, features: Any, images: np.ndarray) -> np.ndarray:
         """``features`` after checking they are the trunk's output of ``images``: one float row per
@@ -363,6 +384,6 @@ class OrtDeviceTrainer:
         return DeviceUpdate(self.global_weights(), int(n), self.personal_weights(), metrics)
 
 
-__all__ = ["OrtDeviceTrainer", "DeviceUpdate", "TrainingArtifact", "ARTIFACT_FORMAT", "artifact_subdir", "Weights",
+__all__ = ["OrtDeviceTrainer", "TrunkGraph", "TRUNK_BATCH", "DeviceUpdate", "TrainingArtifact", "ARTIFACT_FORMAT", "artifact_subdir", "Weights",
            "verifier_weights", "dual_verifier_weights", "encode_update", "decode_model", "save_weights", "load_weights",
            "MODEL_FORMAT", "UPDATE_FORMAT", "read_header", "update_metadata"]
