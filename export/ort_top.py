@@ -107,5 +107,50 @@ def export_trunk(backbone: nn.Module, out_dir: Path, what: str) -> dict[str, Any
             "sha256": trunk_sha256({f"backbone.{k}": t for k, t in backbone.state_dict().items()})}
 
 
-__all__ = ["TRUNK_FILE", "TRUNK_INPUT", "TRUNK_OUTPUT", "FEATURES_INPUT", "check_top_exportable", "feature_dim",
+TOP_FILE = "onnx/top.onnx"
+"""The verifier backbone's top (``features → embedding``; initializers ``backbone.embed*``): with the
+artifacts' ``trunk.onnx`` the whole backbone. A device writes a candidate's top weights in and runs it on
+its photos' trunk features and on impostor features drawn in the federation's conditions
+(:mod:`fedfs_sdk.federation.ort_check`): the in-domain check, torch-free."""
+
+
+class _TopOfBackbone(nn.Module):
+    """``backbone.embed*`` naming for the top graph's initializers (the verifier's state-dict names)."""
+
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.backbone = EmbeddingTop(backbone)
+
+    def forward(self, f: torch.Tensor) -> torch.Tensor:
+        return self.backbone(f)
+
+
+def export_top_graph(backbone: nn.Module, path: Path) -> dict[str, Any]:
+    """Write ``top.onnx`` of ``backbone`` (eval mode, dynamic batch) and check it against torch on
+    random features. Returns the manifest entry."""
+    top = _TopOfBackbone(copy.deepcopy(backbone).eval()).eval()
+    width = feature_dim(backbone)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(top, (torch.zeros(2, width),), str(path), dynamo=False, opset_version=OPSET,
+                          input_names=[FEATURES_INPUT], output_names=["embedding"], do_constant_folding=False,
+                          dynamic_axes={FEATURES_INPUT: {0: "batch"}, "embedding": {0: "batch"}})
+    check_runtime_compatible(onnx.load(str(path)), path.name)
+    import onnxruntime as ort
+
+    probe = np.random.default_rng(1).normal(0, 1, (5, width)).astype(np.float32)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {FEATURES_INPUT: probe})[0]
+    with torch.no_grad():
+        ref = top(torch.from_numpy(probe)).numpy()
+    err = float(np.abs(got - ref).max() / max(1.0, float(np.abs(ref).max())))
+    if got.shape != ref.shape or not err <= 1e-4:
+        raise ExportError(f"{path.name} differs from torch's top by {err:.2e} (> 1e-4)")
+    names = sorted(i.name for i in onnx.load(str(path)).graph.initializer if i.name.startswith("backbone."))
+    return {"file": TOP_FILE, "input": FEATURES_INPUT, "output": "embedding", "feature_dim": width,
+            "parameters": names, "max_abs_diff_vs_torch": err}
+
+
+__all__ = ["TOP_FILE", "export_top_graph", "TRUNK_FILE", "TRUNK_INPUT", "TRUNK_OUTPUT", "FEATURES_INPUT", "check_top_exportable", "feature_dim",
            "top_models", "export_trunk"]

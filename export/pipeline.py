@@ -327,6 +327,11 @@ def run_export(checkpoint: str | os.PathLike[str], out: str | os.PathLike[str], 
                                  "batch_size": info["batch_size"], "soft_labels": info["soft_labels"]}
             artifacts["ort-training"] = {"methods": per_method, "runtime": "onnxruntime-training 1.19.2 C API "
                                          "(fedfs_sdk.training.ort_device.OrtDeviceTrainer)"}
+            if "onnx" in formats and any(v["scope"] == "top" for v in per_method.values()):
+                from .ort_top import TOP_FILE, export_top_graph
+
+                step("ONNX top graph (the in-domain check on trunk features)")
+                artifacts["onnx-top"] = export_top_graph(verifier.backbone, tmp / TOP_FILE)
         step("manifest")
         source = {"file": source_ckpt.name, "sha256": source_ckpt.sha256, "meta": meta}
         if xi_ckpt is not None:

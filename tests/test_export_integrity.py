@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from conftest_export import full_export
-from fedfs_sdk.federation.device_runtime import OrtRuntime
+from fedfs_sdk.federation.ort_runtime import OrtRuntime
 from fedfs_sdk.errors import CheckpointError
 from fedfs_sdk.runtime.onnx_backend import OnnxBackend
 from fedfs_sdk.training.ort_device import OrtDeviceTrainer

@@ -145,22 +145,23 @@ def test_a_top_artifact_without_its_trunk_is_refused(tmp_path) -> None:
 def test_the_default_export_trains_the_top_and_the_runtime_runs_the_trunk_once() -> None:
     """`fedfs export --formats onnx,ort-training` with no --train: scope=top artifacts (what a
     default server round asks); the device runtime keeps its photos' trunk features across rounds."""
-    from fedfs_sdk.federation.device_runtime import OrtRuntime
+    from fedfs_sdk.federation.ort_runtime import OrtRuntime
 
     out, manifest = top_export()
     per_method = manifest["artifacts"]["ort-training"]["methods"]
     assert per_method and {m["scope"] for m in per_method.values()} == {"top"}
     assert any(p.endswith("trunk.onnx") for p in manifest["files"])
     rt = OrtRuntime(out)
-    trainer = OrtDeviceTrainer(out / per_method["fedfs+feduv"]["folder"])
-    calls = []
-    real = trainer.trunk_features
-    trainer.trunk_features = lambda images: calls.append(len(images)) or real(images)
+    art = TrainingArtifact.load(out / per_method["fedfs+feduv"]["folder"])
     x, _ = faces(1, 5, seed=7)
     y, _ = faces(1, 4, seed=8)
-    first = rt._trunk_features(trainer, x)
-    assert rt._trunk_features(trainer, x) is first and calls == [5]   # the same photos: no second trunk pass
-    assert rt._trunk_features(trainer, y).shape[0] == 4 and calls == [5, 4]
+    first = rt.trunk_features(art, x)
+    (graph,) = rt._trunks.values()
+    calls = []
+    real = graph.features
+    graph.features = lambda images: calls.append(len(images)) or real(images)
+    assert rt.trunk_features(art, x.copy()) is first and calls == []     # the same photos: no second trunk pass
+    assert rt.trunk_features(art, y).shape[0] == 4 and calls == [4]
 
 
 def test_an_artifact_only_device_contributes_xis_statistics_like_a_torch_device(tmp_path) -> None:
@@ -170,7 +171,8 @@ def test_an_artifact_only_device_contributes_xis_statistics_like_a_torch_device(
     from conftest_server import write_images
     from fedfs_sdk.federation.agent import DeviceAgent
     from fedfs_sdk.federation.device_config import DeviceConfig
-    from fedfs_sdk.federation.device_runtime import OrtRuntime, TorchRuntime
+    from fedfs_sdk.federation.device_runtime import TorchRuntime
+    from fedfs_sdk.federation.ort_runtime import OrtRuntime
     from fedfs_sdk.federation.device_state import DeviceState
     from fedfs_sdk.federation.device_stats import contribution
     from fedfs_sdk.federation.server_client import ServerClient
@@ -206,7 +208,7 @@ def test_an_artifact_only_device_contributes_xis_statistics_like_a_torch_device(
 import json, numpy as np
 from fedfs_sdk.federation.agent import DeviceAgent
 from fedfs_sdk.federation.device_config import DeviceConfig
-from fedfs_sdk.federation.device_runtime import OrtRuntime
+from fedfs_sdk.federation.ort_runtime import OrtRuntime
 from fedfs_sdk.federation.device_state import DeviceState
 from fedfs_sdk.federation.device_stats import contribution
 from fedfs_sdk.federation.server_client import ServerClient

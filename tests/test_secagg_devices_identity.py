@@ -40,7 +40,8 @@ from pathlib import Path
 sys.path.insert(0, {root!r})
 from fedfs_sdk.federation.agent import DeviceAgent
 from fedfs_sdk.federation.device_config import DeviceConfig
-from fedfs_sdk.federation.device_runtime import OrtRuntime, TorchRuntime
+from fedfs_sdk.federation.device_runtime import TorchRuntime
+from fedfs_sdk.federation.ort_runtime import OrtRuntime
 from fedfs_sdk.federation.server_client import ServerClient
 from fedfs_sdk.federation.device_state import DeviceState
 from fedfs_sdk.federation.secagg import CaPublicKey, DevicePolicy

@@ -5,7 +5,8 @@ by itself — ξ's moments before the weight round, the check results after it �
 ten :class:`DeviceAgent` s (one test process, each its own state folder and certified identity, the
 default :class:`DeviceConfig` apart from the CA they pin) take part in both without extra flags, and at
 enrollment choose with the in-domain check, ``norm-adapt`` ξ as a candidate and the federation's
-verdict. Each device's choice is the simulator rule's (:func:`fedfs_sdk.stats.in_domain.decide` on the
+verdict — half of them torch devices, half artifact-only phones (``fedfs export``'s default ORT artifacts
+of the server's model). Each device's choice is the simulator rule's (:func:`fedfs_sdk.stats.in_domain.decide` on the
 simulator's checks, :class:`device_sim.methods.selection.SimSelection`'s functions) recomputed from the
 published sums, the device's own contribution and its photos; the published sums equal the sums of the
 devices' own contributions (:func:`fedfs_sdk.stats.sum_contributions`, the simulator's sum).
@@ -51,14 +52,25 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
     events: dict[int, list] = {d: [] for d in range(N)}
     states = [DeviceState(tmp_path / f"dev{d}") for d in range(N)]
     try:
+        # the odd devices are phones: `fedfs export`'s default artifacts of the server's model, no torch in
+        # their computation (ONNX Runtime: trunk.onnx, the top's training graph, onnx/top.onnx, the verifiers)
+        from export.pipeline import ExportOptions, run_export
+        from fedfs_sdk.federation.ort_runtime import OrtRuntime
+
+        with ServerClient(srv.url, ADMIN) as admin0:
+            (tmp_path / "v1.safetensors").write_bytes(admin0.request("GET", "/v1/models/1").content)
+        run_export(tmp_path / "v1.safetensors", tmp_path / "phone", ExportOptions(
+            formats=("onnx", "ort-training"), xi=str(tmp_path / "xi.safetensors"), methods=("fedfs+feduv",), train=TRAIN))
         agents = []
         for d in range(N):
             cert = ca.sign_request(identity_request(states[d], f"dev{d}"))
             cert.save(tmp_path / f"cert{d}.json")
             images = [str(p) for p in write_images(tmp_path / f"img{d}", 8, seed=40 + d)]
-            cfg = DeviceConfig(rounds=1, enroll=True, q=0.8, wait_timeout_s=200,
+            phone = d % 2 == 1
+            cfg = DeviceConfig(rounds=1, enroll=True, q=0.8, wait_timeout_s=200, artifacts=tmp_path / "phone" if phone else None,
                                secagg=DevicePolicy(ca=CaPublicKey.load(pub)), identity_certificate=tmp_path / f"cert{d}.json")
             agents.append(DeviceAgent(ServerClient(srv.url), states[d], images, cfg,
+                                      runtime=OrtRuntime(tmp_path / "phone", intra_op_threads=1) if phone else None,
                                       on_event=lambda n, f, d=d: events[d].append((n, f))))
         with ThreadPoolExecutor(N) as pool:
             reports = list(pool.map(lambda a: a.run(), agents))
@@ -86,6 +98,7 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
         for d, rep in enumerate(reports):
             sel = rep.enrollment.meta["selection"]
             assert sel["check"] == "in-domain" and sel["in_stats_round"] and "fallback" not in sel, sel
+            assert rep.enrollment.meta["runtime"] == ("ort" if d % 2 else "torch")
             assert [c["name"] for c in sel["checks"]] == ["xi", "norm-adapt", "global", "personalized"]
             assert sel["verdict"] == f"published over {N} devices"
             names = [n for n, _ in events[d]]

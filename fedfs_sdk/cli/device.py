@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from ..federation.agent import DeviceAgent
     from ..federation.device_config import DeviceConfig, check_local_inputs
     from ..federation.server_client import ServerClient, check_server_url
-    from ..federation.device_runtime import OrtRuntime
+    from ..federation.ort_runtime import OrtRuntime
     from ..federation.device_state import DeviceState
     from ..errors import InputError
     from ..runtime.preprocess import list_images

@@ -31,7 +31,8 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from .device_config import DeviceConfig, check_local_inputs
-from .device_runtime import DeviceRuntime, OrtRuntime, TorchRuntime
+from .device_runtime import DeviceRuntime, TorchRuntime
+from .ort_runtime import OrtRuntime
 from .device_state import DeviceState, DeviceStateError
 from ..errors import InputError, ProtocolError
 from ..training.methods import check_method, check_verification

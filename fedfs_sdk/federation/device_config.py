@@ -12,7 +12,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .device_runtime import DeviceRuntime, OrtRuntime
+from .device_runtime import DeviceRuntime
+from .ort_runtime import OrtRuntime
 from ..errors import CheckpointError, InputError
 from ..training.methods import SCORES, VERIFY_MODELS
 from .secagg.policy import DevicePolicy

@@ -14,11 +14,10 @@ enrollment (issue 29) — the rule of the simulator's ``check=in-domain``, from 
   :func:`~fedfs_sdk.stats.in_domain.decide`. When statistics are missing it raises
   :class:`StatsUnavailable` naming why, and the caller falls back (public impostors, else ξ).
 
-The torch runtime runs all of it. The ORT runtime (an export folder) contributes ξ's moments —
-embeddings from the export's verifier graph with ξ's backbone, trunk features from a ``scope="top"``
-artifact's ``trunk.onnx`` (:meth:`~.device_runtime.OrtRuntime.xi_statistics`) — but cannot score drawn
-trunk features through a candidate's top (the export has no top graph), so it does not run the
-in-domain check at enrollment (it falls back, saying so).
+The torch runtime runs all of it, and so does the ORT runtime (an export folder, no torch) from the
+export's graphs (:mod:`.ort_check`): ξ's embeddings from the verifier graph with ξ's backbone, trunk
+features from a ``scope="top"`` artifact's ``trunk.onnx``, each candidate's top from ``onnx/top.onnx``.
+An export without them (``scope="all"`` artifacts) contributes nothing and falls back, saying why.
 """
 from __future__ import annotations
 
@@ -206,9 +205,9 @@ def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: st
     from .device_runtime import TorchRuntime, xi_path
     from .wire_format import sha256_hex
 
-    if not isinstance(agent.runtime, TorchRuntime):
-        raise StatsUnavailable(f"the {agent.runtime.name} runtime cannot score drawn trunk features (its verifier "
-                               "graph takes images only)")
+    torch_runtime = isinstance(agent.runtime, TorchRuntime)
+    if not torch_runtime and not hasattr(agent.runtime, "in_domain_check"):
+        raise StatsUnavailable(f"the {agent.runtime.name} runtime cannot score drawn trunk features")
     if not has_xi(agent):
         raise StatsUnavailable("no ξ to compare with")
     train, hold = agent.holdout_split()
@@ -224,10 +223,14 @@ def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: st
     names = candidate_names(trained, has_norm)
     seed = int(xi_pub["task"].get("extra", {}).get("draw_seed", 0))
     drawn = in_domain_draws(np.asarray(xi_pub["sums"][FEATURES]), None if own is None else own.get(FEATURES), seed)
-    xi_net = device_xi(agent, xi_path(agent)).eval()
     try:
-        checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold, score,
-                                  xi_sha=xi_sha) for name in names]
+        if torch_runtime:
+            xi_net = device_xi(agent, xi_path(agent)).eval()
+            checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold, score,
+                                      xi_sha=xi_sha) for name in names]
+        else:                         # ONNX Runtime: the export's trunk and top graphs (.ort_check)
+            checks = [agent.runtime.in_domain_check(agent, name, method, model, verify, score, drawn, train, hold,
+                                                    xi_path(agent), xi_sha, agent.stats_embedding_sum) for name in names]
     except InputError as e:          # a candidate this device cannot build (e.g. no θ_c yet): the fallback decides
         raise StatsUnavailable(f"a candidate cannot be checked here: {e}") from None
     agent._stats_checks = (version, checks)

@@ -86,11 +86,15 @@ def embedding_norm_prefix(weights: Mapping[str, Any]) -> str:
 
 def fold_standardization(weights: Mapping[str, Any], mu, sd) -> dict:
     """New weights whose embedding is ``(e − μ)/s`` (``s = 1`` when ``sd`` is None), folded
-    into the ``embed_norm`` affine: ``γ' = γ/s``, ``β' = (β − μ)/s``."""
-    import torch
-
+    into the ``embed_norm`` affine: ``γ' = γ/s``, ``β' = (β − μ)/s``. Torch tensors (``mu``, ``sd`` from
+    :func:`torch_fold`) or float32 numpy arrays (:func:`norm_adapt_arrays`, the ONNX runtime's)."""
     pre = embedding_norm_prefix(weights)
-    s = torch.ones_like(mu) if sd is None else sd.clamp_min(1e-6)
+    if isinstance(mu, np.ndarray):
+        s = np.ones_like(mu) if sd is None else np.maximum(sd, np.float32(1e-6))
+    else:
+        import torch
+
+        s = torch.ones_like(mu) if sd is None else sd.clamp_min(1e-6)
     out = dict(weights)
     out[pre + "weight"] = weights[pre + "weight"] / s
     out[pre + "bias"] = (weights[pre + "bias"] - mu) / s
@@ -110,6 +114,13 @@ def norm_adapt_weights(weights: Mapping[str, Any], embedding_sum: np.ndarray, mo
     return fold_standardization(weights, *torch_fold(norm_fold_from_sum(embedding_sum, mode)))
 
 
+def norm_adapt_arrays(weights: Mapping[str, np.ndarray], embedding_sum: np.ndarray, mode: str = "standardize") -> dict:
+    """:func:`norm_adapt_weights` on float32 numpy arrays (no torch): the same float32 arithmetic."""
+    mu, sd = norm_fold_from_sum(embedding_sum, mode)
+    w = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
+    return fold_standardization(w, mu.astype(np.float32), None if sd is None else sd.astype(np.float32))
+
+
 def top_verifier(net):
     """The verifier ``net`` after ξ's trunk: the same heads on :class:`~fedfs_sdk.training.scope.EmbeddingTop`
     backbones (shared modules, so its parameter names are the top-only subset of ``net``'s)."""
@@ -124,5 +135,5 @@ def top_verifier(net):
 
 
 __all__ = ["EMBEDDING", "FEATURES", "CHECKS", "IN_DOMAIN_CANDIDATES", "candidate_names", "in_domain_draws", "in_domain_factor", "decide",
-           "check_contributions", "embedding_norm_prefix", "fold_standardization", "torch_fold", "norm_adapt_weights",
+           "check_contributions", "embedding_norm_prefix", "fold_standardization", "torch_fold", "norm_adapt_weights", "norm_adapt_arrays",
            "top_verifier"]

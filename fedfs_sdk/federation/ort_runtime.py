@@ -1,0 +1,239 @@
+"""The phone's device runtime: local training and verification from an export folder alone, no torch
+(:class:`OrtRuntime`; the torch runtime and what both share: :mod:`.device_runtime`).
+
+An export (``fedfs export --formats onnx,ort-training``) holds, per method the server may ask for, the
+ONNX Runtime training artifacts (``ort-training/<method>/``; by default they train the top on
+``trunk.onnx``'s features, :mod:`export.ort_top`) and the verifier graphs (``onnx/verifier.onnx``,
+``onnx/verifier-dual.onnx``, ``onnx/top.onnx``). :class:`OrtRuntime` trains from the former
+(:class:`~fedfs_sdk.training.ort_device.OrtDeviceTrainer`), enrolls with the latter
+(:class:`~fedfs_sdk.runtime.onnx_backend.OnnxBackend`), and takes part in the statistics rounds and the
+in-domain check from the same graphs (:mod:`.ort_check`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from ..errors import CheckpointError, InputError
+from ..training.methods import check_method, uses_fedfs, uses_feduv
+from .device_runtime import (DUAL_ONNX_FILE, DeviceContext, LocalUpdate, clip_upload, negative_codewords, round_seed,
+                             verifier_model, xi_path)
+from .ort_settings import OrtTrainSettings, ort_settings_for
+from .wire_format import read_header
+
+if TYPE_CHECKING:
+    from ..runtime.inference import InferenceBackend
+
+
+class OrtRuntime:
+    """Local training and verification from an export folder alone (no torch).
+
+    Args:
+        export_dir: what ``fedfs export --formats onnx,ort-training`` wrote:
+            ``ort-training/<method>/`` (one artifact per method the server may ask for)
+            and ``onnx/verifier.onnx`` (for enrollment).
+        intra_op_threads: ONNX Runtime threads (None = ORT's default).
+    """
+
+    name = "ort"
+
+    def __init__(self, export_dir: str | Path, intra_op_threads: int | None = None) -> None:
+        self.root = Path(export_dir)
+        if not (self.root / "ort-training").is_dir():
+            raise CheckpointError(f"{self.root} is not a fedfs export with ORT training artifacts (no ort-training/); "
+                                  "write one with `fedfs export --formats onnx,ort-training`")
+        self.intra_op_threads = intra_op_threads
+        self._trainers: dict[tuple[str, OrtTrainSettings], Any] = {}
+        self._trunks: dict[str, Any] = {}              # artifact folder → its TrunkGraph (scope=top)
+        self._features: dict[tuple[str, str], np.ndarray] = {}     # (trunk sha256, photos' sha256) → features
+
+    def check(self, enroll: bool = False) -> int:
+        """Check the export folder before the device registers: every ``ort-training/*``
+        artifact complete and readable (at least one), and ``onnx/verifier.onnx`` when the
+        device will enroll. Returns the model's input size (for preprocessing the images).
+
+        First the folder must be exactly what ``fedfs export`` wrote: every file's sha256 as
+        its ``manifest.json`` lists it, nothing missing or added (a swapped graph or edited
+        metadata would otherwise run, or fail later with a raw ONNX Runtime error)."""
+        from export.manifest import MANIFEST_NAME, verify_manifest
+
+        from ..training.ort_device import TrainingArtifact
+
+        if not (self.root / MANIFEST_NAME).is_file():
+            raise CheckpointError(f"{self.root} has no {MANIFEST_NAME}: not a complete fedfs export; "
+                                  "write one with `fedfs export --formats onnx,ort-training`")
+        try:
+            changed = verify_manifest(self.root)
+        except (ValueError, KeyError, OSError) as e:
+            raise CheckpointError(f"{self.root / MANIFEST_NAME} is unreadable ({e}); export again") from None
+        if changed:
+            raise CheckpointError(f"{self.root} differs from its {MANIFEST_NAME} (changed, missing or extra: "
+                                  f"{', '.join(changed[:5])}{' …' if len(changed) > 5 else ''}); the export was "
+                                  "modified or damaged: export again")
+        arts = [TrainingArtifact.load(p) for p in sorted((self.root / "ort-training").iterdir()) if p.is_dir()]
+        if not arts:
+            raise CheckpointError(f"{self.root / 'ort-training'} holds no ORT training artifact; "
+                                  "write one with `fedfs export --formats onnx,ort-training`")
+        if enroll and not (self.root / "onnx" / "verifier.onnx").is_file():
+            raise CheckpointError(f"{self.root} has no ONNX verifier (onnx/verifier.onnx) to enroll with; "
+                                  "export with --formats onnx,ort-training")
+        return arts[0].input_size
+
+    def _artifact(self, method: str) -> Path:
+        from ..training.ort_device import artifact_subdir
+
+        path = self.root / "ort-training" / artifact_subdir(method)
+        if not path.is_dir():
+            raise CheckpointError(f"the server trains {method!r}, but {self.root} has no ORT training artifact for it "
+                                  f"({path.relative_to(self.root)}); export with --methods {method}")
+        return path
+
+    def train(self, task: Mapping[str, Any], model: bytes, agent: DeviceContext) -> LocalUpdate:
+        from ..training.ort_device import OrtDeviceTrainer, TrainingArtifact, decode_model, encode_update
+
+        method = check_method(str(task["method"]))
+        path = self._artifact(method)
+        settings = ort_settings_for(task, TrainingArtifact.load(path).info)
+        key = (method, settings)
+        if key not in self._trainers:
+            self._trainers = {key: OrtDeviceTrainer(path, lr=settings.lr, local_epochs=settings.local_epochs,
+                                                    batch_size=settings.batch_size,
+                                                    intra_op_threads=self.intra_op_threads)}
+        trainer = self._trainers[key]
+        art = trainer.artifact
+        weights, _ = decode_model(model)
+        codeword = agent.state.codeword(art.code_length) if uses_feduv(method) else None
+        neg = negative_codewords(task, art.code_length) if uses_feduv(method) and settings.lambda_neg > 0 else None
+        personal = agent.state.load_arrays("personal") if uses_fedfs(method) else None
+        images = agent.images_array(art.input_size)
+        feats = self.trunk_features(art, images) if art.trunk is not None else None
+        up = trainer.train(weights, images, personal_weights=personal, features=feats,
+                           codeword=codeword, neg_codewords=neg, seed=round_seed(settings.seed, int(task["round_id"])))
+        metrics = dict(up.metrics)
+        upload = clip_upload(up.weights, weights, task, metrics)   # DP round: w_c − w clipped to C (float64)
+        body = encode_update(upload, round_id=int(task["round_id"]), model_version=int(task["model_version"]),
+                             num_samples=up.num_samples)
+        personal_bytes = None
+        if up.personal_weights is not None:
+            from safetensors.numpy import save
+
+            personal_bytes = save({k: np.ascontiguousarray(v) for k, v in up.personal_weights.items()})
+        return LocalUpdate(body, up.num_samples, metrics, personal_bytes)   # θ_c stays on the device
+
+    def trunk_features(self, artifact: Any, images: np.ndarray) -> np.ndarray:
+        """A ``scope="top"`` artifact's trunk features of ``images``, computed once: the photos and the
+        trunk (its sha256) do not change between rounds, so later rounds train the top alone, and a
+        statistics round of ξ reuses them, as the torch runtime does (:mod:`.device_features`)."""
+        import hashlib
+
+        from ..training.ort_device import TrunkGraph
+
+        key = str(artifact.path)
+        if key not in self._trunks:
+            self._trunks[key] = TrunkGraph(artifact, self.intra_op_threads)
+        trunk = self._trunks[key]
+        fkey = (trunk.sha256, hashlib.sha256(np.ascontiguousarray(images).tobytes()).hexdigest())
+        if fkey not in self._features:
+            if len(self._features) >= 4:      # a device's photo sets: training, hold-out-less, all
+                self._features.pop(next(iter(self._features)))
+            self._features[fkey] = trunk.features(images)
+        return self._features[fkey]
+
+    def xi_statistics(self, agent: DeviceContext, xi_file: Path, xi_sha: str, positions: np.ndarray,
+                      features: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        """ξ's embeddings (and trunk features) of the owner's photos at ``positions``, for a statistics
+        round (:func:`~fedfs_sdk.federation.device_stats.xi_moments`), torch-free (:mod:`.ort_check`)."""
+        from .ort_check import xi_statistics
+
+        return xi_statistics(self, agent, xi_file, xi_sha, positions, features)
+
+    def in_domain_check(self, agent: DeviceContext, name: str, method: str, model: bytes, verify: str | None,
+                        score: str | None, drawn: np.ndarray, train: np.ndarray, hold: np.ndarray, xi_file: Path,
+                        xi_sha: str, embedding_sum: np.ndarray | None):
+        """Candidate ``name``'s in-domain check, torch-free (:func:`.ort_check.candidate_check`): the
+        verifier :meth:`verifier` would build for it, as a function of trunk features."""
+        from safetensors.numpy import load_file
+
+        from ..stats.in_domain import norm_adapt_arrays
+        from ..training.ort_device import decode_model
+        from .ort_check import candidate_check
+
+        chosen = {"xi": "xi", "norm-adapt": "xi", "global": "global"}.get(name) or verifier_model(method, verify)
+        w, _ = decode_model(model)
+
+        def backbone(weights: Mapping[str, Any]) -> dict[str, np.ndarray]:
+            return {k: np.asarray(v, dtype=np.float32) for k, v in weights.items() if k.startswith("backbone.")}
+        if chosen == "xi":
+            xi = backbone(load_file(str(xi_file)))
+            if name == "norm-adapt":
+                if embedding_sum is None:
+                    raise InputError("the norm-adapt candidate needs the federation's published embedding moments")
+                xi = norm_adapt_arrays(xi, embedding_sum)
+            backbones = [xi]
+        elif chosen == "global":
+            backbones = [backbone(w)]
+        else:
+            personal = agent.state.load_arrays("personal")
+            if personal is None:
+                raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
+            backbones = [backbone(personal)] + ([backbone(w)] if chosen == "both" else [])
+        head = w.get("uv_head.weight") if uses_feduv(method) and chosen != "xi" else None
+        project = name == "global" and score == "head-template" and head is not None
+        return candidate_check(self, agent, name, backbones, head, project, drawn, train, hold, xi_sha)
+
+    def verifier(self, method: str, model: bytes, agent: DeviceContext, version: int,
+                 verify: str | None = None, candidate: str = "personalized", persist: bool = True) -> "InferenceBackend":
+        # (persist is ignored: an ONNX Runtime session runs from the verifier file, so it is always written)
+        from ..runtime.onnx_backend import OnnxBackend, with_weights
+        from ..training.ort_device import decode_model, dual_verifier_weights, verifier_weights
+
+        chosen = {"xi": "xi", "norm-adapt": "xi", "global": "global"}.get(candidate) or verifier_model(method, verify)
+        rel = DUAL_ONNX_FILE if chosen == "both" else "onnx/verifier.onnx"
+        onnx = self.root / rel
+        if not onnx.is_file():
+            raise CheckpointError(f"{self.root} has no ONNX verifier {rel} to enroll with (verify={chosen}); "
+                                  "export with --formats onnx,ort-training"
+                                  + (" --methods fedfs+feduv" if chosen == "both" else ""))
+        weights, _ = decode_model(model)
+        if chosen == "xi":      # ξ's backbone in the verifier graph (its FedUV head, if any, stays the global one)
+            from safetensors.numpy import load_file
+
+            xi_file = xi_path(agent)
+            archs = [json.loads(read_header(b)[1].get("model_config") or "{}").get("backbone")
+                     for b in (xi_file.read_bytes(), model)]
+            if archs[0] != archs[1]:   # the export's graph is the global model's: ξ's weights would fill other layers
+                raise InputError(f"ξ is {archs[0]} but the exported verifier graph is {archs[1]}: the ONNX runtime "
+                                 "cannot check ξ on it (use the torch runtime, or a ξ of the global model's architecture)")
+            xi = load_file(str(xi_file))
+            if candidate == "norm-adapt":   # ξ re-fitted to the federation's embedding moments (fedfs_sdk.stats.in_domain)
+                from ..stats.in_domain import norm_adapt_arrays
+
+                total = getattr(agent, "stats_embedding_sum", None)
+                if total is None:
+                    raise InputError("the norm-adapt candidate needs the federation's published embedding moments "
+                                     "(a statistics round's xi.embedding)")
+                xi = {**xi, **norm_adapt_arrays({k: v for k, v in xi.items() if k.startswith("backbone.")}, total)}
+            weights = {**{k: v for k, v in weights.items() if not k.startswith("backbone.")},
+                       **{k: v for k, v in xi.items() if k.startswith("backbone.")}}
+            chosen = "global"
+        personal = None
+        if chosen in ("personal", "both"):
+            personal = agent.state.load_arrays("personal")
+            if personal is None:
+                raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
+        # The device's own verifier (θ_c's and/or w's backbone + W), kept in the state (0600) like
+        # the torch runtime's verifier.safetensors: what `fedfs verify --model` takes, with no torch.
+        chosen_weights = (dual_verifier_weights(weights, personal) if chosen == "both"
+                          else verifier_weights(weights, personal if chosen == "personal" else None))
+        model_bytes, _ = with_weights(onnx, chosen_weights)
+        path = agent.state.save_file("verifier.onnx", model_bytes)
+        backend = OnnxBackend(path, intra_op_threads=self.intra_op_threads)
+        if uses_feduv(method) and chosen != "both" and "uv" not in backend.outputs:
+            raise CheckpointError(f"{onnx} has no FedUV head output, but the server trains {method!r}")
+        return backend
+
+
+__all__ = ["OrtRuntime"]
