@@ -107,6 +107,10 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
                         "≥ 10 devices: a gate below that (8 was the default) stalls the round to its deadline")
     p.add_argument("--partial", action="store_true",
                    help="with --rescore: compare on the clients whose device enrolled (a run stopped before all did)")
+    p.add_argument("--phones", type=float, default=0.0, metavar="SHARE",
+                   help="this share of the devices (spread evenly; 0.5: every odd client) run as phones: ONNX "
+                        "Runtime from `fedfs export`'s default artifacts of the server's model (no torch in their "
+                        "training, statistics, check or enrollment); default 0")
     p.add_argument("--quiet", action="store_true")
     return p.parse_known_args(argv)
 
@@ -175,12 +179,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not all(enrolled.values()) and not args.partial:
         raise SystemExit(f"{sum(not e for e in enrolled.values())} device(s) have no enrollment: --resume the run, "
                          "or --rescore --partial to compare on the enrolled clients only")
+    phone_config = None                 # the server's model configuration: a phone's verifier.onnx read in torch
+    if (out / "server-v1.safetensors").is_file():
+        from fedfs_sdk.nn.checkpoint import read_checkpoint
+
+        phone_config = read_checkpoint(out / "server-v1.safetensors")[1]
     for d in devices:
         if not enrolled[d.client]:      # --partial: a placeholder, left out of every row below
             specs[d.client], metas[d.client], on_xi_trunk[d.client] = served, {"model_choice": None}, 0.0
             continue
         specs[d.client], metas[d.client], on_xi_trunk[d.client] = device_spec(
-            d.state_dir, (d.dir / "device.key").read_bytes(), xi_backbone, args.eval_device_template)
+            d.state_dir, (d.dir / "device.key").read_bytes(), xi_backbone, args.eval_device_template, phone_config)
     deployed = evaluate_specs(specs, pop, eval_cfg, cfg.runtime.device)
     xi_eval = evaluate_specs({d.client: served for d in devices}, pop, eval_cfg, cfg.runtime.device)
     timing["eval_s"] = time.perf_counter() - t0
@@ -224,6 +233,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                  "delta": compare(xi_eval, ref["eval"], keep)}]
     comparisons += [{"a": f"deployed {method}", "b": label, "delta": compare(deployed, r["eval"], keep)}
                     for label, r in sims.items() if r is not ref]
+    runtimes = per_dev.get("runtime") or ["torch"] * len(devices)
+    if "ort" in runtimes and "torch" in runtimes:     # a mixed fleet: each kind of device on its own clients too
+        for kind in ("ort", "torch"):
+            mine = [bool(k and r == kind) for k, r in zip(keep, runtimes)]
+            comparisons += [{"a": f"deployed {method} ({'phones, ONNX Runtime' if kind == 'ort' else 'torch devices'})",
+                             "b": label, "delta": compare(deployed, r["eval"], mine)}
+                            for label, r in sims.items() if r is not ref]
     phases = {name: {k: float(sum(p[name][k] for p in per_dev["phases"])) for k in ("wall_s", "cpu_s")}
               for name, _, _ in PHASES}
     timing["total_wall_s"] = time.perf_counter() - t_start
@@ -239,7 +255,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"per device sent {np.mean(per_dev['sent_bytes']) / 1e6:.2f} MB, received "
             f"{np.mean(per_dev['received_bytes']) / 1e6:.2f} MB (mean), {np.mean(per_dev['rounds']):.1f} rounds; "
             f"registration {timing['register_s']:.0f} s, evaluation {timing['eval_s']:.0f} s; device CPU by phase "
-            + ", ".join(f"{k} {v['cpu_s']:.0f} s" for k, v in phases.items()) + "; simulator "
+            + ", ".join(f"{k} {v['cpu_s']:.0f} s" for k, v in phases.items())
+            + "".join(f"; {kind} devices ({runtimes.count(kind)}): CPU {np.mean([c for c, r in zip(per_dev['cpu_s'], runtimes) if r == kind]):.1f} s, "
+                      f"received {np.mean([b for b, r in zip(per_dev['received_bytes'], runtimes) if r == kind]) / 1e6:.2f} MB each"
+                      for kind in ("ort", "torch") if "ort" in runtimes and kind in runtimes)
+            + "; simulator "
             + ", ".join(f"{k}: train {v['train_s'] or 0:.0f} s" for k, v in sim_time.items()))
     report = {"settings": {"simulate_argv": sim_argv, "server": record["plan"], "server_flags": record["server_flags"],
                            "q": q,

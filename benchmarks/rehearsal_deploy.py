@@ -34,6 +34,35 @@ def log(msg: str, quiet: bool = False) -> None:
         print(f"[rehearsal {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def is_phone(client: int, share: float) -> bool:
+    """Whether client ``client`` runs as a phone when a ``share`` of the fleet does (spread evenly:
+    0.5 → every odd client)."""
+    return int((client + 1) * share + 1e-9) > int(client * share + 1e-9)
+
+
+def phone_export(url: str, state: Path, pem: Path, plan: ServerPlan, out: Path) -> Path:
+    """What a phone app ships: ``fedfs export --formats onnx,ort-training`` of the server's first model
+    with its ξ and round settings (default scope: the top trains on ξ's trunk features)."""
+    import ssl
+
+    import httpx
+
+    sys.path.insert(0, str(ROOT))
+    from export.pipeline import ExportOptions, run_export
+
+    folder = out / "phone-export"
+    if (folder / "manifest.json").is_file():            # --resume: the phones keep their app
+        return folder
+    token = (state / "admin_token").read_text().strip()
+    r = httpx.get(url + "/v1/models/1", headers={"Authorization": f"Bearer {token}"},
+                  verify=ssl.create_default_context(cafile=str(pem)), timeout=120)
+    r.raise_for_status()
+    (out / "server-v1.safetensors").write_bytes(r.content)
+    run_export(out / "server-v1.safetensors", folder, ExportOptions(
+        formats=("onnx", "ort-training"), xi=str(plan.xi), methods=(plan.method,), train=dict(plan.train)))
+    return folder
+
+
 def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float) -> dict[str, Any]:
     """The operator, ``fedfs serve`` and one DeviceAgent per client, until every device enrolled.
     Returns (and writes to ``OUT/deployment.json``) the plan, the server's flags, the timing and
@@ -59,6 +88,7 @@ def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float)
     devices: list[Device] = []
     try:
         server.wait_healthy(url, operator.tls_cert)
+        phones = phone_export(url, state, operator.tls_cert, plan, out) if args.phones > 0 else None
         t0 = time.perf_counter()
         for c in range(pop.num_clients):
             d = out / "fleet" / f"client_{c:05d}"
@@ -68,7 +98,8 @@ def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float)
             # the method 'feduv' from the model's head and would need a codeword it never made (the agent's
             # fallback in device_enrollment; reported) — with the score named it enrolls ξ or the global model
             dev = Device(c, d, photos, d / "identity.cert.json", q=device_q(q, len(photos)),
-                         score="head-template" if plan.method == "fedfs+feduv" else None)
+                         score="head-template" if plan.method == "fedfs+feduv" else None,
+                         artifacts=phones if phones is not None and is_phone(c, args.phones) else None)
             check_inputs(dev, operator, args.outliers)          # before it registers, as fedfs device does
             if not resume:
                 register(dev, url, operator)
@@ -76,7 +107,9 @@ def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float)
         timing["register_s"] = time.perf_counter() - t0
         if not resume:
             start_rounds(url, state, operator.tls_cert, plan.rounds)
-        log(f"{len(devices)} devices registered and certified; rounds open", args.quiet)
+        n_phones = sum(d.artifacts is not None for d in devices)
+        log(f"{len(devices)} devices registered and certified ({n_phones} phones on ONNX Runtime); rounds open",
+            args.quiet)
         done = {"n": 0}
 
         def on_event(dev: Device, name: str, fields: dict[str, Any]) -> None:
@@ -104,7 +137,8 @@ def deploy(args: argparse.Namespace, out: Path, pop, plan: ServerPlan, q: float)
                "cpu_s": [d.cpu_seconds for d in devices], "wall_s": [d.seconds for d in devices],
                "rounds": [len(d.report.rounds) for d in devices],
                "lost_rounds": [len(d.report.lost_rounds) for d in devices],
-               "phases": [phase_times(d) for d in devices], "q": [d.q for d in devices]}
+               "phases": [phase_times(d) for d in devices], "q": [d.q for d in devices],
+               "runtime": ["ort" if d.artifacts is not None else "torch" for d in devices]}
     record = {"plan": {**plan.__dict__, "impostors": str(plan.impostors)},
               "server_flags": server_flags(plan, operator, state, port), "timing": timing, "per_device": per_dev}
     (out / "deployment.json").write_text(json.dumps(record, indent=1))

@@ -88,15 +88,48 @@ def make_spec(net: nn.Module, output: str, xi_backbone: nn.Module | None, **kw):
     return VerifierSpec(wrapped, weights, trunk=trunk, top=top, **kw), dev
 
 
-def device_spec(state_dir: Path, key: bytes, xi_backbone: nn.Module | None = None, use_template: bool = True):
-    """``(VerifierSpec, enrollment meta, trunk deviation from ξ)`` of one deployed device: its verifier and —
-    with ``use_template`` — its enrolled template as the fixed reference (else the simulator
-    enrolls the verifier on the client's training photos itself)."""
+def onnx_verifier_net(path: Path, model_config: Any):
+    """A phone's ``STATE/verifier.onnx`` as a torch verifier of the same weights (its initializers carry the
+    state-dict names; a ``global_backbone.*`` set makes it the dual verifier), so the simulator's evaluation
+    scores it like the torch devices' (the export's ONNX-vs-torch parity is tested apart)."""
+    import onnx
+    from onnx import numpy_helper
+
+    from fedfs_sdk.nn.checkpoint import verifier_in_memory
+    from fedfs_sdk.nn.dual_verifier import dual_verifier_in_memory
+    from fedfs_sdk.nn.model import FaceNet, FedUVHead
+
+    w = {i.name: torch.from_numpy(numpy_helper.to_array(i).copy()) for i in onnx.load(str(path)).graph.initializer
+         if i.name.startswith(("backbone.", "global_backbone.", "uv_head."))}
+    cfg = model_config.resolved()
+
+    def backbone(prefix: str) -> nn.Module:
+        bb = FaceNet(cfg).backbone
+        bb.load_state_dict({k[len(prefix):]: v for k, v in w.items() if k.startswith(prefix)})
+        return bb.eval()
+    head = None
+    if "uv_head.weight" in w:
+        head = FedUVHead(*reversed(w["uv_head.weight"].shape))
+        head.load_state_dict({"weight": w["uv_head.weight"]})
+    if any(k.startswith("global_backbone.") for k in w):
+        return dual_verifier_in_memory(backbone("backbone."), backbone("global_backbone."), head, cfg)
+    return verifier_in_memory(backbone("backbone."), cfg, head)
+
+
+def device_spec(state_dir: Path, key: bytes, xi_backbone: nn.Module | None = None, use_template: bool = True,
+                model_config: Any = None):
+    """``(VerifierSpec, enrollment meta, trunk deviation from ξ)`` of one deployed device: its verifier (a
+    phone's ``verifier.onnx`` read with ``model_config``: :func:`onnx_verifier_net`) and — with
+    ``use_template`` — its enrolled template as the fixed reference (else the simulator enrolls the verifier on
+    the client's training photos itself)."""
     from fedfs_sdk.nn.checkpoint import load_verifier
     from fedfs_sdk.runtime.enrollment_store import load_enrollment
 
     enr = load_enrollment(state_dir / "enrollment.fedfs", key)
-    net, model_id = load_verifier(state_dir / "verifier.safetensors")
+    if (state_dir / "verifier.onnx").is_file() and not (state_dir / "verifier.safetensors").is_file():
+        net, model_id = onnx_verifier_net(state_dir / "verifier.onnx", model_config)
+    else:
+        net, model_id = load_verifier(state_dir / "verifier.safetensors")
     codeword = None if enr.mode != "codeword" else np.asarray(enr.codeword, dtype=np.float64)
     reference = (torch.as_tensor(enr.template, dtype=torch.float64)
                  if use_template and enr.mode == "template" else None)

@@ -197,6 +197,7 @@ class Device:
     q: float = 0.9                # the enrollment's target TPR (lowered where the photos are too few for it)
     batches: Any = None           # check_local_inputs' preprocessed photos
     score: str | None = None      # DeviceConfig.score (None: the method's default)
+    artifacts: Path | None = None  # a phone: `fedfs device --artifacts EXPORT` (ONNX Runtime, no torch)
     report: Any = None
     error: str | None = None
     seconds: float = 0.0
@@ -240,7 +241,8 @@ def check_inputs(dev: Device, operator: Operator, outliers: str) -> None:
     round would wait for it until its phase deadline."""
     from fedfs_sdk.federation.device_config import check_local_inputs
 
-    dev.batches = check_local_inputs(dev.photos, device_config(dev, operator, dev.q, outliers, score=dev.score))
+    dev.batches = check_local_inputs(dev.photos, device_config(dev, operator, dev.q, outliers, score=dev.score),
+                                     runtime=phone_runtime(dev))
 
 
 def register(dev: Device, url: str, operator: Operator) -> None:
@@ -272,7 +274,17 @@ def device_config(dev: Device, operator: Operator, q: float, outliers: str = "ma
     key = read_key(str(dev.dir / "device.key"), create=True)
     policy = DevicePolicy(ca=CaPublicKey.load(operator.ca_pub), max_revocation_age_s=revocation_max_age)
     return DeviceConfig(rounds=0, enroll=True, q=q, enrollment_key=key, secagg=policy, identity_certificate=dev.cert,
-                        outliers=outliers, score=score, wait_timeout_s=7200.0)
+                        outliers=outliers, score=score, wait_timeout_s=7200.0, artifacts=dev.artifacts)
+
+
+def phone_runtime(dev: Device):
+    """A phone's runtime: :class:`~fedfs_sdk.federation.ort_runtime.OrtRuntime` on the export, one ONNX
+    Runtime thread (a phone core; 50 of them share this machine's cores). None for a torch device."""
+    if dev.artifacts is None:
+        return None
+    from fedfs_sdk.federation.ort_runtime import OrtRuntime
+
+    return OrtRuntime(dev.artifacts, intra_op_threads=1)
 
 
 ENROLL_GATE = threading.Semaphore(8)
@@ -340,10 +352,12 @@ def run_device(dev: Device, url: str, operator: Operator, outliers: str = "mad",
 
     try:
         config = device_config(dev, operator, dev.q, outliers, score=dev.score)
-        batches = dev.batches if dev.batches is not None else check_local_inputs(dev.photos, config)
+        batches = (dev.batches if dev.batches is not None
+                   else check_local_inputs(dev.photos, config, runtime=phone_runtime(dev)))
         dev.batches = None          # the agent keeps its own copy
         with DeviceState(dev.state_dir) as state, ServerClient(url, timeout=600.0, transport=transport) as client:
-            dev.report = gated_agent()(client, state, dev.photos, config, on_event=event, batches=batches).run()
+            dev.report = gated_agent()(client, state, dev.photos, config, on_event=event, batches=batches,
+                                       runtime=phone_runtime(dev)).run()
     except Exception as e:      # noqa: BLE001 — reported per device, the rehearsal goes on
         import traceback
 

@@ -8,7 +8,9 @@ What the design guarantees and is checked here:
 * a device that kept ξ scores as ξ does in the simulator (its enrolled template is the simulator's
   template of the same photos; at most one genuine/impostor pair may swap on float noise);
 * ``scope=top`` (the default) keeps every deployed verifier's trunk at ξ's, up to secure
-  aggregation's fixed-point rounding.
+  aggregation's fixed-point rounding;
+* half the fleet are phones (``--phones 0.5``: ONNX Runtime from ``fedfs export``'s default artifacts of
+  the server's model) that take part in the same rounds and enroll with their own ONNX verifier.
 Enrollment runs 4 devices at a time (``--enroll-concurrency 4``): a device waiting for the
 check-results round gives its place back, else the 4 in the gate wait on the 6 behind it and the
 round sits to its phase deadline (it did, with 8 of 10).
@@ -37,7 +39,7 @@ ARGS = ["--method", "pretrained", "fedfs+feduv", "--clients", "10", "--new-users
 def test_rehearsal_deploys_every_client_and_compares_the_same_clients(tmp_path):
     out = tmp_path / "reh"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "deployment_rehearsal.py"), "--out", str(out),
-                        "--quiet", "--enroll-concurrency", "4", *ARGS], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=540)
+                        "--quiet", "--enroll-concurrency", "4", "--phones", "0.5", *ARGS], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=540)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rep = json.loads((out / "rehearsal.json").read_text())
 
@@ -45,9 +47,15 @@ def test_rehearsal_deploys_every_client_and_compares_the_same_clients(tmp_path):
     assert rep["clients"] == list(range(10)) and rep["test_photos"] == [4] * 10 and rep["train_photos"] == [10] * 10
     fleet = sorted((out / "fleet").iterdir())
     assert len(fleet) == 10
-    for d in fleet:
+    # the odd clients were phones: `fedfs export`'s default artifacts of the server's model, ONNX Runtime only
+    assert rep["per_device"]["runtime"] == ["torch", "ort"] * 5
+    assert (out / "phone-export" / "onnx" / "top.onnx").is_file()
+    for c, d in enumerate(fleet):
         state = d / "state"
-        assert (state / "enrollment.fedfs").is_file() and (state / "verifier.safetensors").is_file()
+        verifier = "verifier.onnx" if c % 2 else "verifier.safetensors"
+        assert (state / "enrollment.fedfs").is_file() and (state / verifier).is_file(), (c, verifier)
+        meta_runtime = json.loads((state / "device.json").read_text())["rounds"][0]["runtime"]
+        assert meta_runtime == ("ort" if c % 2 else "torch")
         assert (d / "identity.cert.json").is_file() and len(list((d / "photos").iterdir())) == 10
     assert rep["per_device"]["rounds"] == [2] * 10 and rep["per_device"]["lost_rounds"] == [0] * 10
     assert all(b > 0 for b in rep["per_device"]["sent_bytes"])
@@ -77,3 +85,6 @@ def test_rehearsal_deploys_every_client_and_compares_the_same_clients(tmp_path):
     d = comps[("deployed fedfs+feduv", "fedfs+feduv (c=127)")]
     assert all(d[k]["n"] == 10 and np.isfinite(d[k]["mean"]) for k in ("template_auroc", "pairwise_auroc"))
     assert "deployment − simulator" in (out / "rehearsal.md").read_text()
+    phones = comps[("deployed fedfs+feduv (phones, ONNX Runtime)", "fedfs+feduv (c=127)")]
+    assert all(phones[k]["n"] == 5 for k in ("template_auroc", "pairwise_auroc"))
+    assert "ort devices (5)" in rep["cost"]
