@@ -81,29 +81,38 @@ def top_models(global_model: FaceNet, personal: FaceNet | None, xi: nn.Module | 
             EmbeddingTop(xb) if xb is not None else None)
 
 
-def export_trunk(backbone: nn.Module, out_dir: Path, what: str) -> dict[str, Any]:
-    """Write ``trunk.onnx`` (``x → features``, eval mode, dynamic batch) of ``backbone`` into
-    ``out_dir`` and check it against torch on random inputs. Returns ``artifact.json``'s ``trunk``."""
-    trunk = Trunk(copy.deepcopy(backbone).eval()).eval()
-    size = int(backbone.input_size)
-    path = out_dir / TRUNK_FILE
-    x = torch.zeros(2, 3, size, size)
+def _export_checked(module: nn.Module, probe: np.ndarray, path: Path, names: tuple[str, str], what: str) -> float:
+    """Export ``module`` (eval mode, one input, one output, dynamic batch) to ``path`` and check ONNX
+    Runtime against torch on ``probe``; :class:`ExportError` above 1e-4 (relative to the output's scale).
+    Returns the difference."""
+    import onnxruntime as ort
+
+    (name_in, name_out), module = names, module.eval()
+    path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(trunk, (x,), str(path), dynamo=False, opset_version=OPSET, input_names=[TRUNK_INPUT],
-                          output_names=[TRUNK_OUTPUT], dynamic_axes={TRUNK_INPUT: {0: "batch"}, TRUNK_OUTPUT: {0: "batch"}})
-    check_runtime_compatible(onnx.load(str(path)), f"{what}/{TRUNK_FILE}")
-    import onnxruntime as ort
-
-    probe = np.random.default_rng(0).uniform(-1, 1, (3, 3, size, size)).astype(np.float32)
-    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {TRUNK_INPUT: probe})[0]
+        torch.onnx.export(module, (torch.from_numpy(probe[:2]),), str(path), dynamo=False, opset_version=OPSET,
+                          input_names=[name_in], output_names=[name_out], do_constant_folding=False,
+                          dynamic_axes={name_in: {0: "batch"}, name_out: {0: "batch"}})
+    check_runtime_compatible(onnx.load(str(path)), what)
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {name_in: probe})[0]
     with torch.no_grad():
-        ref = trunk(torch.from_numpy(probe)).numpy()
+        ref = module(torch.from_numpy(probe)).numpy()
     err = float(np.abs(got - ref).max() / max(1.0, float(np.abs(ref).max())))
     if got.shape != ref.shape or not err <= 1e-4:
-        raise ExportError(f"{what}/{TRUNK_FILE} differs from torch's trunk by {err:.2e} (> 1e-4)")
-    return {"file": TRUNK_FILE, "input": TRUNK_INPUT, "output": TRUNK_OUTPUT, "feature_dim": int(ref.shape[1]),
+        raise ExportError(f"{what} differs from torch by {err:.2e} (> 1e-4)")
+    return err
+
+
+def export_trunk(backbone: nn.Module, out_dir: Path, what: str) -> dict[str, Any]:
+    """Write ``trunk.onnx`` (``x → features``, eval mode, dynamic batch) of ``backbone`` into
+    ``out_dir`` and check it against torch on random inputs. Returns ``artifact.json``'s ``trunk``."""
+    size = int(backbone.input_size)
+    probe = np.random.default_rng(0).uniform(-1, 1, (3, 3, size, size)).astype(np.float32)
+    _export_checked(Trunk(copy.deepcopy(backbone).eval()), probe, out_dir / TRUNK_FILE, (TRUNK_INPUT, TRUNK_OUTPUT),
+                    f"{what}/{TRUNK_FILE}")
+    return {"file": TRUNK_FILE, "input": TRUNK_INPUT, "output": TRUNK_OUTPUT, "feature_dim": feature_dim(backbone),
             "sha256": trunk_sha256({f"backbone.{k}": t for k, t in backbone.state_dict().items()})}
 
 
@@ -128,25 +137,10 @@ class _TopOfBackbone(nn.Module):
 def export_top_graph(backbone: nn.Module, path: Path) -> dict[str, Any]:
     """Write ``top.onnx`` of ``backbone`` (eval mode, dynamic batch) and check it against torch on
     random features. Returns the manifest entry."""
-    top = _TopOfBackbone(copy.deepcopy(backbone).eval()).eval()
     width = feature_dim(backbone)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(top, (torch.zeros(2, width),), str(path), dynamo=False, opset_version=OPSET,
-                          input_names=[FEATURES_INPUT], output_names=["embedding"], do_constant_folding=False,
-                          dynamic_axes={FEATURES_INPUT: {0: "batch"}, "embedding": {0: "batch"}})
-    check_runtime_compatible(onnx.load(str(path)), path.name)
-    import onnxruntime as ort
-
     probe = np.random.default_rng(1).normal(0, 1, (5, width)).astype(np.float32)
-    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {FEATURES_INPUT: probe})[0]
-    with torch.no_grad():
-        ref = top(torch.from_numpy(probe)).numpy()
-    err = float(np.abs(got - ref).max() / max(1.0, float(np.abs(ref).max())))
-    if got.shape != ref.shape or not err <= 1e-4:
-        raise ExportError(f"{path.name} differs from torch's top by {err:.2e} (> 1e-4)")
+    err = _export_checked(_TopOfBackbone(copy.deepcopy(backbone).eval()), probe, path, (FEATURES_INPUT, "embedding"),
+                          path.name)
     names = sorted(i.name for i in onnx.load(str(path)).graph.initializer if i.name.startswith("backbone."))
     return {"file": TOP_FILE, "input": FEATURES_INPUT, "output": "embedding", "feature_dim": width,
             "parameters": names, "max_abs_diff_vs_torch": err}
