@@ -223,9 +223,9 @@ def stats_choice(agent: Any, method: str, model: bytes, version: int, verify: st
     names = candidate_names(trained, has_norm)
     seed = int(xi_pub["task"].get("extra", {}).get("draw_seed", 0))
     drawn = in_domain_draws(np.asarray(xi_pub["sums"][FEATURES]), None if own is None else own.get(FEATURES), seed)
+    xi_net = device_xi(agent, xi_path(agent)).eval() if torch_runtime else None
     try:
         if torch_runtime:
-            xi_net = device_xi(agent, xi_path(agent)).eval()
             checks = [in_domain_check(agent, name, method, model, version, verify, drawn, xi_net, train, hold, score,
                                       xi_sha=xi_sha) for name in names]
         else:                         # ONNX Runtime: the export's trunk and top graphs (.ort_check)
