@@ -215,8 +215,10 @@ class OrtDeviceTrainer:
         trunk = self.artifact.trunk
         if trunk is not None and trunk_sha256(weights) != trunk["sha256"]:
             raise InputError(f"{what}: the trunk differs from the one this scope='top' artifact was exported with "
-                             f"(sha256 {trunk_sha256(weights)[:12]}… vs {str(trunk['sha256'])[:12]}…); the server's "
-                             "model is not the exported one's — export the artifacts from the server's model")
+                             f"(sha256 {trunk_sha256(weights)[:12]}… vs {str(trunk['sha256'])[:12]}…): export the "
+                             "artifacts from the server's model; a server whose rounds name no scope averages the "
+                             "trunk (a secure sum rounds it), so start it with --train '{\"scope\": \"top\"}' to "
+                             "keep the trunk exact")
 
     def load_weights(self, global_weights: Mapping[str, Any], personal_weights: Mapping[str, Any] | None = None) -> None:
         """Put ``w`` (and ``θ_c``; from ``w`` without the head when None) into the training state.
