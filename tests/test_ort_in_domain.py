@@ -79,6 +79,39 @@ def test_ort_candidates_check_like_the_torch_device(tmp_path) -> None:
             (name, len(hold), len(drawn))
         for field in ("auroc", "margin", "threshold", "tar"):
             assert getattr(got, field) == pytest.approx(getattr(ref, field), abs=1e-4), (name, field)
+    # … and in a process that cannot import torch, as on a phone (norm-adapt and the dual verifier)
+    import json as _json
+
+    from conftest_export import run_device_script
+
+    np.savez(tmp_path / "inputs.npz", drawn=drawn, train=train, hold=hold, embedding_sum=embedding_sum)
+    code = f"""
+import json, numpy as np
+from pathlib import Path
+from fedfs_sdk.federation.agent import DeviceAgent
+from fedfs_sdk.federation.device_config import DeviceConfig
+from fedfs_sdk.federation.device_state import DeviceState
+from fedfs_sdk.federation.ort_runtime import OrtRuntime
+from fedfs_sdk.federation.server_client import ServerClient
+z = np.load({str(tmp_path / 'inputs.npz')!r})
+rt = OrtRuntime({str(top_export()[0])!r})
+state = DeviceState(Path({str(tmp_path / 'phone')!r}))        # the same θ_c, in a state of its own
+state.save_weights_bytes("personal", Path({str(tmp_path / 'ort' / 'personal.safetensors')!r}).read_bytes())
+agent = DeviceAgent(ServerClient("http://127.0.0.1:9"), state,
+                    {[str(p) for p in agents['ort'].images]!r},
+                    DeviceConfig(xi_path=Path({str(xi_file)!r}), enroll=True, artifacts=rt.root), runtime=rt)
+out = {{}}
+for name in ("norm-adapt", "personalized"):
+    c = rt.in_domain_check(agent, name, {METHOD!r}, Path({str(model_file)!r}).read_bytes(), {VERIFY!r}, {SCORE!r},
+                           z["drawn"], z["train"], z["hold"], Path({str(xi_file)!r}), {xi_sha!r}, z["embedding_sum"])
+    out[name] = c.to_dict()
+print(json.dumps(out))
+"""
+    no_torch = _json.loads(run_device_script(code).strip().splitlines()[-1])
+    for name, ck in no_torch.items():
+        ref = agents["ort"].runtime.in_domain_check(agents["ort"], name, METHOD, model, VERIFY, SCORE, drawn, train,
+                                                    hold, xi_file, xi_sha, embedding_sum)
+        assert ck == pytest.approx(ref.to_dict(), abs=1e-6), name
     # the candidates differ (the comparison is not between four copies of one verifier)
     aurocs = {n: agents["ort"].runtime.in_domain_check(agents["ort"], n, METHOD, model, VERIFY, SCORE, drawn, train,
                                                        hold, xi_file, xi_sha, embedding_sum).threshold
