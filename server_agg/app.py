@@ -230,6 +230,14 @@ def create_app(coord: Coordinator, *, admin_token: str, registration_token: str 
         path, sha = coord.model_file(version)
         return FileResponse(path, media_type=MEDIA_TYPE, headers={"X-FedFS-SHA256": sha, "ETag": f'"{sha}"'})
 
+    @app.get("/v1/models/{version}/top", responses={200: {"content": {MEDIA_TYPE: {}}}, **_errors(401, 404, 422)},
+             tags=["models"], response_class=FileResponse)
+    def model_top_file(version: int = Path(ge=1, le=MAX_ID), _: str = Security(device_or_admin)) -> FileResponse:
+        """A version's top-only body (``fedfs-model-top/1``) where its trunk is ξ's: a device puts ξ's trunk
+        under it (``fedfs_sdk/federation/model_top.py``); the round task names its sha256."""
+        path, sha = coord.model_top_file(version)
+        return FileResponse(path, media_type=MEDIA_TYPE, headers={"X-FedFS-SHA256": sha, "ETag": f'"{sha}"'})
+
     @app.get("/v1/xi", responses={200: {"content": {MEDIA_TYPE: {}}}, **_errors(401, 404)}, tags=["models"],
              response_class=FileResponse)
     def xi(_: str = Security(device_or_admin)) -> FileResponse:

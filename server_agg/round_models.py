@@ -86,6 +86,7 @@ class ModelStore:
         path = self.layout.model_file(version)
         atomic_write(path, data)                       # the file first …
         sha = sha256_hex(data)
+        top_sha = self._publish_top(version, weights, data, sha)
         with self.db.transaction() as c:               # … then the row that makes it visible
             c.execute("INSERT INTO models(version, file, sha256, round_id, num_updates, total_samples, created_at)"
                       " VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -96,8 +97,52 @@ class ModelStore:
             if dp is not None:
                 c.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                           (f"dp_model_v{version}", json.dumps(dp)))
+            if top_sha is not None:
+                c.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                          (f"model_top_v{version}", top_sha))
         self.model = GlobalModel(version, sha, {k: v.clone() for k, v in weights.items()}, model_config)
         return sha
+
+    def _publish_top(self, version: int, weights: Mapping[str, torch.Tensor], data: bytes, sha: str) -> str | None:
+        """Write version ``version``'s top-only body (:mod:`fedfs_sdk.federation.model_top`) when its trunk is
+        the served ξ's, bit for bit; its sha256 (named in round tasks), else None."""
+        from fedfs_sdk.federation.model_top import TOP_FORMAT
+        from fedfs_sdk.federation.wire_format import read_header
+        from fedfs_sdk.training.top_keys import top_entries, trunk_sha256
+
+        xi_trunk = self._xi_trunk_sha256()
+        trunk = trunk_sha256(weights)
+        if xi_trunk is None or trunk != xi_trunk:
+            return None
+        body = encode_weights(top_entries(weights), {"format": TOP_FORMAT, "model_sha256": sha, "trunk_sha256": trunk,
+                                                    "model_metadata": json.dumps(read_header(data)[1], sort_keys=True)})
+        atomic_write(self.layout.model_top_file(version), body)
+        return sha256_hex(body)
+
+    def _xi_trunk_sha256(self) -> str | None:
+        """:func:`~fedfs_sdk.training.top_keys.trunk_sha256` of the served ξ (computed once per ξ)."""
+        xi_sha = self.db.get_meta("xi_sha256")
+        if xi_sha is None or not self.layout.xi.is_file():
+            return None
+        cached = getattr(self, "_xi_trunk_cache", None)
+        if cached is None or cached[0] != xi_sha:
+            from safetensors.numpy import load_file
+
+            from fedfs_sdk.training.top_keys import trunk_sha256
+
+            cached = self._xi_trunk_cache = (xi_sha, trunk_sha256(load_file(str(self.layout.xi))))
+        return cached[1]
+
+    def model_top_file(self, version: int) -> tuple[Path, str]:
+        """Version ``version``'s top-only body and its sha256; 404 ``no_top_body`` where there is none
+        (its trunk is not ξ's, or the server serves no ξ)."""
+        with self._lock:
+            sha = self.db.get_meta(f"model_top_v{int(version)}")
+        path = self.layout.model_top_file(version)
+        if sha is None or not path.is_file():
+            raise NotFound(f"model version {version} has no top-only body (its trunk is not ξ's, or the server "
+                           "serves no ξ): download the whole model", code="no_top_body")
+        return path, sha
 
     def model_info(self) -> dict[str, Any]:
         with self._lock:
@@ -148,6 +193,11 @@ class ModelStore:
         with self._lock:
             atomic_write(self.layout.xi, data)
             self.db.set_meta("xi_sha256", sha)
+            m = self.model           # the current version (published before ξ, at start-up): its top body too
+            if m is not None and self.db.get_meta(f"model_top_v{m.version}") is None:
+                top = self._publish_top(m.version, m.weights, self.layout.model_file(m.version).read_bytes(), m.sha256)
+                if top is not None:
+                    self.db.set_meta(f"model_top_v{m.version}", top)
         _event("xi installed", sha256=sha)
         return sha
 

@@ -189,7 +189,9 @@ class Coordinator(DeviceRegistry, ModelStore, UploadIntake, DpLedger, Recovery, 
             task = {"round_id": round_id, "model_version": model.version, "model_sha256": model.sha256,
                     "method": policy.method, "model_config": cfg, "train": dict(policy.train),
                     "neg_codewords": policy.neg_codewords, "deadline": deadline,
-                    "xi_sha256": self.db.get_meta("xi_sha256")}
+                    "xi_sha256": self.db.get_meta("xi_sha256"),
+                    # the version's top alone, for a device that puts ξ's trunk under it (federation/model_top.py)
+                    "model_top_sha256": self.db.get_meta(f"model_top_v{model.version}")}
             if dp_params is not None:    # devices clip to C before uploading (the server clips again)
                 task["dp"] = dp_params.to_json()
             quorum = policy.quorum_count(k)

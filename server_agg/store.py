@@ -109,6 +109,10 @@ class Layout:
     def model_file(self, version: int) -> Path:
         return self.models / f"v{version:06d}.safetensors"
 
+    def model_top_file(self, version: int) -> Path:
+        """Version ``version``'s top-only body (``fedfs-model-top/1``: ``server_agg/round_models.py``)."""
+        return self.models / f"v{version:06d}.top.safetensors"
+
     def round_dir(self, round_id: int) -> Path:
         return self.updates / f"r{round_id:06d}"
 

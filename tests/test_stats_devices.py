@@ -103,6 +103,9 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
             assert sel["verdict"] == f"published over {N} devices"
             names = [n for n, _ in events[d]]
             assert names.count("stats_round_done") == 2, names
+            # the round's model came as its top alone, ξ's trunk put under it (federation/model_top.py)
+            downloads = [f for n, f in events[d] if n == "model_downloaded"]
+            assert "model_top_refused" not in names and downloads and downloads[0]["top_only"], names
             # the simulator's rule on the same numbers: its verdicts from the same published check sum
             from fedfs_sdk.stats import verdict_from_sum
             from fedfs_sdk.stats.in_domain import decide

@@ -87,6 +87,7 @@ class DeviceAgent(SecureRounds):
         self._emit = on_event or (lambda name, fields: None)
         self._sleep, self._clock = sleep, clock
         self._batches: dict[int, np.ndarray] = dict(batches or {})
+        self._composed_sha: str | None = None   # global.safetensors holds this version composed from its top + ξ
         self._checked = batches is not None
         self._progress_at = clock()
         self._refused: set[int] = set()
@@ -261,15 +262,41 @@ class DeviceAgent(SecureRounds):
         hold = np.sort(np.asarray(order[:k], dtype=np.int64))
         return np.setdiff1d(np.arange(n), hold), hold
 
-    def model_bytes(self, version: int, sha: str) -> bytes:
-        """Global model ``version`` (a fedfs checkpoint body), cached in the state by hash."""
+    def model_bytes(self, version: int, sha: str, task: Mapping[str, Any] | None = None) -> bytes:
+        """Global model ``version`` (a fedfs checkpoint body), cached in the state by hash. Where the round
+        ``task`` names the version's top-only body and ξ, only the top is downloaded and ξ's trunk put under
+        it (:mod:`.model_top`: the same tensors, ~1/12 of the bytes for a MobileFaceNet); the whole model
+        where that cannot be done (the device's ξ is another, the body does not check out)."""
         cached = self.state.file("global.safetensors")
         data = cached.read_bytes() if cached.is_file() else b""
-        if sha256_hex(data) != sha:
-            data = self.client.download_model(version, sha)
+        # a composed body has other bytes than the server's file (the same tensors): this process remembers it
+        if sha256_hex(data) != sha and not (self._composed_sha == sha and data):
+            composed = self._top_only(version, sha, task)
+            data = composed or self.client.download_model(version, sha)
             self.state.save_weights_bytes("global", data)
+            self._composed_sha = sha if composed else None
         if read_header(data)[1].get("format") != MODEL_FORMAT:
             raise ProtocolError(f"model version {version} is not a fedfs checkpoint")
+        return data
+
+    def _top_only(self, version: int, sha: str, task: Mapping[str, Any] | None) -> bytes | None:
+        """:func:`.model_top.compose_model` of the task's top-only body and ξ, or None (then the whole model)."""
+        top_sha, xi_sha = (task or {}).get("model_top_sha256"), (task or {}).get("xi_sha256")
+        if not top_sha or not xi_sha:
+            return None
+        from .model_top import compose_model
+        from .server_client import ServerError
+
+        try:
+            xi = self.xi_file(str(xi_sha))
+            if sha256_hex(xi.read_bytes()) != xi_sha:
+                return None                     # a --xi of the device's own that is not the server's
+            body = self.client.download_model_top(version, str(top_sha))
+            data = compose_model(body, xi, sha)
+        except (InputError, ProtocolError, ServerError) as e:
+            self._emit("model_top_refused", {"model_version": version, "reason": str(e)[:300]})
+            return None
+        self._emit("model_downloaded", {"model_version": version, "top_only": True, "bytes": len(body)})
         return data
 
     def xi_file(self, sha: str | None) -> Path:
@@ -297,7 +324,7 @@ class DeviceAgent(SecureRounds):
         self._check_dp_floor(task)       # the owner's DP floor holds in plain rounds too (issue 30)
         self._emit("round_started", {"round_id": round_id, "model_version": version, "method": method,
                                      "runtime": self.runtime.name})
-        update = self.runtime.train(task, self.model_bytes(version, str(task["model_sha256"])), self)
+        update = self.runtime.train(task, self.model_bytes(version, str(task["model_sha256"]), task), self)
         self._emit("trained", {"round_id": round_id, "num_samples": update.num_samples,
                                **{k: v for k, v in update.metrics.items() if k.endswith("_last")}})
         self.state.save_pending(round_id, version, update.body, update.personal, {

@@ -24,7 +24,7 @@ class SecureRounds:
     _sleep: Callable[[float], None]
     _clock: Callable[[], float]
 
-    def model_bytes(self, version: int, sha: str) -> bytes:   # the agent's
+    def model_bytes(self, version: int, sha: str, task: Any = None) -> bytes:   # the agent's
         raise NotImplementedError
 
     def _load_identity(self) -> None:
@@ -106,7 +106,7 @@ class SecureRounds:
                                      "runtime": self.runtime.name, "secure_aggregation": True})
         session.advertise()
         session.share_keys()
-        global_model = self.model_bytes(version, str(task["model_sha256"]))
+        global_model = self.model_bytes(version, str(task["model_sha256"]), task)
         update = self.runtime.train(task, global_model, self)
         self._emit("trained", {"round_id": round_id, "num_samples": update.num_samples,
                                **{k: v for k, v in update.metrics.items() if k.endswith("_last")}})

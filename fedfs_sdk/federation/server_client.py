@@ -325,6 +325,10 @@ class ServerClient:
         """The bytes of a global version, checked against ``expected_sha256``."""
         return self._download(f"/v1/models/{int(version)}", expected_sha256)
 
+    def download_model_top(self, version: int, expected_sha256: str | None = None) -> bytes:
+        """A version's top-only body (``fedfs-model-top/1``), checked against ``expected_sha256``."""
+        return self._download(f"/v1/models/{int(version)}/top", expected_sha256)
+
     def download_xi(self, expected_sha256: str | None = None) -> bytes:
         return self._download("/v1/xi", expected_sha256)
 
