@@ -81,10 +81,11 @@ def top_models(global_model: FaceNet, personal: FaceNet | None, xi: nn.Module | 
             EmbeddingTop(xb) if xb is not None else None)
 
 
-def _export_checked(module: nn.Module, probe: np.ndarray, path: Path, names: tuple[str, str], what: str) -> float:
+def _export_checked(module: nn.Module, probe: np.ndarray, path: Path, names: tuple[str, str],
+                    what: str) -> tuple[float, tuple[int, ...]]:
     """Export ``module`` (eval mode, one input, one output, dynamic batch) to ``path`` and check ONNX
     Runtime against torch on ``probe``; :class:`ExportError` above 1e-4 (relative to the output's scale).
-    Returns the difference."""
+    Returns the difference and the output's shape on ``probe``."""
     import onnxruntime as ort
 
     (name_in, name_out), module = names, module.eval()
@@ -102,7 +103,7 @@ def _export_checked(module: nn.Module, probe: np.ndarray, path: Path, names: tup
     err = float(np.abs(got - ref).max() / max(1.0, float(np.abs(ref).max())))
     if got.shape != ref.shape or not err <= 1e-4:
         raise ExportError(f"{what} differs from torch by {err:.2e} (> 1e-4)")
-    return err
+    return err, tuple(ref.shape)
 
 
 def export_trunk(backbone: nn.Module, out_dir: Path, what: str) -> dict[str, Any]:
@@ -110,9 +111,9 @@ def export_trunk(backbone: nn.Module, out_dir: Path, what: str) -> dict[str, Any
     ``out_dir`` and check it against torch on random inputs. Returns ``artifact.json``'s ``trunk``."""
     size = int(backbone.input_size)
     probe = np.random.default_rng(0).uniform(-1, 1, (3, 3, size, size)).astype(np.float32)
-    _export_checked(Trunk(copy.deepcopy(backbone).eval()), probe, out_dir / TRUNK_FILE, (TRUNK_INPUT, TRUNK_OUTPUT),
-                    f"{what}/{TRUNK_FILE}")
-    return {"file": TRUNK_FILE, "input": TRUNK_INPUT, "output": TRUNK_OUTPUT, "feature_dim": feature_dim(backbone),
+    _, shape = _export_checked(Trunk(copy.deepcopy(backbone).eval()), probe, out_dir / TRUNK_FILE,
+                               (TRUNK_INPUT, TRUNK_OUTPUT), f"{what}/{TRUNK_FILE}")
+    return {"file": TRUNK_FILE, "input": TRUNK_INPUT, "output": TRUNK_OUTPUT, "feature_dim": int(shape[1]),
             "sha256": trunk_sha256({f"backbone.{k}": t for k, t in backbone.state_dict().items()})}
 
 
@@ -139,7 +140,7 @@ def export_top_graph(backbone: nn.Module, path: Path) -> dict[str, Any]:
     random features. Returns the manifest entry."""
     width = feature_dim(backbone)
     probe = np.random.default_rng(1).normal(0, 1, (5, width)).astype(np.float32)
-    err = _export_checked(_TopOfBackbone(copy.deepcopy(backbone).eval()), probe, path, (FEATURES_INPUT, "embedding"),
+    err, _ = _export_checked(_TopOfBackbone(copy.deepcopy(backbone).eval()), probe, path, (FEATURES_INPUT, "embedding"),
                           path.name)
     names = sorted(i.name for i in onnx.load(str(path)).graph.initializer if i.name.startswith("backbone."))
     return {"file": TOP_FILE, "input": FEATURES_INPUT, "output": "embedding", "feature_dim": width,

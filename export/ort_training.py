@@ -30,7 +30,7 @@ from fedfs_sdk.training.trainer import DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_
 
 from .common import FORMAT_ORT_TRAINING, OPSET, ExportError, captured_native_stderr, quiet_onnxruntime
 from .onnx_inference import check_runtime_compatible
-from .ort_top import FEATURES_INPUT, check_top_exportable, export_trunk, feature_dim, top_models
+from .ort_top import FEATURES_INPUT, check_top_exportable, export_trunk, top_models
 from .training_graphs import (PREFIX_GLOBAL, PREFIX_PERSONAL, PREFIX_XI, FedFSStep, FedUVStep,
                               head_scale_for)
 
@@ -236,10 +236,13 @@ def export_training_artifacts(method: str, global_model: FaceNet, out_dir: str |
     step, scale = build_step(method, global_model, xi=xi, objective=objective, lr=eff_lr, head_lr=head_lr,
                              scope=scope)
     cfg = global_model.config
-    feats = feature_dim(global_model.backbone) if scope == "top" else None
+    trunk = None
+    if scope == "top":          # the trunk graph first: its output's width is the training graph's input's
+        out.mkdir(parents=True, exist_ok=True)
+        trunk = export_trunk(global_model.backbone, out, method)
+    feats = trunk["feature_dim"] if trunk is not None else None
     trainable, frozen = build_artifacts(step, _dummy_inputs(step, cfg.input_size, cfg.code_length, features=feats),
                                         out, method)
-    trunk = export_trunk(global_model.backbone, out, method) if scope == "top" else None
 
     def keys(prefix: str, names: list[str]) -> list[str]:
         return [n[len(prefix):] for n in names if n.startswith(prefix)]

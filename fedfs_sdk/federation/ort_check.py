@@ -28,13 +28,32 @@ TOP_FILE = "onnx/top.onnx"
 DRAW_CHUNK = 2048
 
 
-def xi_trunk_artifact(root: Path, xi_sha: str):
-    """A ``scope="top"`` training artifact under ``root/ort-training`` exported with ξ ``xi_sha``
-    (its ``trunk.onnx`` is ξ's trunk), or None."""
-    from ..training.ort_device import TrainingArtifact
+def backbone_arrays(weights: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The ``backbone.*`` entries of a state dict as float32 arrays."""
+    return {k: np.asarray(v, dtype=np.float32) for k, v in weights.items() if k.startswith("backbone.")}
 
-    arts = [TrainingArtifact.load(p) for p in sorted((root / "ort-training").iterdir()) if p.is_dir()]
-    return next((a for a in arts if a.info.get("xi_sha256") == xi_sha and a.trunk is not None), None)
+
+def xi_backbone(xi_file: Path, candidate: str, embedding_sum: np.ndarray | None) -> dict[str, np.ndarray]:
+    """ξ's backbone as candidate ``candidate`` verifies with it: as it is (``xi``), or ``norm-adapt`` —
+    its ``embed_norm`` re-fitted to the federation's published embedding moments
+    (:func:`~fedfs_sdk.stats.in_domain.norm_adapt_arrays`)."""
+    from safetensors.numpy import load_file
+
+    xi = backbone_arrays(load_file(str(xi_file)))
+    if candidate != "norm-adapt":
+        return xi
+    if embedding_sum is None:
+        raise InputError("the norm-adapt candidate needs the federation's published embedding moments "
+                         "(a statistics round's xi.embedding)")
+    from ..stats.in_domain import norm_adapt_arrays
+
+    return norm_adapt_arrays(xi, embedding_sum)
+
+
+def xi_trunk_artifact(runtime: Any, xi_sha: str):
+    """A ``scope="top"`` training artifact of ``runtime``'s export exported with ξ ``xi_sha`` (its
+    ``trunk.onnx`` is ξ's trunk), or None."""
+    return next((a for a in runtime.artifacts() if a.info.get("xi_sha256") == xi_sha and a.trunk is not None), None)
 
 
 def _no_trunk(root: Path, xi_sha: str) -> InputError:
@@ -45,17 +64,15 @@ def _no_trunk(root: Path, xi_sha: str) -> InputError:
 def xi_statistics(runtime: Any, agent: Any, xi_file: Path, xi_sha: str, positions: np.ndarray,
                   features: bool) -> tuple[np.ndarray, np.ndarray | None]:
     """ξ's embeddings (and trunk features) of the owner's photos at ``positions`` (module docstring)."""
-    from safetensors.numpy import load_file
-
     from ..runtime.onnx_backend import OnnxBackend
 
-    art = xi_trunk_artifact(runtime.root, xi_sha)
+    art = xi_trunk_artifact(runtime, xi_sha)
     if features and art is None:
         raise _no_trunk(runtime.root, xi_sha)
     onnx = runtime.root / "onnx" / "verifier.onnx"
     if not onnx.is_file():
         raise InputError(f"{runtime.root} has no onnx/verifier.onnx to embed with ξ; export with --formats onnx,ort-training")
-    xi = {k: v for k, v in load_file(str(xi_file)).items() if k.startswith("backbone.")}
+    xi = xi_backbone(xi_file, "xi", None)
     try:        # another architecture's weights are refused by name or shape, never loaded into other layers
         backend = OnnxBackend(onnx, weights=xi, intra_op_threads=runtime.intra_op_threads)
     except InputError as e:
@@ -71,28 +88,16 @@ class TopGraph:
     """``onnx/top.onnx`` with one candidate's ``backbone.embed*`` weights written in."""
 
     def __init__(self, root: Path, backbone: Mapping[str, np.ndarray], intra_op_threads: int | None = None) -> None:
-        import onnx
-        from onnx import numpy_helper
-
-        from ..runtime.onnx_backend import import_onnxruntime, session_options
+        from ..runtime.onnx_backend import import_onnxruntime, session_options, with_weights
 
         path = root / TOP_FILE
         if not path.is_file():
             raise InputError(f"{root} has no {TOP_FILE} (the top graph of the in-domain check): export again with "
                              "--formats onnx,ort-training and the default scope")
-        model = onnx.load(str(path))
-        for init in model.graph.initializer:
-            if not init.name.startswith("backbone."):
-                continue
-            if init.name not in backbone:
-                raise InputError(f"the candidate's weights lack {init.name} of {TOP_FILE}")
-            arr = np.ascontiguousarray(backbone[init.name], dtype=np.float32)
-            if arr.shape != tuple(init.dims):
-                raise InputError(f"{init.name} has shape {list(arr.shape)}, {TOP_FILE} expects {list(init.dims)}")
-            init.CopyFrom(numpy_helper.from_array(arr, init.name))
+        model, _ = with_weights(path, backbone, complete=True)   # names, shapes, finiteness checked there
         ort = import_onnxruntime()
         try:
-            self.session = ort.InferenceSession(model.SerializeToString(), sess_options=session_options(intra_op_threads),
+            self.session = ort.InferenceSession(model, sess_options=session_options(intra_op_threads),
                                                 providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001 — a damaged graph
             raise CheckpointError(f"ONNX Runtime cannot load {path} ({str(e).splitlines()[0][:300]}); export again") from None
@@ -137,7 +142,7 @@ def candidate_check(runtime: Any, agent: Any, name: str, backbones: list[Mapping
     template from the training photos, genuine = the hold-out, impostors = ``drawn`` through its top."""
     from ..training.selection import check_candidate
 
-    art = xi_trunk_artifact(runtime.root, xi_sha)
+    art = xi_trunk_artifact(runtime, xi_sha)
     if art is None:
         raise _no_trunk(runtime.root, xi_sha)
     run = candidate_embeddings(runtime, backbones, head, project, str(art.trunk["sha256"]))
@@ -145,4 +150,4 @@ def candidate_check(runtime: Any, agent: Any, name: str, backbones: list[Mapping
     return check_candidate(name, run(feats[train]), run(feats[hold]), run(drawn).astype(np.float64), far=1e-3)
 
 
-__all__ = ["TOP_FILE", "xi_trunk_artifact", "xi_statistics", "TopGraph", "candidate_embeddings", "candidate_check"]
+__all__ = ["TOP_FILE", "backbone_arrays", "xi_backbone", "xi_trunk_artifact", "xi_statistics", "TopGraph", "candidate_embeddings", "candidate_check"]

@@ -21,6 +21,7 @@ from ..errors import CheckpointError, InputError
 from ..training.methods import check_method, uses_fedfs, uses_feduv
 from .device_runtime import (DUAL_ONNX_FILE, DeviceContext, LocalUpdate, clip_upload, negative_codewords, round_seed,
                              verifier_model, xi_path)
+from .ort_check import backbone_arrays, xi_backbone
 from .ort_settings import OrtTrainSettings, ort_settings_for
 from .wire_format import read_header
 
@@ -47,6 +48,7 @@ class OrtRuntime:
                                   "write one with `fedfs export --formats onnx,ort-training`")
         self.intra_op_threads = intra_op_threads
         self._trainers: dict[tuple[str, OrtTrainSettings], Any] = {}
+        self._artifacts: list[Any] | None = None
         self._trunks: dict[str, Any] = {}              # artifact folder → its TrunkGraph (scope=top)
         self._features: dict[tuple[str, str], np.ndarray] = {}     # (trunk sha256, photos' sha256) → features
 
@@ -60,8 +62,6 @@ class OrtRuntime:
         metadata would otherwise run, or fail later with a raw ONNX Runtime error)."""
         from export.manifest import MANIFEST_NAME, verify_manifest
 
-        from ..training.ort_device import TrainingArtifact
-
         if not (self.root / MANIFEST_NAME).is_file():
             raise CheckpointError(f"{self.root} has no {MANIFEST_NAME}: not a complete fedfs export; "
                                   "write one with `fedfs export --formats onnx,ort-training`")
@@ -73,7 +73,7 @@ class OrtRuntime:
             raise CheckpointError(f"{self.root} differs from its {MANIFEST_NAME} (changed, missing or extra: "
                                   f"{', '.join(changed[:5])}{' …' if len(changed) > 5 else ''}); the export was "
                                   "modified or damaged: export again")
-        arts = [TrainingArtifact.load(p) for p in sorted((self.root / "ort-training").iterdir()) if p.is_dir()]
+        arts = self.artifacts()
         if not arts:
             raise CheckpointError(f"{self.root / 'ort-training'} holds no ORT training artifact; "
                                   "write one with `fedfs export --formats onnx,ort-training`")
@@ -81,6 +81,16 @@ class OrtRuntime:
             raise CheckpointError(f"{self.root} has no ONNX verifier (onnx/verifier.onnx) to enroll with; "
                                   "export with --formats onnx,ort-training")
         return arts[0].input_size
+
+    def artifacts(self) -> list[Any]:
+        """Every training artifact of the export (``ort-training/*``), read once: a checked export does not
+        change under a running device."""
+        if self._artifacts is None:
+            from ..training.ort_device import TrainingArtifact
+
+            self._artifacts = [TrainingArtifact.load(p) for p in sorted((self.root / "ort-training").iterdir())
+                               if p.is_dir()]
+        return self._artifacts
 
     def _artifact(self, method: str) -> Path:
         from ..training.ort_device import artifact_subdir
@@ -155,31 +165,20 @@ class OrtRuntime:
                         xi_sha: str, embedding_sum: np.ndarray | None):
         """Candidate ``name``'s in-domain check, torch-free (:func:`.ort_check.candidate_check`): the
         verifier :meth:`verifier` would build for it, as a function of trunk features."""
-        from safetensors.numpy import load_file
-
-        from ..stats.in_domain import norm_adapt_arrays
         from ..training.ort_device import decode_model
         from .ort_check import candidate_check
 
         chosen = {"xi": "xi", "norm-adapt": "xi", "global": "global"}.get(name) or verifier_model(method, verify)
         w, _ = decode_model(model)
-
-        def backbone(weights: Mapping[str, Any]) -> dict[str, np.ndarray]:
-            return {k: np.asarray(v, dtype=np.float32) for k, v in weights.items() if k.startswith("backbone.")}
         if chosen == "xi":
-            xi = backbone(load_file(str(xi_file)))
-            if name == "norm-adapt":
-                if embedding_sum is None:
-                    raise InputError("the norm-adapt candidate needs the federation's published embedding moments")
-                xi = norm_adapt_arrays(xi, embedding_sum)
-            backbones = [xi]
+            backbones = [xi_backbone(xi_file, name, embedding_sum)]
         elif chosen == "global":
-            backbones = [backbone(w)]
+            backbones = [backbone_arrays(w)]
         else:
             personal = agent.state.load_arrays("personal")
             if personal is None:
                 raise InputError(f"method {method!r} verifies with θ_c, which this device has not trained yet")
-            backbones = [backbone(personal)] + ([backbone(w)] if chosen == "both" else [])
+            backbones = [backbone_arrays(personal)] + ([backbone_arrays(w)] if chosen == "both" else [])
         head = w.get("uv_head.weight") if uses_feduv(method) and chosen != "xi" else None
         project = name == "global" and score == "head-template" and head is not None
         return candidate_check(self, agent, name, backbones, head, project, drawn, train, hold, xi_sha)
@@ -199,25 +198,14 @@ class OrtRuntime:
                                   + (" --methods fedfs+feduv" if chosen == "both" else ""))
         weights, _ = decode_model(model)
         if chosen == "xi":      # ξ's backbone in the verifier graph (its FedUV head, if any, stays the global one)
-            from safetensors.numpy import load_file
-
             xi_file = xi_path(agent)
             archs = [json.loads(read_header(b)[1].get("model_config") or "{}").get("backbone")
                      for b in (xi_file.read_bytes(), model)]
             if archs[0] != archs[1]:   # the export's graph is the global model's: ξ's weights would fill other layers
                 raise InputError(f"ξ is {archs[0]} but the exported verifier graph is {archs[1]}: the ONNX runtime "
                                  "cannot check ξ on it (use the torch runtime, or a ξ of the global model's architecture)")
-            xi = load_file(str(xi_file))
-            if candidate == "norm-adapt":   # ξ re-fitted to the federation's embedding moments (fedfs_sdk.stats.in_domain)
-                from ..stats.in_domain import norm_adapt_arrays
-
-                total = getattr(agent, "stats_embedding_sum", None)
-                if total is None:
-                    raise InputError("the norm-adapt candidate needs the federation's published embedding moments "
-                                     "(a statistics round's xi.embedding)")
-                xi = {**xi, **norm_adapt_arrays({k: v for k, v in xi.items() if k.startswith("backbone.")}, total)}
-            weights = {**{k: v for k, v in weights.items() if not k.startswith("backbone.")},
-                       **{k: v for k, v in xi.items() if k.startswith("backbone.")}}
+            xi = xi_backbone(xi_file, candidate, getattr(agent, "stats_embedding_sum", None))
+            weights = {**{k: v for k, v in weights.items() if not k.startswith("backbone.")}, **xi}
             chosen = "global"
         personal = None
         if chosen in ("personal", "both"):

@@ -169,12 +169,14 @@ def session_options(intra_op_threads: int | None = None):
     return so
 
 
-def with_weights(path: str | os.PathLike[str], weights: Mapping[str, np.ndarray]) -> tuple[bytes, str]:
+def with_weights(path: str | os.PathLike[str], weights: Mapping[str, np.ndarray],
+                 complete: bool = False) -> tuple[bytes, str]:
     """A fedfs ONNX verifier with its parameters (FaceNet state-dict names) replaced by
     ``weights`` — e.g. a device's personalized backbone ``θ_c`` with the global head ``W`` —
     as model bytes whose ``fedfs.model_id`` is the id of these weights, and that id. The bytes
     are a complete verifier: save them, and an :class:`OnnxBackend` of the file verifies
-    against enrollments made with these weights."""
+    against enrollments made with these weights. ``complete``: every parameter of the graph must
+    be in ``weights`` (none keeps the export's value)."""
     import onnx
     from onnx import numpy_helper
 
@@ -183,6 +185,9 @@ def with_weights(path: str | os.PathLike[str], weights: Mapping[str, np.ndarray]
     unknown = sorted(set(weights) - set(params))
     if unknown:
         raise InputError(f"weights {unknown[:5]} are not parameters of {Path(path).name}")
+    missing = sorted(set(params) - set(weights)) if complete else []
+    if missing:
+        raise InputError(f"the weights lack {missing[:5]} of {Path(path).name}")
     final: dict[str, np.ndarray] = {}
     for name, init in params.items():
         if name in weights:
