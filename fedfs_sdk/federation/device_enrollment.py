@@ -72,12 +72,8 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     codeword = device_codeword(self, info["config"].get("code_length")) if mode == "codeword" else None
     in_domain = None
     if self.config.far is not None and self.config.far_stats is not None:
-        from ..stats.evidence import evidence_for_backend, xi_verifier     # the federation's conditions (issue 29)
-        from .device_runtime import xi_path
-        # ξ loaded directly: runtime.verifier would overwrite the state's verifier.safetensors with it
-        xi = xi_verifier(xi_path(self)) if has_xi(self) else backend
-        in_domain = evidence_for_backend(self.config.far_stats, backend, xi,
-                                         impostors or (load_impostors(self.config.impostors) if self.config.impostors else None))
+        in_domain = far_evidence(self, backend, impostors or (load_impostors(self.config.impostors)
+                                                              if self.config.impostors else None))
     shared = shared_impostor_outputs(chosen, backend, impostors,
                                      compute=trunk_impostor_outputs(self, backend, impostors))
     enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
@@ -100,14 +96,38 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     return enrollment
 
 
-def trunk_impostor_outputs(self, backend, impostors):  # self: the DeviceAgent
-    """A function computing ``backend``'s outputs on the public impostor set from ξ's trunk features
-    of it, shared in the process (:mod:`.public_trunk`) — where the verifier runs on ξ's trunk
-    (``scope="top"``) on the torch runtime; else None (the full forward runs, in ``enroll``)."""
+def far_evidence(self, backend, impostors):  # self: the DeviceAgent
+    """The federation's evidence for ``enroll(far=…)`` from ``config.far_stats`` (issue 29): the torch
+    runtime's verifier, or the ONNX runtime's from its export's trunk and top graphs."""
     from .device_runtime import TorchRuntime, xi_path
 
-    if impostors is None or not isinstance(self.runtime, TorchRuntime) or not has_xi(self):
+    if not isinstance(self.runtime, TorchRuntime):
+        if not has_xi(self):
+            raise InputError("a FAR target from the federation's statistics needs ξ (the round's tail was measured "
+                             "with it): give the device --xi FILE or join a server that serves ξ")
+        xi_file = xi_path(self)
+        return self.runtime.far_evidence(self.config.far_stats, backend, xi_file, sha256_hex(xi_file.read_bytes()),
+                                         impostors)
+    from ..stats.evidence import evidence_for_backend, xi_verifier
+
+    # ξ loaded directly: runtime.verifier would overwrite the state's verifier.safetensors with it
+    xi = xi_verifier(xi_path(self)) if has_xi(self) else backend
+    return evidence_for_backend(self.config.far_stats, backend, xi, impostors)
+
+
+def trunk_impostor_outputs(self, backend, impostors):  # self: the DeviceAgent
+    """A function computing ``backend``'s outputs on the public impostor set from ξ's trunk features
+    of it — where the verifier runs on ξ's trunk (``scope="top"``); else None (the full forward runs,
+    in ``enroll``). The torch runtime shares the features in the process (:mod:`.public_trunk`); the
+    ONNX runtime computes them once with its export's ``trunk.onnx`` (``OrtRuntime.impostor_outputs``)."""
+    from .device_runtime import TorchRuntime, xi_path
+
+    if impostors is None or not has_xi(self):
         return None
+    if not isinstance(self.runtime, TorchRuntime):
+        if not hasattr(self.runtime, "impostor_outputs"):
+            return None
+        return self.runtime.impostor_outputs(backend, impostors, sha256_hex(xi_path(self).read_bytes()))
     from ..runtime.impostor_outputs import impostor_batch
     from .device_features import has_xi_trunk
     from .device_models import device_xi

@@ -135,6 +135,60 @@ def candidate_embeddings(runtime: Any, backbones: list[Mapping[str, np.ndarray]]
     return run
 
 
+def verifier_top(runtime: Any, weights: Mapping[str, np.ndarray], outputs: tuple[str, ...], trunk_sha: str):
+    """The outputs of the ORT verifier holding ``weights`` — what :meth:`OrtRuntime.verifier` wrote into
+    ``onnx/verifier.onnx`` (``backbone.*`` and the head ``uv_head.weight``: ``embedding``, ``uv =
+    √c·unit(e Wᵀ)``, :class:`~fedfs_sdk.nn.model.VerifierNet`) or ``onnx/verifier-dual.onnx`` (with
+    ``global_backbone.*``: ``embedding = unit(q' Wᵀ) ⊕ unit(r' Wᵀ)``) — as a function of ξ's trunk features:
+    its top(s) through ``onnx/top.onnx``, the head maths in numpy. None where a backbone's trunk is not
+    ξ's (``trunk_sha``) or ``outputs`` are not those: the full forward must run then."""
+    bbs = [backbone_arrays(weights)]
+    if any(k.startswith("global_backbone.") for k in weights):
+        bbs.append({k[len("global_"):]: np.asarray(v, dtype=np.float32) for k, v in weights.items()
+                    if k.startswith("global_backbone.")})
+    if any(trunk_sha256(bb) != trunk_sha for bb in bbs):
+        return None
+    head = weights.get("uv_head.weight")
+    plain = len(bbs) == 2 or head is None           # the dual verifier's (or a headless model's) only output
+    if tuple(outputs) != (("embedding",) if plain else ("embedding", "uv")):
+        return None
+    run = candidate_embeddings(runtime, bbs, head, False, trunk_sha)
+    w = None if head is None else np.asarray(head, dtype=np.float32)
+
+    def outs(features: np.ndarray) -> dict[str, np.ndarray]:
+        e = run(features)
+        if plain:
+            return {"embedding": e}
+        return {"embedding": e, "uv": _unit(e @ w.T) * np.float32(np.sqrt(w.shape[0]))}
+    return outs
+
+
+def far_evidence(runtime: Any, stats: Any, backend: Any, weights: Mapping[str, np.ndarray], xi_file: Path,
+                 xi_sha: str, impostors: Any):
+    """:func:`~fedfs_sdk.stats.evidence.evidence_for_backend` on the ONNX runtime: the enrolled verifier
+    (``backend``, holding ``weights``) as its top on ξ's trunk features, ξ's own top for the tail's
+    directions, the public set's features from the export's ``trunk.onnx`` — what ``enroll(far=…)``
+    needs to set τ in the federation's conditions, torch-free."""
+    from ..stats.evidence import in_domain_evidence, read_stat_sum, require_public_people
+
+    stats = read_stat_sum(stats)
+    require_public_people(impostors)
+    art = xi_trunk_artifact(runtime, xi_sha)
+    if art is None:
+        raise _no_trunk(runtime.root, xi_sha)
+    trunk_sha = str(art.trunk["sha256"])
+    top = verifier_top(runtime, weights, tuple(backend.outputs), trunk_sha)
+    if top is None:
+        raise InputError("the enrolled verifier's trunk is not ξ's: the federation's statistics describe ξ's trunk "
+                         "features (scope=top); enroll with a scope=top model of this ξ, or without --far-stats")
+    xi_top = TopGraph(runtime.root, {k: v for k, v in xi_backbone(xi_file, "xi", None).items() if is_top_key(k)},
+                      runtime.intra_op_threads)
+    public = runtime.trunk_features(art, impostors.batch(int(backend.input_size)))
+    ev = in_domain_evidence(stats, top, lambda f: np.asarray(xi_top(f), dtype=np.float64), public, impostors.identity)
+    ev.record.update(model_id=getattr(backend, "model_id", None), tail_model_id=None)
+    return ev
+
+
 def candidate_check(runtime: Any, agent: Any, name: str, backbones: list[Mapping[str, np.ndarray]],
                     head: np.ndarray | None, project: bool, drawn: np.ndarray, train: np.ndarray, hold: np.ndarray,
                     xi_sha: str):
@@ -150,4 +204,5 @@ def candidate_check(runtime: Any, agent: Any, name: str, backbones: list[Mapping
     return check_candidate(name, run(feats[train]), run(feats[hold]), run(drawn).astype(np.float64), far=1e-3)
 
 
-__all__ = ["TOP_FILE", "backbone_arrays", "xi_backbone", "xi_trunk_artifact", "xi_statistics", "TopGraph", "candidate_embeddings", "candidate_check"]
+__all__ = ["TOP_FILE", "backbone_arrays", "xi_backbone", "xi_trunk_artifact", "xi_statistics", "TopGraph", "candidate_embeddings",
+           "verifier_top", "far_evidence", "candidate_check"]

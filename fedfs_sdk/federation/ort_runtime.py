@@ -51,6 +51,7 @@ class OrtRuntime:
         self._artifacts: list[Any] | None = None
         self._trunks: dict[str, Any] = {}              # artifact folder → its TrunkGraph (scope=top)
         self._features: dict[tuple[str, str], np.ndarray] = {}     # (trunk sha256, photos' sha256) → features
+        self._written: dict[str, dict[str, np.ndarray]] = {}      # a built verifier's model id → its weights
 
     def check(self, enroll: bool = False) -> int:
         """Check the export folder before the device registers: every ``ort-training/*``
@@ -221,7 +222,55 @@ class OrtRuntime:
         backend = OnnxBackend(path, intra_op_threads=self.intra_op_threads)
         if uses_feduv(method) and chosen != "both" and "uv" not in backend.outputs:
             raise CheckpointError(f"{onnx} has no FedUV head output, but the server trains {method!r}")
+        if len(self._written) >= 4:       # the candidates of one enrollment
+            self._written.pop(next(iter(self._written)))
+        self._written[str(backend.model_id)] = chosen_weights
         return backend
+
+    def _top_of(self, backend: "InferenceBackend", xi_sha: str):
+        """``(artifact, features → backend's outputs)`` for a verifier :meth:`verifier` built whose
+        backbones run on ξ's trunk (:func:`.ort_check.verifier_top`), or None."""
+        from .ort_check import verifier_top, xi_trunk_artifact
+
+        weights = self._written.get(str(getattr(backend, "model_id", "")))
+        art = xi_trunk_artifact(self, xi_sha) if weights is not None else None
+        top = verifier_top(self, weights, tuple(backend.outputs), str(art.trunk["sha256"])) if art is not None else None
+        return None if top is None else (art, top)
+
+    def impostor_outputs(self, backend: "InferenceBackend", impostors: Any, xi_sha: str):
+        """A function computing ``backend``'s outputs on the public impostor set as
+        :func:`~fedfs_sdk.runtime.impostor_outputs.impostor_outputs` does — from ξ's trunk features of the
+        set (``trunk.onnx``, once per set: every candidate and both halves of the dual verifier share
+        them) and the verifier's top — or None where it does not run on ξ's trunk (then ``enroll`` runs
+        the full forward). Scores agree with the full forward to float32 rounding."""
+        found = self._top_of(backend, xi_sha)
+        if found is None:
+            return None
+        art, top = found
+
+        def compute() -> tuple[dict[str, np.ndarray], ...]:
+            from ..runtime.impostor_outputs import CHUNK, impostor_batch
+
+            feats = self.trunk_features(art, impostor_batch(backend, impostors))
+            out = []
+            for a in range(0, len(feats), CHUNK):
+                o = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in top(feats[a:a + CHUNK]).items()}
+                for v in o.values():
+                    v.setflags(write=False)
+                out.append(o)
+            return tuple(out)
+        return compute
+
+    def far_evidence(self, stats: Any, backend: "InferenceBackend", xi_file: Path, xi_sha: str, impostors: Any):
+        """The federation's evidence for ``enroll(far=…)`` (:func:`.ort_check.far_evidence`) for a verifier
+        :meth:`verifier` built."""
+        from .ort_check import far_evidence
+
+        weights = self._written.get(str(getattr(backend, "model_id", "")))
+        if weights is None:
+            raise InputError("a FAR target from the federation's statistics on the ONNX runtime needs a verifier this "
+                             "runtime built (OrtRuntime.verifier)")
+        return far_evidence(self, stats, backend, weights, xi_file, xi_sha, impostors)
 
 
 __all__ = ["OrtRuntime"]

@@ -18,8 +18,8 @@ every device computes the same ones (:func:`tail_directions`) — the histogram 
 feature-moment round (two statistics rounds, or the tail of the previous model version's round).
 
 Everything here is numpy on callables ``features [n, F] → outputs``; :func:`torch_top` makes one
-from a torch verifier (lazy torch import: the ORT runtime has no top to run trunk features
-through, and is refused there).
+from a torch verifier (lazy torch import), :func:`fedfs_sdk.federation.ort_check.far_evidence` from an
+export's ``trunk.onnx`` and ``onnx/top.onnx`` (the phone's runtime, no torch).
 """
 from __future__ import annotations
 
@@ -140,8 +140,9 @@ def _torch_net(verifier: Any) -> Any:
     net = getattr(verifier, "verifier", verifier)
     if not isinstance(net, (VerifierNet, DualVerifierNet)):
         raise InputError(f"a FAR target from the federation's statistics needs a torch verifier (VerifierNet) to run its "
-                         f"top on trunk features, got {type(net).__name__} (the ONNX runtime has no top: enroll with "
-                         f"the torch model, or without the statistics)")
+                         f"top on trunk features, got {type(net).__name__} (an ONNX verifier file alone has no top graph: "
+                         f"enroll with the torch model, as a device from its export — fedfs device --artifacts, "
+                         f"whose onnx/top.onnx runs the top — or without the statistics)")
     return net
 
 
@@ -193,6 +194,24 @@ def torch_trunk(verifier: Any) -> Callable[[np.ndarray], np.ndarray]:
     return run
 
 
+def read_stat_sum(stats: StatSum | str | Path) -> StatSum:
+    """A :class:`StatSum`, or one read from a published statistics file (``{"count", "sums", …}``)."""
+    if not isinstance(stats, (str, Path)):
+        return stats
+    try:
+        return StatSum.from_dict(json.loads(Path(stats).read_text()))
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot read the published statistics {stats}: {e}") from None
+
+
+def require_public_people(impostors: Any) -> None:
+    """Refuse a FAR target from statistics without the public set (and its people) the tail's directions
+    came from."""
+    if impostors is None or getattr(impostors, "identity", None) is None:
+        raise InputError("a FAR target from the federation's statistics needs the public impostor set the round's "
+                         "tail directions came from (--impostors FILE, or the server's)")
+
+
 def evidence_for_backend(stats: StatSum | str | Path, backend: Any, xi_backend: Any, impostors: Any,
                          own_images: np.ndarray | None = None, mode: str = TAIL_MODE) -> InDomainEvidence:
     """:func:`in_domain_evidence` for a torch backend (the enrolled verifier), the torch backend the
@@ -203,14 +222,8 @@ def evidence_for_backend(stats: StatSum | str | Path, backend: Any, xi_backend: 
     ``stats``: a :class:`StatSum` or a published statistics file (``{"count", "sums", …}``).
     ``own_images``: the preprocessed photos this device contributed to the round (their moments are
     subtracted), None if it did not contribute. Refuses a verifier whose trunk is not ξ's."""
-    if isinstance(stats, (str, Path)):
-        try:
-            stats = StatSum.from_dict(json.loads(Path(stats).read_text()))
-        except (OSError, ValueError) as e:
-            raise InputError(f"cannot read the published statistics {stats}: {e}") from None
-    if impostors is None or getattr(impostors, "identity", None) is None:
-        raise InputError("a FAR target from the federation's statistics needs the public impostor set the round's "
-                         "tail directions came from (--impostors FILE, or the server's)")
+    stats = read_stat_sum(stats)
+    require_public_people(impostors)
     trunk, xi_trunk = torch_trunk(backend), torch_trunk(xi_backend)
     x = impostors.batch(int(backend.input_size))
     pub = trunk(x)
@@ -224,5 +237,5 @@ def evidence_for_backend(stats: StatSum | str | Path, backend: Any, xi_backend: 
     return ev
 
 
-__all__ = ["InDomainEvidence", "evidence_for_backend", "xi_verifier", "in_domain_evidence", "tail_directions", "move_public", "torch_top", "torch_trunk",
+__all__ = ["InDomainEvidence", "evidence_for_backend", "read_stat_sum", "require_public_people", "xi_verifier", "in_domain_evidence", "tail_directions", "move_public", "torch_top", "torch_trunk",
            "FEATURES", "TAIL_MODE", "ESTIMATOR"]
