@@ -10,7 +10,9 @@ a round for each at the point the rule needs it, on every eligible device, under
    published or failed — for ``fedfs+feduv`` on a model started from ξ, from version 2: the initial
    model with the default's ``norm_init`` (:func:`norm_init`), as the simulator starts ϕ;
 2. **the devices' check results** (``checks``, one block per candidate after ξ) after the last weight
-   round, on the final model version; devices enrolling then take part before they choose.
+   round, on the final model version; devices enrolling then take part before they choose. Where the
+   server ships a public impostor set, the first such round per ξ also asks for ξ's tail histograms
+   along the public people (``xi.tail``, :func:`tail_spec`): what ``enroll(far=…)`` sets τ from.
 
 Each round proceeds with the devices that answered by its phase deadlines and publishes only a sum
 over ≥ :data:`~fedfs_sdk.stats.MIN_CONTRIBUTORS`; otherwise nothing is published and the outcome says why
@@ -24,12 +26,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import numpy as np
+
 from fedfs_sdk.stats import EMBEDDING_BOUND, FEATURE_BOUND, MAX_PHOTOS, MIN_CONTRIBUTORS, feature_length
 from fedfs_sdk.stats.in_domain import CHECKS, EMBEDDING, FEATURES, candidate_names
 from fedfs_sdk.stats.transport import SECURE, StatSpec
 from fedfs_sdk.training.methods import uses_fedfs
 
 from .errors import ApiError
+from .impostor_store import impostors_path, impostors_sha256
 from .round_state import _event
 
 STATE, SHAPE = "stats_auto", "stats_xi_shape"
@@ -196,7 +201,37 @@ def after_weight_rounds(coord: Any, desk: Any) -> None:
     xi_published = any(v.get("state") == "published" and EMBEDDING in v.get("names", [])
                        for v in desk.outcomes().values())
     names = candidate_names(uses_fedfs(p.method), bool(shape["norm"]) and xi_published)
-    _open(coord, desk, key, (StatSpec(CHECKS, "checks", 4 * (len(names) - 1), 1.0),), {"candidates": list(names)})
+    specs, extra = [StatSpec(CHECKS, "checks", 4 * (len(names) - 1), 1.0)], {"candidates": list(names)}
+    tail = tail_spec(coord, desk, shape)
+    if tail is not None:        # once per ξ: a second tail over another cohort would reveal the difference
+        specs.append(tail)
+        extra.update(xi_sha256=coord.db.get_meta("xi_sha256"), impostors_sha256=impostors_sha256(coord))
+    if _open(coord, desk, key, tuple(specs), extra) and tail is not None:
+        _note(coord, f"tail:{coord.db.get_meta('xi_sha256')}", {"checks_round": key})
+
+
+def tail_spec(coord: Any, desk: Any, shape: dict) -> StatSpec | None:
+    """The ``xi.tail`` statistic the check-results round carries (``enroll(far=…)`` in the federation's
+    conditions, :mod:`fedfs_sdk.federation.device_tail`), or None: where ξ's backbone splits, ξ's feature
+    moments were published, the server ships a public set with ≥ 2 people of ≥ 2 photos (its directions),
+    the rounds carry no DP noise, and no round asked for this ξ's tail before."""
+    from fedfs_sdk.runtime.impostors import load_impostors
+    from fedfs_sdk.stats.tail import TAIL, TAIL_BINS
+
+    sha = coord.db.get_meta("xi_sha256")
+    if shape["features"] is None or impostors_sha256(coord) is None or f"tail:{sha}" in _get(coord, STATE):
+        return None
+    if round_dp(coord.policy) is not None:
+        # noise for one device's worst case (all its photos in one bin of every direction: 64·√P) buries the
+        # per-bin counts the tail's quantile reads; under statistics DP a FAR target uses the public set alone
+        return None
+    if not any(v.get("state") == "published" and FEATURES in v.get("names", []) for v in desk.outcomes().values()):
+        return None
+    ids = load_impostors(impostors_path(coord)).identity
+    if ids is None:
+        return None
+    people = int((np.unique(np.asarray(ids), return_counts=True)[1] >= 2).sum())
+    return StatSpec(TAIL, "tail", people * TAIL_BINS, 1.0) if people >= 2 else None
 
 
 def pending(coord: Any) -> list[str]:

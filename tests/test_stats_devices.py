@@ -46,7 +46,13 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
     save_checkpoint(tmp_path / "xi.safetensors", FaceNet(ModelConfig("tiny")), ModelConfig("tiny"))
     ca = CertificateAuthority.generate()
     _, pub = ca.save(tmp_path / "ca")
+    # the public impostor set the server ships: 20 people × 4 photos (the tail's directions)
+    from fedfs_sdk.runtime.impostors import save_impostors
+    from test_operating_point import _impostor_set
+
+    save_impostors(tmp_path / "public.npz", _impostor_set(ModelConfig("tiny").resolved().input_size, 20, 4))
     srv = start_server(tmp_path / "server", "--xi", str(tmp_path / "xi.safetensors"), "--rounds", "1",
+                       "--impostors", str(tmp_path / "public.npz"),
                        "--min-participants", str(N), "--secure-aggregation", "--secagg-ca", str(pub),
                        "--secagg-phase-timeout", "60", "--round-timeout", "120", "--train", json.dumps(TRAIN))
     events: dict[int, list] = {d: [] for d in range(N)}
@@ -67,7 +73,7 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
             cert.save(tmp_path / f"cert{d}.json")
             images = [str(p) for p in write_images(tmp_path / f"img{d}", 8, seed=40 + d)]
             phone = d % 2 == 1
-            cfg = DeviceConfig(rounds=1, enroll=True, q=0.8, wait_timeout_s=200, artifacts=tmp_path / "phone" if phone else None,
+            cfg = DeviceConfig(rounds=1, enroll=True, q=0.8, far=1e-2, wait_timeout_s=200, artifacts=tmp_path / "phone" if phone else None,
                                secagg=DevicePolicy(ca=CaPublicKey.load(pub)), identity_certificate=tmp_path / f"cert{d}.json")
             agents.append(DeviceAgent(ServerClient(srv.url), states[d], images, cfg,
                                       runtime=OrtRuntime(tmp_path / "phone", intra_op_threads=1) if phone else None,
@@ -94,6 +100,18 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
         for k in (EMBEDDING, FEATURES):
             # each device's packed vector is rounded to 2^-46 of max_photos·bound² (bound 1e3)
             assert np.allclose(pub_xi["sums"][k], want.sums[k], rtol=0, atol=N * 64 * 1e6 * 2.0 ** -46)
+        # the check-results round also carried ξ's tail along the 20 public people (.device_tail): its sum is
+        # the devices' own contributions', each device's histogram counts its training photos once per person
+        from fedfs_sdk.stats.tail import TAIL, TAIL_BINS
+
+        assert pub_checks["task"]["extra"]["impostors_sha256"] and len(pub_checks["sums"][TAIL]) == 20 * TAIL_BINS
+        own2 = [dict(np.load(tmp_path / f"dev{d}" / "stats" / "stats-own-r000002.npz")) for d in range(N)]
+        assert np.allclose(pub_checks["sums"][TAIL], sum_contributions(own2).sums[TAIL], rtol=0, atol=1e-6)
+        for d in range(N):
+            counts = own2[d][TAIL].reshape(20, TAIL_BINS).sum(1)
+            assert np.all(counts == len(agents[d].holdout_split()[0])), (d, counts)
+        # phones and torch devices bin their photos alike: the same ξ, trunk and top (ORT vs torch)
+        _tail_alike(agents[0], agents[1], srv.url, tmp_path)
 
         for d, rep in enumerate(reports):
             sel = rep.enrollment.meta["selection"]
@@ -101,6 +119,9 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
             assert rep.enrollment.meta["runtime"] == ("ort" if d % 2 else "torch")
             assert [c["name"] for c in sel["checks"]] == ["xi", "norm-adapt", "global", "personalized"]
             assert sel["verdict"] == f"published over {N} devices"
+            # FAR 1e-2 from the federation's tail: the 80-photo public set cannot set it alone
+            op = rep.enrollment.meta["operating_point"]
+            assert op["far_evidence"] == "federation-statistics" and op["in_domain"]["contributors"] == N, op
             names = [n for n, _ in events[d]]
             assert names.count("stats_round_done") == 2, names
             # the round's model came as its top alone, ξ's trunk put under it (federation/model_top.py)
@@ -150,7 +171,8 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
         ledger = json.loads((tmp_path / "dev0" / "stats" / "stats_contributed.json").read_text())
         assert sorted(ledger) == sorted(pub_xi["task"] and [f"{EMBEDDING}@xi:{pub_xi['task']['extra']['xi_sha256']}",
                                                               f"{FEATURES}@xi:{pub_xi['task']['extra']['xi_sha256']}",
-                                                              f"{CHECKS}@model:{pub_checks['task']['model_version']}"])
+                                                              f"{CHECKS}@model:{pub_checks['task']['model_version']}",
+                                                              f"{TAIL}@xi:{pub_xi['task']['extra']['xi_sha256']}"])
     finally:
         torch.set_num_threads(threads)
         for s in states:
@@ -189,3 +211,18 @@ def _simulator_builds_the_same_xi_candidates(tmp_path, agent, report, pub_xi) ->
         ck = check_candidate(name, tr, ho, im, far=1e-3)
         for key in ("margin", "auroc", "threshold", "tar"):
             assert np.isclose(getattr(ck, key), recorded[name][key], rtol=1e-4, atol=1e-5), (name, key)
+
+
+def _tail_alike(torch_agent, phone, url, tmp_path) -> None:
+    """A torch device's and a phone's ``xi.tail`` of the same photos agree (the bins of scores equal to
+    float32 rounding: at most a count or two moves across a bin edge)."""
+    from fedfs_sdk.federation.agent import DeviceAgent
+    from fedfs_sdk.federation.device_tail import tail_contribution
+    from fedfs_sdk.federation.server_client import ServerClient
+    from fedfs_sdk.stats.tail import TAIL_BINS
+    from fedfs_sdk.stats.transport import StatsTask
+
+    task = StatsTask.from_json(json.loads((tmp_path / "dev0" / "stats" / "stats-r000002.json").read_text())["task"])
+    same_photos = DeviceAgent(ServerClient(url, phone.state.token), phone.state, torch_agent.images, phone.config, runtime=phone.runtime)
+    got = [tail_contribution(a, task, 20 * TAIL_BINS) for a in (torch_agent, same_photos)]
+    assert got[0].sum() == got[1].sum() > 0 and np.abs(got[0] - got[1]).sum() <= 4, np.abs(got[0] - got[1]).sum()

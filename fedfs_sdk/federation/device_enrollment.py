@@ -71,9 +71,17 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     mode, template_output = candidate_mode(method, score, model, chosen)
     codeword = device_codeword(self, info["config"].get("code_length")) if mode == "codeword" else None
     in_domain = None
-    if self.config.far is not None and self.config.far_stats is not None:
-        in_domain = far_evidence(self, backend, impostors or (load_impostors(self.config.impostors)
-                                                              if self.config.impostors else None))
+    if self.config.far is not None:
+        # the federation's tail: --far-stats, else the automatic rounds' published xi.tail (.device_tail)
+        stats = self.config.far_stats
+        if stats is None and self.config.stats and has_xi(self):
+            from .device_runtime import xi_path
+            from .device_tail import published_far_stats
+
+            stats = published_far_stats(self, sha256_hex(xi_path(self).read_bytes()))
+        if stats is not None:
+            in_domain = far_evidence(self, backend, stats, impostors or (load_impostors(self.config.impostors)
+                                                                         if self.config.impostors else None))
     shared = shared_impostor_outputs(chosen, backend, impostors,
                                      compute=trunk_impostor_outputs(self, backend, impostors))
     enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
@@ -96,9 +104,10 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     return enrollment
 
 
-def far_evidence(self, backend, impostors):  # self: the DeviceAgent
-    """The federation's evidence for ``enroll(far=…)`` from ``config.far_stats`` (issue 29): the torch
-    runtime's verifier, or the ONNX runtime's from its export's trunk and top graphs."""
+def far_evidence(self, backend, stats, impostors):  # self: the DeviceAgent
+    """The federation's evidence for ``enroll(far=…)`` from ``stats`` (``config.far_stats``, or the published
+    sums of the automatic rounds; issue 29): the torch runtime's verifier, or the ONNX runtime's from its
+    export's trunk and top graphs."""
     from .device_runtime import TorchRuntime, xi_path
 
     if not isinstance(self.runtime, TorchRuntime):
@@ -106,13 +115,12 @@ def far_evidence(self, backend, impostors):  # self: the DeviceAgent
             raise InputError("a FAR target from the federation's statistics needs ξ (the round's tail was measured "
                              "with it): give the device --xi FILE or join a server that serves ξ")
         xi_file = xi_path(self)
-        return self.runtime.far_evidence(self.config.far_stats, backend, xi_file, sha256_hex(xi_file.read_bytes()),
-                                         impostors)
+        return self.runtime.far_evidence(stats, backend, xi_file, sha256_hex(xi_file.read_bytes()), impostors)
     from ..stats.evidence import evidence_for_backend, xi_verifier
 
     # ξ loaded directly: runtime.verifier would overwrite the state's verifier.safetensors with it
     xi = xi_verifier(xi_path(self)) if has_xi(self) else backend
-    return evidence_for_backend(self.config.far_stats, backend, xi, impostors)
+    return evidence_for_backend(stats, backend, xi, impostors)
 
 
 def trunk_impostor_outputs(self, backend, impostors):  # self: the DeviceAgent

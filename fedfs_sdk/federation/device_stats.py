@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import FedFSError, InputError
 from ..stats.in_domain import CHECKS, EMBEDDING, FEATURES, candidate_names, check_contributions, decide, in_domain_draws
+from ..stats.tail import TAIL
 from .device_models import device_xi
 
 STATS_DIR = "stats"
@@ -80,14 +81,24 @@ def take_part(agent: Any, view: Mapping[str, Any] | None = None) -> dict | None:
 # ---- contributions --------------------------------------------------------------------------
 def contribution(agent: Any, task) -> dict[str, np.ndarray]:
     """This device's contribution to ``task``: ξ's moments (``xi.embedding``, ``xi.features``) of its
-    training photos, or its check results (``checks``, computed at enrollment)."""
+    training photos, or its check results (``checks``, computed at enrollment) with — where the round asks
+    for it — the tail histograms ``xi.tail`` (:mod:`.device_tail`)."""
     names = {s.name for s in task.stats}
     if CHECKS in names:
         checks = getattr(agent, "_stats_checks", None)
         if checks is None or checks[0] != task.model_version:
             raise StatsUnavailable(f"statistics round {task.round_id} asks for check results on model version "
                                    f"{task.model_version}; this device has checked none on it")
-        return {CHECKS: check_contributions(checks[1], list(task.extra.get("candidates") or []))}
+        out = {CHECKS: check_contributions(checks[1], list(task.extra.get("candidates") or []))}
+        tail = next((s for s in task.stats if s.name == TAIL), None)
+        if tail is not None:          # the federation's tail for enroll(far=…), under ξ (.device_tail)
+            from .device_tail import tail_contribution
+
+            out[TAIL] = tail_contribution(agent, task, tail.length)
+        unknown = names - set(out)
+        if unknown:
+            raise StatsUnavailable(f"statistics {sorted(unknown)} are unknown to this device")
+        return out
     return xi_moments(agent, task)
 
 

@@ -46,6 +46,9 @@ EMBEDDING_BOUND = 1e3
 MobileFaceNet ‖e‖ ≈ 10–40; a bound only stops a malicious device from dominating the sum)."""
 FEATURE_BOUND = 1e3
 """L2 bound of one photo's trunk feature vector in the feature moments."""
+TAIL_BINS = 400
+"""Score bins of :func:`tail_histogram` over ``[-1, 1]`` (width 0.005: about 1/20 of an impostor
+score's SD for the face models measured)."""
 MIN_CONTRIBUTORS = 10
 """A round's sum is published only over at least this many devices: with 2 devices a sum of
 ``f fᵀ`` minus one's own reveals the other's moments; with ≥ 10 it is a crowd's."""
@@ -97,7 +100,9 @@ def sensitivity(kind: str, length: int, bound: float, max_photos: int = MAX_PHOT
       ``Σ x²`` (per channel) or ``triu(Σ x xᵀ)`` → ``P·B²`` (‖Σ x xᵀ‖_F ≤ Σ‖x‖² and the upper
       triangle / the diagonal is part of it); ``n`` → ``P``;
     * ``checks`` (``c`` candidates, ``[Δm, Δm², ΔA, 1]`` each; margins clipped to ±4): ``Δm`` →
-      ``8√c``, ``Δm²`` → ``64√c``, ``ΔA`` → ``√c``, the count → ``√c``.
+      ``8√c``, ``Δm²`` → ``64√c``, ``ΔA`` → ``√c``, the count → ``√c``;
+    * ``tail`` (``P`` directions × :data:`~.tail.TAIL_BINS` counts, each photo one count per direction):
+      ``P_photos·√P`` (all of a device's photos in one bin of every direction).
 
     The noise of :mod:`.privacy` gives each segment a std proportional to its own ``Δ`` (a count
     is not drowned by noise sized for second moments)."""
@@ -117,7 +122,11 @@ def sensitivity(kind: str, length: int, bound: float, max_photos: int = MAX_PHOT
             raise InputError(f"a check statistic has 4 numbers per candidate, got {n}")
         c = math.sqrt(n // 4)
         return [(np.arange(j, n, 4), m * c) for j, m in enumerate((8.0, 64.0, 1.0, 1.0))]
-    raise InputError(f"unknown statistic kind {kind!r} (embedding, features, checks)")
+    if kind == "tail":          # each photo adds one count per direction: ‖·‖₂ ≤ P_photos·√directions
+        if n % TAIL_BINS or n < TAIL_BINS:
+            raise InputError(f"a tail statistic has {TAIL_BINS} counts per public direction, got {n}")
+        return [(np.arange(n), p * math.sqrt(n // TAIL_BINS))]
+    raise InputError(f"unknown statistic kind {kind!r} (embedding, features, checks, tail)")
 
 
 def clamp_count(n: float, floor: float = 1.0) -> float:

@@ -38,11 +38,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InputError
-from .contributions import MAX_PHOTOS
+from .contributions import MAX_PHOTOS, TAIL_BINS
 
-TAIL_BINS = 400
-"""Score bins of :func:`tail_histogram` over ``[-1, 1]`` (width 0.005: about 1/20 of an impostor
-score's SD for the face models measured)."""
 TAIL_EDGES = np.linspace(-1.0, 1.0, TAIL_BINS + 1)
 TAIL = "xi.tail"
 """Name of the statistic (the histograms under ξ's embedding)."""

@@ -42,8 +42,9 @@ TRANSPORTS = (SECURE, PLAIN)
 
 @dataclass(frozen=True)
 class StatSpec:
-    """One statistic of a round: ``kind`` ``embedding`` (2·D + 1), ``features`` (F + F(F+1)/2 + 1) or
-    ``checks`` (4 per candidate), its length and the per-photo L2 ``bound``."""
+    """One statistic of a round: ``kind`` ``embedding`` (2·D + 1), ``features`` (F + F(F+1)/2 + 1),
+    ``checks`` (4 per candidate) or ``tail`` (``P·``:data:`~.tail.TAIL_BINS` counts, :mod:`.tail`), its
+    length and the per-photo L2 ``bound``."""
 
     name: str
     kind: str
@@ -61,7 +62,9 @@ class StatSpec:
             return np.concatenate([np.full(f, p * b), np.full(self.length - f - 1, p * b * b), [p]])
         if self.kind == "checks":       # Δmargin ∈ ±8 (margins clipped to ±4), its square ≤ 64, ΔAUROC ∈ ±1, 1
             return np.tile([8.0, 64.0, 1.0, 1.0], self.length // 4)
-        raise InputError(f"unknown statistic kind {self.kind!r} (embedding, features, checks)")
+        if self.kind == "tail":         # counts of ≤ max_photos photos per bin (.tail.tail_histogram)
+            return np.full(self.length, p)
+        raise InputError(f"unknown statistic kind {self.kind!r} (embedding, features, checks, tail)")
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,10 @@ class StatsTask:
 
     def basis(self, spec: "StatSpec") -> str:
         """What ``spec`` is computed under: ξ (its sha256, from ``extra["xi_sha256"]``) for ξ's
-        moments, the global model version for check results. A device contributes one statistic
+        moments and tail histograms, the global model version for check results. A device contributes one statistic
         at most once per basis, and the server runs it at most once per basis: two sums over
         cohorts that differ by one device would reveal that device's vector."""
-        if spec.kind in ("embedding", "features") and self.extra.get("xi_sha256"):
+        if spec.kind in ("embedding", "features", "tail") and self.extra.get("xi_sha256"):
             return f"xi:{self.extra['xi_sha256']}"
         return f"model:{self.model_version}"
 
