@@ -164,3 +164,58 @@ def test_device_config_checks_far_stats_before_it_registers(tmp_path) -> None:
     with pytest.raises(InputError, match="give far"):
         DeviceConfig(far_stats=tmp_path / "s.json")
     assert DeviceConfig(far=1e-3, far_stats=tmp_path / "s.json").far_stats == tmp_path / "s.json"
+
+
+def test_the_check_round_asks_for_the_tail_only_where_it_can_be_read(tmp_path) -> None:
+    """``server_agg.stats_auto.tail_spec``: ``P·400`` counts for the shipped set's people with ≥ 2 photos,
+    and no tail without a public set, without ξ's published feature moments, under statistics DP, for a
+    backbone that does not split, or a second time for the same ξ."""
+    from types import SimpleNamespace
+
+    from fedfs_sdk.runtime.impostors import ImpostorSet, save_impostors
+    from fedfs_sdk.stats.tail import TAIL
+    from server_agg import stats_auto
+    from server_agg.impostor_store import IMPOSTORS_FILE, META_KEY
+
+    ids = np.concatenate([np.repeat(np.arange(5), 3), [5]])          # 5 people × 3 photos, one person × 1
+    save_impostors(tmp_path / IMPOSTORS_FILE, ImpostorSet(np.zeros((16, 8, 8, 3), np.uint8), ids.astype(np.int64),
+                                                          [f"p{i}" for i in range(6)]))
+    meta = {"xi_sha256": "ab" * 32, META_KEY: "cd" * 32}
+
+    class Db:
+        def get_meta(self, key):
+            return meta.get(key)
+
+    coord = SimpleNamespace(db=Db(), layout=SimpleNamespace(root=tmp_path),
+                            policy=SimpleNamespace(stats_dp_noise_multiplier=None))
+    desk = SimpleNamespace(outcomes=lambda: {"1": {"state": "published", "names": ["xi.embedding", "xi.features"]}})
+    shape = {"features": 512}
+    spec = stats_auto.tail_spec(coord, desk, shape)
+    assert (spec.name, spec.kind, spec.length) == (TAIL, "tail", 5 * TAIL_BINS)
+    assert stats_auto.tail_spec(coord, desk, {"features": None}) is None
+    assert stats_auto.tail_spec(coord, SimpleNamespace(outcomes=lambda: {}), shape) is None
+    coord.policy.stats_dp_noise_multiplier = 0.5
+    coord.policy.stats_dp_noise, coord.policy.stats_dp_delta = "central", None
+    assert stats_auto.tail_spec(coord, desk, shape) is None
+    coord.policy.stats_dp_noise_multiplier = None
+    meta[stats_auto.STATE] = json.dumps({f"tail:{meta['xi_sha256']}": {"checks_round": "checks:v3"}})
+    assert stats_auto.tail_spec(coord, desk, shape) is None
+    del meta[stats_auto.STATE], meta[META_KEY]
+    assert stats_auto.tail_spec(coord, desk, shape) is None
+
+
+def test_a_tail_statistic_packs_and_bounds_by_hand() -> None:
+    """Counts pack by ``max_photos`` (a device's count per bin is at most that); DP's sensitivity is one
+    device's worst case: every photo in one bin of each direction, ``P_photos·√P``."""
+    from fedfs_sdk.stats.contributions import sensitivity
+    from fedfs_sdk.stats.transport import StatSpec, StatsTask, pack
+
+    (idx, delta), = sensitivity("tail", 2 * TAIL_BINS, 1.0, 64)
+    assert delta == pytest.approx(64 * np.sqrt(2)) and idx.size == 2 * TAIL_BINS
+    with pytest.raises(InputError, match="400 counts per public direction"):
+        sensitivity("tail", 2 * TAIL_BINS + 1, 1.0, 64)
+    task = StatsTask(1, 1, (StatSpec("xi.tail", "tail", 2 * TAIL_BINS),), extra={"xi_sha256": "ab" * 32})
+    h = np.zeros(2 * TAIL_BINS)
+    h[[3, TAIL_BINS + 7]] = 64
+    assert np.array_equal(pack({"xi.tail": h}, task)[[3, TAIL_BINS + 7]], [1.0, 1.0])
+    assert task.keys() == [f"xi.tail@xi:{'ab' * 32}"]       # computed under ξ: one contribution per ξ
