@@ -93,12 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "method's own model unchecked (the papers' behaviour)")
     p.add_argument("--holdout", type=float, default=0.2, help="share of the owner's photos kept out of training for "
                    "that check (at least 2; default 0.2)")
-    p.add_argument("--far", type=float, default=None, help="enrollment false-accept target on the impostor set "
-                   "(e.g. 1e-3; needs a public impostor set — --impostors, or the server's — with ≥ ⌈1/far⌉−1 photos, "
-                   "or --far-stats)")
+    p.add_argument("--far", type=float, default=None, help="enrollment false-accept target (e.g. 1e-3): set on a "
+                   "public impostor set — --impostors, or the server's — with ≥ ⌈1/far⌉−1 photos, else in the "
+                   "federation's capture conditions from the statistics rounds' published tail (xi.tail) or --far-stats")
     p.add_argument("--far-stats", type=Path, default=None, metavar="FILE",
-                   help="with --far: a statistics round's published sum (xi.features, xi.tail); where the impostor "
-                        "set is too small for --far, τ is set in the federation's capture conditions (torch runtime)")
+                   help="with --far: a statistics round's published sum (xi.features, xi.tail) to use instead of the "
+                        "one the server's automatic rounds published")
     p.add_argument("--key-file", type=Path, help="32-byte device key: encrypts the enrollment and the FedUV "
                    "secrets (default: STATE/enrollment.key, created 0600)")
     p.add_argument("--audit-dir", type=Path, help="write a copy of every request body sent (to audit what "

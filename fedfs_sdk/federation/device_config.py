@@ -73,7 +73,8 @@ class DeviceConfig:
         far: the enrollment's false-accept target on the impostor set (None: FedUV's q only).
         far_stats: a statistics round's published sum (``xi.features``, ``xi.tail``): with ``far``,
             τ is set in the federation's capture conditions where the impostor set is too small for
-            ``far`` (:mod:`fedfs_sdk.stats.evidence`; the torch runtime).
+            ``far`` (:mod:`fedfs_sdk.stats.evidence`; both runtimes). None: the sums the server's
+            automatic rounds published (:mod:`.device_tail`), when they carry a tail.
         select: ``auto`` (default) — the do-no-harm check at every enrollment: ``holdout`` of the
             photos are never trained on, and the device verifies with the candidate the check picks
             on the public impostor set (``impostors``, else the one the server ships with its model);
