@@ -12,33 +12,22 @@ Tolerance: ORT and torch agree to float32 rounding (scores ≤ 1e-5), so draws' 
 thresholds within 1e-4 and ``z*`` within one histogram bin's worth (it is read from the same bins)."""
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from conftest_export import TINY, TMP, checkpoints, tiny_weights, top_export
-from conftest_server import write_images
+from conftest_export import TINY, TMP, checkpoints, tiny_weights
 from fedfs_sdk.nn.checkpoint import save_checkpoint
 from fedfs_sdk.nn.model import FaceNet
 from fedfs_sdk.training.top_keys import is_top_key
-from test_ort_in_domain import _trained_like
+from test_ort_in_domain import _agents, _trained_like
 
 METHOD, VERIFY = "fedfs+feduv", "both"
 
 
 def _model_and_agents(tmp_path, off_trunk: bool = False):
-    from fedfs_sdk.federation.agent import DeviceAgent
-    from fedfs_sdk.federation.device_config import DeviceConfig
-    from fedfs_sdk.federation.device_runtime import TorchRuntime
-    from fedfs_sdk.federation.device_state import DeviceState
-    from fedfs_sdk.federation.ort_runtime import OrtRuntime
-    from fedfs_sdk.federation.server_client import ServerClient
-    from fedfs_sdk.federation.wire import encode_weights
-
     g = FaceNet(TINY)
     g.load_state_dict(_trained_like(tiny_weights(), 1))
     model_file = TMP / "enroll-far-global.safetensors"
@@ -47,15 +36,7 @@ def _model_and_agents(tmp_path, off_trunk: bool = False):
     if off_trunk:        # θ_c whose trunk trained (scope=all): not on ξ's trunk
         key = next(k for k in personal if k.startswith("backbone.") and not is_top_key(k) and personal[k].is_floating_point())
         personal[key] = personal[key] + 0.01
-    out, _ = top_export()
-    images = [str(p) for p in write_images(tmp_path / "img", 10, seed=11)]
-    agents = {}
-    for name, runtime in (("torch", TorchRuntime("cpu")), ("ort", OrtRuntime(out))):
-        state = DeviceState(tmp_path / name)
-        state.save_weights_bytes("personal", encode_weights(personal))
-        cfg = DeviceConfig(xi_path=checkpoints()["xi"], enroll=True, artifacts=out if name == "ort" else None)
-        agents[name] = DeviceAgent(ServerClient("http://127.0.0.1:9"), state, images, cfg, runtime=runtime)
-    return model_file.read_bytes(), agents
+    return model_file.read_bytes(), _agents(tmp_path, personal)
 
 
 def _public(input_size: int):
@@ -100,22 +81,11 @@ def test_a_verifier_off_xis_trunk_runs_the_full_forward(tmp_path) -> None:
 
 def _stats_file(tmp_path, xi_file, pub) -> str:
     """A published sum of 12 devices' ``xi.features`` and ``xi.tail`` (ξ's trunk and top, torch)."""
-    from fedfs_sdk.runtime.preprocess import preprocess
-    from fedfs_sdk.stats import TAIL, feature_moments, sum_contributions, tail_histogram
-    from fedfs_sdk.stats.evidence import FEATURES, tail_directions, torch_top, torch_trunk, xi_verifier
-    from test_operating_point import _person
+    from fedfs_sdk.stats.evidence import xi_verifier
+    from test_stats_tail import write_tail_stats
 
-    xi = xi_verifier(xi_file)
-    trunk, top = torch_trunk(xi), torch_top(xi)
-    feats = [trunk(preprocess(_person(300 + d, 30), xi.input_size)) for d in range(12)]
-    total = sum_contributions({FEATURES: feature_moments(f)} for f in feats)
-    dirs = tail_directions(trunk(pub.batch(xi.input_size)), pub.identity, lambda f: top(f)["embedding"],
-                           total.sums[FEATURES])
-    stats = sum_contributions({FEATURES: feature_moments(f), TAIL: tail_histogram(top(f)["embedding"], dirs)}
-                              for f in feats)
-    path = tmp_path / "stats.json"
-    path.write_text(json.dumps({"task": {}, **stats.to_dict()}))
-    return str(path)
+    write_tail_stats(tmp_path / "stats.json", xi_verifier(xi_file), pub, photos=30)
+    return str(tmp_path / "stats.json")
 
 
 @pytest.mark.parametrize("candidate", ["xi", "personalized"])

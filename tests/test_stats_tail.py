@@ -88,6 +88,24 @@ def test_operating_point_picks_and_records_its_evidence() -> None:
         operating_point(warm, 0.9, 1e-3, None, 0.5, in_domain=(draws + 0.8, _Evidence()))
 
 
+def write_tail_stats(path, verifier, pub, photos: int, devices: int = 12):
+    """A published sum of ``devices`` devices' ``xi.features`` and ``xi.tail`` under ``verifier``'s trunk and
+    top (torch; ``photos`` generated photos each), written to ``path`` as a statistics file; returns it."""
+    from fedfs_sdk.runtime.preprocess import preprocess
+    from fedfs_sdk.stats.evidence import FEATURES, tail_directions, torch_top, torch_trunk
+    from tests.test_operating_point import _person
+
+    trunk, top = torch_trunk(verifier), torch_top(verifier)
+    size = int(verifier.input_size)
+    feats = [trunk(preprocess(_person(300 + d, photos), size)) for d in range(devices)]
+    total = sum_contributions({FEATURES: feature_moments(f)} for f in feats)
+    dirs = tail_directions(trunk(pub.batch(size)), pub.identity, lambda f: top(f)["embedding"], total.sums[FEATURES])
+    stats = sum_contributions({FEATURES: feature_moments(f), TAIL: tail_histogram(top(f)["embedding"], dirs)}
+                              for f in feats)
+    path.write_text(json.dumps({"task": {}, **stats.to_dict()}))
+    return stats
+
+
 def test_enroll_far_from_a_published_statistics_file(tmp_path, capsys) -> None:
     """Devices contribute ξ's feature moments and tail histograms; the summed file sets τ for a
     FAR 1e-2 that the 60-photo public set cannot (its refusal alone: the operating-point test above);
@@ -95,23 +113,15 @@ def test_enroll_far_from_a_published_statistics_file(tmp_path, capsys) -> None:
     from fedfs_sdk.nn.model import FaceNet, ModelConfig, VerifierNet
     from fedfs_sdk.runtime.enrollment import enroll, verify
     from fedfs_sdk.runtime.inference import TorchBackend
-    from fedfs_sdk.stats.evidence import (FEATURES, evidence_for_backend, tail_directions, torch_top, torch_trunk)
+    from fedfs_sdk.stats.evidence import evidence_for_backend, torch_top, torch_trunk
     from tests.test_operating_point import _impostor_set, _person
 
     torch.manual_seed(0)
     m = FaceNet(ModelConfig("tiny")).eval()
     backend = TorchBackend(VerifierNet(m.backbone), "model-far")
     pub = _impostor_set(backend.input_size, 20, 3)                # 60 photos: too few for 1e-2 on their own
-    trunk, top = torch_trunk(backend), torch_top(backend)
-    from fedfs_sdk.runtime.preprocess import preprocess
-    feats = [trunk(preprocess(_person(300 + d, 12), backend.input_size)) for d in range(12)]
-    total = sum_contributions({FEATURES: feature_moments(f)} for f in feats)
-    dirs = tail_directions(trunk(pub.batch(backend.input_size)), pub.identity, lambda f: top(f)["embedding"],
-                           total.sums[FEATURES])
-    stats = sum_contributions({FEATURES: feature_moments(f), TAIL: tail_histogram(top(f)["embedding"], dirs)}
-                              for f in feats)
+    stats = write_tail_stats(tmp_path / "stats.json", backend, pub, photos=12)
     assert stats.count == 12
-    (tmp_path / "stats.json").write_text(json.dumps({"task": {}, **stats.to_dict()}))
     ev = evidence_for_backend(tmp_path / "stats.json", backend, backend, pub)
     assert ev.record["contributors"] == 12 and ev.record["tail_directions"] == 20
     owner = _person(1, 12)
