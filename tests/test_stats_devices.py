@@ -111,7 +111,7 @@ def test_ten_devices_run_the_statistics_rounds_and_the_in_domain_rule(tmp_path):
             counts = own2[d][TAIL].reshape(20, TAIL_BINS).sum(1)
             assert np.all(counts == len(agents[d].holdout_split()[0])), (d, counts)
         # phones and torch devices bin their photos alike: the same ξ, trunk and top (ORT vs torch)
-        _tail_alike(agents[0], agents[1], srv.url, tmp_path)
+        _tail_alike(agents[0], agents[1], srv.url, tmp_path, pub_xi)
 
         for d, rep in enumerate(reports):
             sel = rep.enrollment.meta["selection"]
@@ -213,7 +213,7 @@ def _simulator_builds_the_same_xi_candidates(tmp_path, agent, report, pub_xi) ->
             assert np.isclose(getattr(ck, key), recorded[name][key], rtol=1e-4, atol=1e-5), (name, key)
 
 
-def _tail_alike(torch_agent, phone, url, tmp_path) -> None:
+def _tail_alike(torch_agent, phone, url, tmp_path, pub_xi) -> None:
     """A torch device's and a phone's ``xi.tail`` of the same photos agree (the bins of scores equal to
     float32 rounding: at most a count or two moves across a bin edge)."""
     from fedfs_sdk.federation.agent import DeviceAgent
@@ -224,5 +224,7 @@ def _tail_alike(torch_agent, phone, url, tmp_path) -> None:
 
     task = StatsTask.from_json(json.loads((tmp_path / "dev0" / "stats" / "stats-r000002.json").read_text())["task"])
     same_photos = DeviceAgent(ServerClient(url, phone.state.token), phone.state, torch_agent.images, phone.config, runtime=phone.runtime)
-    got = [tail_contribution(a, task, 20 * TAIL_BINS) for a in (torch_agent, same_photos)]
+    from fedfs_sdk.stats.in_domain import FEATURES
+
+    got = [tail_contribution(a, task, 20 * TAIL_BINS, np.asarray(pub_xi["sums"][FEATURES])) for a in (torch_agent, same_photos)]
     assert got[0].sum() == got[1].sum() > 0 and np.abs(got[0] - got[1]).sum() <= 4, np.abs(got[0] - got[1]).sum()

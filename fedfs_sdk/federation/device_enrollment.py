@@ -76,7 +76,7 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
         stats = self.config.far_stats
         if stats is None and self.config.stats and has_xi(self):
             from .device_runtime import xi_path
-            from .device_tail import published_far_stats
+            from .device_stats import published_far_stats
 
             stats = published_far_stats(self, sha256_hex(xi_path(self).read_bytes()))
         if stats is not None:
@@ -202,7 +202,6 @@ def public_impostors(self, info: dict):  # self: the DeviceAgent
     """The public impostor set of the do-no-harm check: ``--impostors``, else the one the server
     ships with its model (``impostors_sha256`` in the model info; downloaded once, hash-checked,
     kept in the state), else None."""
-    from ..fileio import atomic_write_bytes
     from ..runtime.impostors import load_impostors
 
     if self.config.impostors is not None:
@@ -210,11 +209,9 @@ def public_impostors(self, info: dict):  # self: the DeviceAgent
     sha = info.get("impostors_sha256")
     if not sha:
         return None
-    path = self.state.file("impostors.npz")
-    if not (path.is_file() and sha256_hex(path.read_bytes()) == sha):
-        atomic_write_bytes(path, self.client.download_impostors(sha))
-        path.chmod(0o600)
-    return load_impostors(path)
+    from .device_tail import impostors_of
+
+    return impostors_of(self, sha)
 
 
 def fetch_xi(self, info: dict) -> None:  # self: the DeviceAgent

@@ -94,7 +94,8 @@ def contribution(agent: Any, task) -> dict[str, np.ndarray]:
         if tail is not None:          # the federation's tail for enroll(far=…), under ξ (.device_tail)
             from .device_tail import tail_contribution
 
-            out[TAIL] = tail_contribution(agent, task, tail.length)
+            xi_pub, _ = xi_sums(agent, task.extra.get("xi_sha256"))
+            out[TAIL] = tail_contribution(agent, task, tail.length, np.asarray(xi_pub["sums"][FEATURES]))
         unknown = names - set(out)
         if unknown:
             raise StatsUnavailable(f"statistics {sorted(unknown)} are unknown to this device")
@@ -205,6 +206,24 @@ def xi_sums(agent: Any, xi_sha: str | None) -> tuple[dict, dict | None]:
                                "statistics round for this ξ, or fewer than the minimum of devices answered)")
     d = rounds[-1]
     return d, own_contribution(agent, int(d["round_id"]))
+
+
+def published_far_stats(agent: Any, xi_sha: str):
+    """The published sums ``enroll(far=…)`` reads — the newest ``xi.tail`` for this ξ (:mod:`.device_tail`)
+    and this ξ's ``xi.features`` its directions came from — as one
+    :class:`~fedfs_sdk.stats.contributions.StatSum`, or None when no round published a tail."""
+    from ..stats.contributions import StatSum
+
+    tails = [d for d in published(agent) if TAIL in d["sums"]
+             and (d["task"].get("extra") or {}).get("xi_sha256") == xi_sha]
+    if not tails:
+        return None
+    try:
+        xi_pub, _ = xi_sums(agent, xi_sha)
+    except StatsUnavailable:
+        return None
+    return StatSum({FEATURES: np.asarray(xi_pub["sums"][FEATURES], dtype=np.float64),
+                    TAIL: np.asarray(tails[-1]["sums"][TAIL], dtype=np.float64)}, int(tails[-1]["count"]))
 
 
 # ---- the rule at enrollment -----------------------------------------------------------------
@@ -349,4 +368,5 @@ def federation_verdict(agent: Any, version: int, names: tuple[str, ...]) -> tupl
 
 
 __all__ = ["StatsUnavailable", "participant", "take_part", "contribution", "xi_moments", "published", "xi_sums",
+           "published_far_stats",
            "stats_choice", "in_domain_check", "federation_verdict", "STATS_DIR"]

@@ -1,5 +1,5 @@
 """The federation's tail in the automatic statistics rounds (issue 29): a device's ``xi.tail``
-contribution and the published sum its ``enroll(far=…)`` reads.
+contribution (the published sum its ``enroll(far=…)`` reads: :func:`~.device_stats.published_far_stats`).
 
 ``enroll(far=…)`` in the federation's conditions (:mod:`fedfs_sdk.stats.evidence`) needs two published
 sums: ξ's trunk-feature moments (``xi.features``, the first automatic round) and the tail histograms
@@ -23,8 +23,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import InputError
-from ..stats.evidence import FEATURES, tail_directions
-from ..stats.tail import TAIL, tail_histogram
+from ..stats.evidence import tail_directions
+from ..stats.tail import tail_histogram
 
 Fn = Callable[[np.ndarray], np.ndarray]
 
@@ -89,51 +89,27 @@ def public_features(agent: Any, impostors: Any, size: int, trunk: Fn, xi_sha: st
     return np.concatenate([c.double().numpy() for c in chunks])
 
 
-def tail_contribution(agent: Any, task: Any, length: int) -> np.ndarray:
+def tail_contribution(agent: Any, task: Any, length: int, features_sum: np.ndarray) -> np.ndarray:
     """This device's ``xi.tail`` for ``task``: its training photos' ξ-embedding scores against the
-    public people's templates moved into the federation's conditions, binned (``length`` = directions ×
-    bins, checked). Refused (:class:`~.device_stats.StatsUnavailable`) when something it needs is missing."""
-    from .device_stats import StatsUnavailable, xi_sums
-
+    public people's templates moved into the federation's conditions (``features_sum``: the published
+    ``xi.features`` of this ξ), binned (``length`` = directions × bins, checked). :class:`InputError`
+    when something it needs is missing (the device then sits the round out)."""
     extra = task.extra or {}
     xi_sha, imp_sha = extra.get("xi_sha256"), extra.get("impostors_sha256")
     if not xi_sha or not imp_sha:
-        raise StatsUnavailable("the round asks for xi.tail but names no ξ or public impostor set "
-                               "(xi_sha256, impostors_sha256)")
-    xi_file = Path(agent.xi_file(xi_sha))
-    xi_pub, _ = xi_sums(agent, xi_sha)
+        raise InputError("the round asks for xi.tail but names no ξ or public impostor set (xi_sha256, impostors_sha256)")
     impostors = impostors_of(agent, imp_sha)
     if impostors.identity is None:
-        raise StatsUnavailable("the round's public impostor set names no people: it has no tail directions")
-    trunk, top, size = xi_graphs(agent, xi_file, xi_sha)
+        raise InputError("the round's public impostor set names no people: it has no tail directions")
+    trunk, top, size = xi_graphs(agent, Path(agent.xi_file(xi_sha)), xi_sha)
     dirs = tail_directions(public_features(agent, impostors, size, trunk, xi_sha), impostors.identity, top,
-                           np.asarray(xi_pub["sums"][FEATURES]))
+                           np.asarray(features_sum))
     own = agent.all_images_array(size)[agent.holdout_split()[0]]
     hist = tail_histogram(top(trunk(own)), dirs, task.max_photos)
     if hist.size != length:
-        raise StatsUnavailable(f"xi.tail: the round expects {length} numbers, this device's public set gives "
-                               f"{hist.size} ({dirs.shape[0]} directions)")
+        raise InputError(f"xi.tail: the round expects {length} numbers, this device's public set gives "
+                         f"{hist.size} ({dirs.shape[0]} directions)")
     return hist
 
 
-def published_far_stats(agent: Any, xi_sha: str):
-    """The published sums ``enroll(far=…)`` reads — the newest ``xi.tail`` for this ξ and the
-    ``xi.features`` of the round its directions came from — as one
-    :class:`~fedfs_sdk.stats.contributions.StatSum`, or None when no round published a tail."""
-    from ..stats.contributions import StatSum
-    from .device_stats import StatsUnavailable, published, xi_sums
-
-    tails = [d for d in published(agent) if TAIL in d["sums"]
-             and (d["task"].get("extra") or {}).get("xi_sha256") == xi_sha]
-    if not tails:
-        return None
-    try:
-        xi_pub, _ = xi_sums(agent, xi_sha)
-    except StatsUnavailable:
-        return None
-    tail = tails[-1]
-    return StatSum({FEATURES: np.asarray(xi_pub["sums"][FEATURES], dtype=np.float64),
-                    TAIL: np.asarray(tail["sums"][TAIL], dtype=np.float64)}, int(tail["count"]))
-
-
-__all__ = ["xi_graphs", "impostors_of", "public_features", "tail_contribution", "published_far_stats"]
+__all__ = ["xi_graphs", "impostors_of", "public_features", "tail_contribution"]
