@@ -107,7 +107,9 @@ def _refuse_far(far: float, impostor_scores: np.ndarray | None, why: str = "") -
         f"a false-accept target of {far:g} needs a public impostor set of ≥ {min_impostors(far)} photos or the "
         f"federation's published statistics (in-domain evidence); this enrollment has {have} and "
         f"{why or 'no statistics'}: pass --impostors FILE with a larger set (`fedfs impostors --images DIR`), "
-        f"--far-stats FILE (a statistics round's published sum with xi.features and xi.tail), or ask for a larger far")
+        f"--far-stats FILE (a statistics round's published sum with xi.features and xi.tail; a device reads its "
+        f"server's own where the server ships a public set — fedfs serve --impostors — and pins --secagg-ca), "
+        f"or ask for a larger far")
 
 
 def _federation_tau(in_domain: tuple[np.ndarray, Any], far: float) -> tuple[float, dict[str, Any]]:
