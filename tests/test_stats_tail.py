@@ -229,3 +229,28 @@ def test_a_tail_statistic_packs_and_bounds_by_hand() -> None:
     h[[3, TAIL_BINS + 7]] = 64
     assert np.array_equal(pack({"xi.tail": h}, task)[[3, TAIL_BINS + 7]], [1.0, 1.0])
     assert task.keys() == [f"xi.tail@xi:{'ab' * 32}"]       # computed under ξ: one contribution per ξ
+
+
+def test_a_device_that_cannot_bin_its_tail_still_gives_its_checks(monkeypatch) -> None:
+    """A device whose ``xi.tail`` fails (here: no published ξ round) contributes zeros for it — the pooled
+    tail's shape is unchanged — and its check results still count in the verdict; the event says why."""
+    from types import SimpleNamespace
+
+    from fedfs_sdk.federation import device_stats
+    from fedfs_sdk.stats.in_domain import CHECKS, check_contributions
+    from fedfs_sdk.stats.transport import StatSpec, StatsTask
+    from fedfs_sdk.training.selection import CandidateCheck
+
+    checks = [CandidateCheck(n, 1.0, m, 0.99, 0.5, 2, 100) for n, m in (("xi", 0.1), ("global", 0.4))]
+    events = []
+    agent = SimpleNamespace(_stats_checks=(3, checks), _emit=lambda n, f: events.append((n, f)))
+    task = StatsTask(7, 3, (StatSpec(CHECKS, "checks", 4), StatSpec("xi.tail", "tail", 2 * TAIL_BINS)),
+                     extra={"candidates": ["xi", "global"], "xi_sha256": "ab" * 32, "impostors_sha256": "cd" * 32})
+
+    def no_round(agent, sha):
+        raise device_stats.StatsUnavailable("no statistics of ξ's trunk features were published")
+    monkeypatch.setattr(device_stats, "xi_sums", no_round)
+    out = device_stats.contribution(agent, task)
+    assert np.array_equal(out[CHECKS], check_contributions(checks, ["xi", "global"]))
+    assert np.array_equal(out["xi.tail"], np.zeros(2 * TAIL_BINS))
+    assert events and events[0][0] == "stats_tail_unavailable" and "published" in events[0][1]["reason"]

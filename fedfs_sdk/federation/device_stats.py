@@ -94,8 +94,14 @@ def contribution(agent: Any, task) -> dict[str, np.ndarray]:
         if tail is not None:          # the federation's tail for enroll(far=…), under ξ (.device_tail)
             from .device_tail import tail_contribution
 
-            xi_pub, _ = xi_sums(agent, task.extra.get("xi_sha256"))
-            out[TAIL] = tail_contribution(agent, task, tail.length, np.asarray(xi_pub["sums"][FEATURES]))
+            try:
+                xi_pub, _ = xi_sums(agent, task.extra.get("xi_sha256"))
+                out[TAIL] = tail_contribution(agent, task, tail.length, np.asarray(xi_pub["sums"][FEATURES]))
+            except (InputError, StatsUnavailable) as e:
+                # zeros leave the pooled tail's shape alone (it is read per direction, normalized) and keep this
+                # device's check results in the federation's verdict, which a refusal of the round would drop
+                out[TAIL] = np.zeros(tail.length)
+                agent._emit("stats_tail_unavailable", {"reason": str(e)[:300]})
         unknown = names - set(out)
         if unknown:
             raise StatsUnavailable(f"statistics {sorted(unknown)} are unknown to this device")
