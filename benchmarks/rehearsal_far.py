@@ -41,13 +41,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from fedfs_sdk.nn.checkpoint import load_checkpoint, load_verifier
+    from fedfs_sdk.nn.checkpoint import load_verifier
     from fedfs_sdk.runtime.enrollment_store import load_enrollment
     from fedfs_sdk.runtime.impostors import load_impostors
     from fedfs_sdk.runtime.preprocess import preprocess
     from fedfs_sdk.stats.contributions import StatSum
-    from fedfs_sdk.stats.evidence import FEATURES, in_domain_evidence, tail_directions, torch_top
-    from fedfs_sdk.stats.tail import TAIL
+    from fedfs_sdk.stats.evidence import (FEATURES, drawn_features, in_domain_evidence, tail_directions, torch_top,
+                                         xi_verifier)
+    from fedfs_sdk.stats.tail import TAIL, calibrated_threshold
     from fedfs_sdk.training.scope import Trunk
     from rehearsal_eval import TRUNK_ATOL, onnx_verifier_net, trunk_deviation
 
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     stats = StatSum({FEATURES: np.asarray(xi_round["sums"][FEATURES]), TAIL: np.asarray(tail_round["sums"][TAIL])},
                     int(tail_round["count"]))
     devices = sorted(d for d in (run / "fleet").iterdir() if (d / "state" / "enrollment.fedfs").is_file())
-    xi = load_checkpoint(devices[0] / "state" / "xi.safetensors")[0].eval()
+    xi = xi_verifier(devices[0] / "state" / "xi.safetensors")        # ξ's backbone as a VerifierNet
     size = int(xi.backbone.input_size)
     trunk = Trunk(xi.backbone).eval()
 
@@ -76,9 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     feats_np = all_feats.numpy()
     pub = load_impostors(run / "server" / "impostors.npz")
     pub_feats = features(pub.batch(size)).double().numpy()
-    xi_top = torch_top(_verifier_of(xi))
+    xi_top = torch_top(xi)
     # the tail's directions: public things only, the same for every device (tail_directions)
     directions = tail_directions(pub_feats, pub.identity, lambda f: xi_top(f)["embedding"], stats.sums[FEATURES])
+    # the draws too: every device reads the same published sum (its own contribution not subtracted)
+    drawn_feats = drawn_features(stats.sums[FEATURES])
     rows: dict[float, list[tuple[float, float]]] = {f: [] for f in args.far}
     enrolled_far, skipped = [], []
     phone_cfg = None
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         top = torch_top(net)
         ev = in_domain_evidence(stats, top, lambda f: xi_top(f)["embedding"], pub_feats, pub.identity,
-                                directions=directions)
+                                directions=directions, features=drawn_feats)
         out = enr.template_output
         t = np.asarray(enr.template, dtype=np.float64)
         drawn = _unit(ev.draws[out]) @ t
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         enrolled_far.append(float((imp >= enr.threshold).mean()))
         for far in args.far:
             try:
-                tau = float(drawn.mean() + drawn.std() * ev.z(far))
+                tau = calibrated_threshold(drawn, ev.z(far))
             except Exception as e:  # noqa: BLE001 — a tail too small for the target: reported, as enroll refuses it
                 skipped.append((d.name, f"far {far:g}: {str(e)[:80]}"))
                 continue
@@ -131,12 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     if skipped:
         print("skipped: " + "; ".join(f"{n} ({why})" for n, why in skipped[:10]) + (" …" if len(skipped) > 10 else ""))
     return 0
-
-
-def _verifier_of(face_net):
-    from fedfs_sdk.nn.model import VerifierNet
-
-    return VerifierNet(face_net.backbone).eval()
 
 
 if __name__ == "__main__":

@@ -101,7 +101,7 @@ def test_far_evidence_on_the_onnx_runtime_is_the_torch_devices(tmp_path, candida
     evidence = {}
     for name, agent in agents.items():
         agent.config = replace(agent.config, far=1e-2, far_stats=Path(stats))
-        evidence[name] = far_evidence(agent, backends[name], agent.config.far_stats, pub)
+        evidence[name] = far_evidence(agent, backends[name], agent.config.far_stats, pub, _xi_sha())
     t, o = evidence["torch"], evidence["ort"]
     assert set(o.draws) == set(backends["ort"].outputs) and set(t.draws) == set(backends["torch"].outputs)
     # (ξ on the ONNX runtime runs in the global model's verifier graph: it keeps the head's uv output)

@@ -70,20 +70,22 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     backend = self.runtime.verifier(method, mbytes, self, version, model, candidate=chosen)
     mode, template_output = candidate_mode(method, score, model, chosen)
     codeword = device_codeword(self, info["config"].get("code_length")) if mode == "codeword" else None
+    from .device_runtime import xi_path
+
+    xi_sha = sha256_hex(xi_path(self).read_bytes()) if has_xi(self) else None    # ξ hashed once per enrollment
     in_domain = None
     if self.config.far is not None:
         # the federation's tail: --far-stats, else the automatic rounds' published xi.tail (.device_tail)
         stats = self.config.far_stats
-        if stats is None and self.config.stats and has_xi(self):
-            from .device_runtime import xi_path
+        if stats is None and self.config.stats and xi_sha is not None:
             from .device_stats import published_far_stats
 
-            stats = published_far_stats(self, sha256_hex(xi_path(self).read_bytes()))
+            stats = published_far_stats(self, xi_sha)
         if stats is not None:
             in_domain = far_evidence(self, backend, stats, impostors or (load_impostors(self.config.impostors)
-                                                                         if self.config.impostors else None))
+                                                                         if self.config.impostors else None), xi_sha)
     shared = shared_impostor_outputs(chosen, backend, impostors,
-                                     compute=trunk_impostor_outputs(self, backend, impostors))
+                                     compute=trunk_impostor_outputs(self, backend, impostors, xi_sha))
     enrollment = enroll(backend, self.images, q=self.config.q, codeword=codeword,
                         detect_face=self.config.detect_face, outliers=self.config.outliers,
                         template_output=template_output, far=self.config.far, impostors=impostors, in_domain=in_domain,
@@ -104,18 +106,17 @@ def enroll_device(self, after_round: int | None = None):  # self: the DeviceAgen
     return enrollment
 
 
-def far_evidence(self, backend, stats, impostors):  # self: the DeviceAgent
+def far_evidence(self, backend, stats, impostors, xi_sha: str | None):  # self: the DeviceAgent
     """The federation's evidence for ``enroll(far=…)`` from ``stats`` (``config.far_stats``, or the published
     sums of the automatic rounds; issue 29): the torch runtime's verifier, or the ONNX runtime's from its
-    export's trunk and top graphs."""
+    export's trunk and top graphs. ``xi_sha``: the sha256 of the device's ξ (None: it has none)."""
     from .device_runtime import TorchRuntime, xi_path
 
     if not isinstance(self.runtime, TorchRuntime):
-        if not has_xi(self):
+        if xi_sha is None:
             raise InputError("a FAR target from the federation's statistics needs ξ (the round's tail was measured "
                              "with it): give the device --xi FILE or join a server that serves ξ")
-        xi_file = xi_path(self)
-        return self.runtime.far_evidence(stats, backend, xi_file, sha256_hex(xi_file.read_bytes()), impostors)
+        return self.runtime.far_evidence(stats, backend, xi_path(self), xi_sha, impostors)
     from ..stats.evidence import evidence_for_backend, xi_verifier
 
     # ξ loaded directly: runtime.verifier would overwrite the state's verifier.safetensors with it
@@ -123,29 +124,28 @@ def far_evidence(self, backend, stats, impostors):  # self: the DeviceAgent
     return evidence_for_backend(stats, backend, xi, impostors)
 
 
-def trunk_impostor_outputs(self, backend, impostors):  # self: the DeviceAgent
+def trunk_impostor_outputs(self, backend, impostors, xi_sha: str | None):  # self: the DeviceAgent
     """A function computing ``backend``'s outputs on the public impostor set from ξ's trunk features
     of it — where the verifier runs on ξ's trunk (``scope="top"``); else None (the full forward runs,
     in ``enroll``). The torch runtime shares the features in the process (:mod:`.public_trunk`); the
-    ONNX runtime computes them once with its export's ``trunk.onnx`` (``OrtRuntime.impostor_outputs``)."""
+    ONNX runtime computes them once with its export's ``trunk.onnx`` (``OrtRuntime.impostor_outputs``).
+    ``xi_sha``: the sha256 of the device's ξ (None: it has none)."""
     from .device_runtime import TorchRuntime, xi_path
 
-    if impostors is None or not has_xi(self):
+    if impostors is None or xi_sha is None:
         return None
     if not isinstance(self.runtime, TorchRuntime):
         if not hasattr(self.runtime, "impostor_outputs"):
             return None
-        return self.runtime.impostor_outputs(backend, impostors, sha256_hex(xi_path(self).read_bytes()))
+        return self.runtime.impostor_outputs(backend, impostors, xi_sha)
     from ..runtime.impostor_outputs import impostor_batch
     from .device_features import has_xi_trunk
     from .device_models import device_xi
     from .public_trunk import PUBLIC_TRUNK, outputs_on_trunk
 
-    xi_file = xi_path(self)
-    xi_net = device_xi(self, xi_file)
+    xi_net = device_xi(self, xi_path(self))
     if not has_xi_trunk(backend.verifier, xi_net.backbone):
         return None
-    xi_sha = sha256_hex(xi_file.read_bytes())
     return lambda: outputs_on_trunk(backend, PUBLIC_TRUNK.features(
         xi_sha, xi_net, f"{impostors.digest()}@{backend.input_size}", lambda: impostor_batch(backend, impostors)))
 

@@ -203,9 +203,10 @@ def own_contribution(agent: Any, round_id: int) -> dict[str, np.ndarray] | None:
         return {k: z[k] for k in z.files}
 
 
-def xi_sums(agent: Any, xi_sha: str | None) -> tuple[dict, dict | None]:
-    """The newest published ξ round for this ξ and the device's own part of it (None: it was not in it)."""
-    rounds = [d for d in published(agent) if FEATURES in d["sums"]
+def xi_sums(agent: Any, xi_sha: str | None, rounds: list[dict] | None = None) -> tuple[dict, dict | None]:
+    """The newest published ξ round for this ξ and the device's own part of it (None: it was not in it);
+    ``rounds``: :func:`published`'s list when the caller has it already."""
+    rounds = [d for d in (published(agent) if rounds is None else rounds) if FEATURES in d["sums"]
               and (xi_sha is None or d["task"].get("extra", {}).get("xi_sha256") == xi_sha)]
     if not rounds:
         raise StatsUnavailable("no statistics of ξ's trunk features were published (the server opened no "
@@ -220,12 +221,12 @@ def published_far_stats(agent: Any, xi_sha: str):
     :class:`~fedfs_sdk.stats.contributions.StatSum`, or None when no round published a tail."""
     from ..stats.contributions import StatSum
 
-    tails = [d for d in published(agent) if TAIL in d["sums"]
-             and (d["task"].get("extra") or {}).get("xi_sha256") == xi_sha]
+    rounds = published(agent)
+    tails = [d for d in rounds if TAIL in d["sums"] and (d["task"].get("extra") or {}).get("xi_sha256") == xi_sha]
     if not tails:
         return None
     try:
-        xi_pub, _ = xi_sums(agent, xi_sha)
+        xi_pub, _ = xi_sums(agent, xi_sha, rounds)
     except StatsUnavailable:
         return None
     return StatSum({FEATURES: np.asarray(xi_pub["sums"][FEATURES], dtype=np.float64),

@@ -35,24 +35,22 @@ def xi_graphs(agent: Any, xi_file: Path, xi_sha: str) -> tuple[Fn, Fn, int]:
     from .device_runtime import TorchRuntime
 
     if isinstance(agent.runtime, TorchRuntime):
-        from ..stats.evidence import torch_top, torch_trunk, xi_verifier
+        from ..nn.model import VerifierNet
+        from ..stats.evidence import torch_top, torch_trunk
+        from .device_models import device_xi
 
-        xi = xi_verifier(xi_file)
+        xi = VerifierNet(device_xi(agent, xi_file).backbone).eval()     # the agent's kept ξ (read-only)
         top = torch_top(xi)
         return torch_trunk(xi), lambda f: top(f)["embedding"], int(xi.input_size)
     if not hasattr(agent.runtime, "trunk_features"):
         raise InputError(f"the {agent.runtime.name} runtime cannot run ξ's trunk and top")
-    from ..training.top_keys import is_top_key
-    from .ort_check import TopGraph, _no_trunk, xi_backbone, xi_trunk_artifact
+    from .ort_check import _no_trunk, xi_top, xi_trunk_artifact
 
     rt = agent.runtime
     art = xi_trunk_artifact(rt, xi_sha)
     if art is None:
         raise _no_trunk(rt.root, xi_sha)
-    top_graph = TopGraph(rt.root, {k: v for k, v in xi_backbone(xi_file, "xi", None).items() if is_top_key(k)},
-                         rt.intra_op_threads)
-    return (lambda x: rt.trunk_features(art, x)), (lambda f: np.asarray(top_graph(f), dtype=np.float64)), \
-        int(art.input_size)
+    return (lambda x: rt.trunk_features(art, x)), xi_top(rt, xi_file), int(art.input_size)
 
 
 def impostors_of(agent: Any, sha: str):

@@ -163,28 +163,25 @@ def verifier_top(runtime: Any, weights: Mapping[str, np.ndarray], outputs: tuple
     return outs
 
 
-def far_evidence(runtime: Any, stats: Any, backend: Any, weights: Mapping[str, np.ndarray], xi_file: Path,
-                 xi_sha: str, impostors: Any):
+def xi_top(runtime: Any, xi_file: Path):
+    """ξ's top as a function of trunk features → ξ's embeddings (float64): ``onnx/top.onnx`` with ξ's
+    ``backbone.embed*`` weights."""
+    graph = TopGraph(runtime.root, {k: v for k, v in xi_backbone(xi_file, "xi", None).items() if is_top_key(k)},
+                     runtime.intra_op_threads)
+    return lambda f: np.asarray(graph(f), dtype=np.float64)
+
+
+def far_evidence(runtime: Any, stats: Any, backend: Any, artifact: Any, top: Any, xi_file: Path, impostors: Any):
     """:func:`~fedfs_sdk.stats.evidence.evidence_for_backend` on the ONNX runtime: the enrolled verifier
-    (``backend``, holding ``weights``) as its top on ξ's trunk features, ξ's own top for the tail's
-    directions, the public set's features from the export's ``trunk.onnx`` — what ``enroll(far=…)``
+    (``backend``) as its ``top`` on ξ's trunk features (:func:`verifier_top`), ξ's own top for the tail's
+    directions, the public set's features from ``artifact``'s ``trunk.onnx`` — what ``enroll(far=…)``
     needs to set τ in the federation's conditions, torch-free."""
     from ..stats.evidence import in_domain_evidence, read_stat_sum, require_public_people
 
     stats = read_stat_sum(stats)
     require_public_people(impostors)
-    art = xi_trunk_artifact(runtime, xi_sha)
-    if art is None:
-        raise _no_trunk(runtime.root, xi_sha)
-    trunk_sha = str(art.trunk["sha256"])
-    top = verifier_top(runtime, weights, tuple(backend.outputs), trunk_sha)
-    if top is None:
-        raise InputError("the enrolled verifier's trunk is not ξ's: the federation's statistics describe ξ's trunk "
-                         "features (scope=top); enroll with a scope=top model of this ξ, or without --far-stats")
-    xi_top = TopGraph(runtime.root, {k: v for k, v in xi_backbone(xi_file, "xi", None).items() if is_top_key(k)},
-                      runtime.intra_op_threads)
-    public = runtime.trunk_features(art, impostors.batch(int(backend.input_size)))
-    ev = in_domain_evidence(stats, top, lambda f: np.asarray(xi_top(f), dtype=np.float64), public, impostors.identity)
+    public = runtime.trunk_features(artifact, impostors.batch(int(backend.input_size)))
+    ev = in_domain_evidence(stats, top, xi_top(runtime, xi_file), public, impostors.identity)
     ev.record.update(model_id=getattr(backend, "model_id", None), tail_model_id=None)
     return ev
 
@@ -205,4 +202,4 @@ def candidate_check(runtime: Any, agent: Any, name: str, backbones: list[Mapping
 
 
 __all__ = ["TOP_FILE", "backbone_arrays", "xi_backbone", "xi_trunk_artifact", "xi_statistics", "TopGraph", "candidate_embeddings",
-           "verifier_top", "far_evidence", "candidate_check"]
+           "verifier_top", "xi_top", "far_evidence", "candidate_check"]

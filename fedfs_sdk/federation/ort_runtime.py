@@ -263,14 +263,17 @@ class OrtRuntime:
 
     def far_evidence(self, stats: Any, backend: "InferenceBackend", xi_file: Path, xi_sha: str, impostors: Any):
         """The federation's evidence for ``enroll(far=…)`` (:func:`.ort_check.far_evidence`) for a verifier
-        :meth:`verifier` built."""
-        from .ort_check import far_evidence
+        :meth:`verifier` built on ξ's trunk."""
+        from .ort_check import _no_trunk, far_evidence, xi_trunk_artifact
 
-        weights = self._written.get(str(getattr(backend, "model_id", "")))
-        if weights is None:
-            raise InputError("a FAR target from the federation's statistics on the ONNX runtime needs a verifier this "
-                             "runtime built (OrtRuntime.verifier)")
-        return far_evidence(self, stats, backend, weights, xi_file, xi_sha, impostors)
+        if xi_trunk_artifact(self, xi_sha) is None:
+            raise _no_trunk(self.root, xi_sha)
+        found = self._top_of(backend, xi_sha)
+        if found is None:
+            raise InputError("the enrolled verifier's trunk is not ξ's (or this runtime did not build it): the "
+                             "federation's statistics describe ξ's trunk features (scope=top); enroll with a scope=top "
+                             "model of this ξ, or without --far-stats")
+        return far_evidence(self, stats, backend, *found, xi_file, impostors)
 
 
 __all__ = ["OrtRuntime"]

@@ -31,7 +31,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from ..errors import InputError
-from .contributions import StatSum, feature_moments, moments_of
+from .contributions import TAIL_BINS, StatSum, feature_moments, moments_of
 from .impostor_model import DRAWS, impostor_features, standard_draws
 from .tail import TAIL, draw_location_scale, public_directions, tail_z
 
@@ -93,6 +93,15 @@ class InDomainEvidence:
         return tail_z(self.tail_hist, self.tail_loc, self.tail_scale, far)
 
 
+def drawn_features(others_sum: np.ndarray, draws: int = DRAWS, seed: int = 0) -> np.ndarray:
+    """``[draws, F]`` impostor trunk features in the federation's conditions: the Gaussian of the other
+    devices' summed feature moments (the published ``xi.features``, less the device's own where it
+    contributed; :func:`~.impostor_model.impostor_features`) — what :func:`in_domain_evidence` scores every
+    verifier on; computed once where several verifiers are scored on the same draws."""
+    mu, cov, _ = moments_of(np.asarray(others_sum, dtype=np.float64))
+    return impostor_features(mu, cov, draws, seed, z=standard_draws(mu.size, draws, seed))
+
+
 def in_domain_evidence(stats: StatSum, verifier_top: TopFn, xi_embed: Callable[[np.ndarray], np.ndarray],
                        public_features: np.ndarray, public_ids: np.ndarray, own_features: np.ndarray | None = None,
                        mode: str = TAIL_MODE, draws: int = DRAWS, seed: int = 0, directions: np.ndarray | None = None,
@@ -112,25 +121,19 @@ def in_domain_evidence(stats: StatSum, verifier_top: TopFn, xi_embed: Callable[[
                              "federation's conditions needs a round that carried ξ's feature moments and tail histograms")
     total = np.asarray(stats.sums[FEATURES], dtype=np.float64)
     others = total if own_features is None else total - feature_moments(own_features)
-    mu, cov, n = moments_of(others)
-    f = impostor_features(mu, cov, draws, seed, z=standard_draws(mu.size, draws, seed)) if features is None else features
+    n = float(others[-1])                   # the other devices' photos (the moment vector's count)
+    f = drawn_features(others, draws, seed) if features is None else features
     draws = int(len(f))
     dirs = tail_directions(public_features, public_ids, xi_embed, total, mode) if directions is None else directions
     hist = np.asarray(stats.sums[TAIL], dtype=np.float64)
-    if hist.size % dirs.shape[0] or hist.size // dirs.shape[0] != _bins():
+    if hist.size % dirs.shape[0] or hist.size // dirs.shape[0] != TAIL_BINS:
         raise InputError(f"the tail histogram has {hist.size} numbers; {dirs.shape[0]} public directions need "
-                         f"{dirs.shape[0] * _bins()} — the round was computed on another public set")
+                         f"{dirs.shape[0] * TAIL_BINS} — the round was computed on another public set")
     loc, scale = draw_location_scale(xi_embed(f), dirs)
     out = {k: np.asarray(v, dtype=np.float64) for k, v in verifier_top(f).items()}
     rec = {"estimator": ESTIMATOR, "contributors": int(stats.count), "photos": float(n), "draws": int(draws),
            "tail_mode": mode, "tail_directions": int(dirs.shape[0]), "own_subtracted": own_features is not None}
     return InDomainEvidence(out, hist, loc, scale, rec)
-
-
-def _bins() -> int:
-    from .tail import TAIL_BINS
-
-    return TAIL_BINS
 
 
 def _torch_net(verifier: Any) -> Any:
@@ -237,5 +240,5 @@ def evidence_for_backend(stats: StatSum | str | Path, backend: Any, xi_backend: 
     return ev
 
 
-__all__ = ["InDomainEvidence", "evidence_for_backend", "read_stat_sum", "require_public_people", "xi_verifier", "in_domain_evidence", "tail_directions", "move_public", "torch_top", "torch_trunk",
+__all__ = ["InDomainEvidence", "evidence_for_backend", "drawn_features", "read_stat_sum", "require_public_people", "xi_verifier", "in_domain_evidence", "tail_directions", "move_public", "torch_top", "torch_trunk",
            "FEATURES", "TAIL_MODE", "ESTIMATOR"]
